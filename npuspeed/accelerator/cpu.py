@@ -1,0 +1,105 @@
+"""The CPU backend: gloo collectives, in-order streams, its own RNG and real memory counts.
+
+Memory statistics come from a tracking CPU allocator (csrc/cpu/memory_tracker.cpp) that
+counts live storage bytes, including storages resized in place; process RSS would hide
+frees that the C allocator keeps mapped and includes Python's own heap.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+
+from npuspeed.accelerator.base import Accelerator, NullEvent, NullStream
+from npuspeed.accelerator.device_rng import DeviceRNG
+
+
+class CpuAccelerator(Accelerator):
+    name = "cpu"
+    dist_backend = "gloo"
+
+    def __init__(self):
+        self._rng = DeviceRNG()
+        self._stream = NullStream(device=torch.device("cpu"))
+        self._memory = None
+
+    def device(self, index=None) -> torch.device:
+        return torch.device("cpu")
+
+    def current_device(self) -> int:
+        return 0
+
+    def set_device(self, index) -> None:
+        return None  # one host, one "device"
+
+    def device_count(self) -> int:
+        # torchrun's launchers ask how many devices to spread local ranks over.
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+
+    def is_available(self) -> bool:
+        return True
+
+    def synchronize(self, device=None) -> None:
+        return None  # CPU kernels finish before they return
+
+    def device_name(self) -> str:
+        import platform
+
+        return platform.processor() or platform.machine() or "cpu"
+
+    def Stream(self, *args, **kwargs):
+        return NullStream(*args, **kwargs)
+
+    def Event(self, *args, **kwargs):
+        return NullEvent(*args, **kwargs)
+
+    def current_stream(self, device=None):
+        return self._stream
+
+    def stream(self, stream):
+        return contextlib.nullcontext(stream)
+
+    # RNG: the device's own state, swapped in around device work.
+    def get_rng_state(self, device=None) -> torch.Tensor:
+        return self._rng.get_state()
+
+    def set_rng_state(self, state, device=None) -> None:
+        self._rng.set_state(state)
+
+    def manual_seed(self, seed: int) -> None:
+        self._rng.manual_seed(seed)
+
+    def device_rng_scope(self):
+        return self._rng.scope()
+
+    # Memory from the tracking allocator.
+    def _tracker(self):
+        if self._memory is None:
+            from npuspeed.ops import memory_tracker
+
+            self._memory = memory_tracker
+            memory_tracker.enable()
+        return self._memory
+
+    def enable_memory_tracking(self) -> bool:
+        return self._tracker().enabled()
+
+    def memory_allocated(self, device=None) -> int:
+        return self._tracker().allocated()
+
+    def max_memory_allocated(self, device=None) -> int:
+        return self._tracker().peak()
+
+    def reset_peak_memory_stats(self, device=None) -> None:
+        self._tracker().reset_peak()
+
+    def memory_tracking(self) -> str:
+        return self._tracker().describe()
+
+    def is_bf16_supported(self) -> bool:
+        return True
+
+    def has_fused_attention(self) -> bool:
+        # scaled_dot_product_attention has a flash kernel on CPU.
+        return True

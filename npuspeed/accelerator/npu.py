@@ -1,0 +1,41 @@
+"""The Ascend NPU backend, through torch_npu (imported here only, and only when chosen).
+
+`torch.npu` mirrors `torch.cuda`, so the CUDA face is reused over it; what differs is the
+collective library (HCCL) and the fused kernels torch_npu adds.
+"""
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+from npuspeed.accelerator.cuda import CudaAccelerator
+
+
+def import_torch_npu():
+    """Import torch_npu or raise ImportError; never called at module import."""
+    return importlib.import_module("torch_npu")
+
+
+class NpuAccelerator(CudaAccelerator):
+    name = "npu"
+    dist_backend = "hccl"
+
+    def __init__(self):
+        self.torch_npu = import_torch_npu()
+        super().__init__(module=torch.npu)
+
+    def is_bf16_supported(self) -> bool:
+        return True
+
+    def has_fused_attention(self) -> bool:
+        return hasattr(self.torch_npu, "npu_fusion_attention")
+
+    def has_mc2(self) -> bool:
+        return hasattr(self.torch_npu, "npu_all_gather_base_mm") and hasattr(
+            self.torch_npu, "npu_mm_reduce_scatter_base"
+        )
+
+    def transfer_to_npu(self) -> None:
+        """Let torch_npu map `torch.cuda` and `device='cuda'` onto the NPU."""
+        importlib.import_module("torch_npu.contrib.transfer_to_npu")

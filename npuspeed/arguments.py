@@ -1,0 +1,91 @@
+"""npuspeed's flags: one argparse group built from the features.
+
+They are read from the command line (Megatron's own flags pass through untouched) plus
+`NPUSPEED_ARGS`, for launchers that own the command line. Megatron-LM's parser learns the
+same group, so an unchanged Megatron-LM script accepts them; flags Megatron already
+defines (e.g. `--use-flash-attn`) are shared, not redefined.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+
+GROUP_TITLE = "npuspeed"
+
+
+def _features():
+    from npuspeed.features import all_features
+
+    return all_features()
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add npuspeed's group to `parser`, skipping flags it already has."""
+    group = parser.add_argument_group(GROUP_TITLE, "npuspeed acceleration features")
+    existing = set(parser._option_string_actions)
+    proxy = _SkipExisting(group, existing)
+    for feature in _features():
+        feature.add_arguments(proxy)
+    return parser
+
+
+class _SkipExisting:
+    """Forwards add_argument to an argparse group unless every option string exists already."""
+
+    def __init__(self, group, existing: set):
+        self._group, self._existing = group, existing
+
+    def add_argument(self, *names, **kwargs):
+        if names and all(n in self._existing for n in names):
+            return None
+        return self._group.add_argument(*names, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._group, name)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="npuspeed", add_help=False, allow_abbrev=False)
+    add_arguments(parser)
+    parser.add_argument("--npuspeed-help", action="store_true", help="List npuspeed's features and flags.")
+    return parser
+
+
+def argv_with_env(argv: list[str] | None = None) -> list[str]:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    return argv + shlex.split(os.environ.get("NPUSPEED_ARGS", ""))
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse npuspeed's flags, leaving everything else to the training script."""
+    args, _unknown = build_parser().parse_known_args(argv_with_env(argv))
+    return args
+
+
+def features_help() -> str:
+    lines = ["npuspeed features and their flags:"]
+    for feature in _features():
+        flags = ", ".join(feature.flags) or "(no flags)"
+        state = "always on" if feature.always_on else "opt-in"
+        lines.append(f"  {feature.name:<28} {state:<9} {flags}")
+    lines.append("")
+    lines.append(build_parser().format_help())
+    return "\n".join(lines)
+
+
+def megatron_lm_parse_args_wrapper(parse_args_fn):
+    """Wrapper for `megatron.training.arguments.parse_args`: teach Megatron-LM our flags."""
+    import functools
+
+    @functools.wraps(parse_args_fn)
+    def parse_args(extra_args_provider=None, *args, **kwargs):
+        def provider(parser):
+            if extra_args_provider is not None:
+                parser = extra_args_provider(parser)
+            return add_arguments(parser)
+
+        return parse_args_fn(provider, *args, **kwargs)
+
+    return parse_args

@@ -1,0 +1,12 @@
+"""The features, in apply order. The device layer comes first: the others build on it."""
+from __future__ import annotations
+
+from npuspeed.features.base import Feature, FeatureError
+from npuspeed.features.device import DeviceFeature
+
+
+def all_features() -> list[Feature]:
+    return [DeviceFeature()]
+
+
+__all__ = ["Feature", "FeatureError", "all_features"]

@@ -1,0 +1,63 @@
+"""The device feature (always on): megatron.core trains on whatever accelerator was chosen.
+
+CPU: the narrow `torch.cuda` shim, the RNG tracker on the device's own state, targeted
+patches of the Megatron functions that assume CUDA, gloo for NCCL, a tracking allocator
+for memory statistics. NPU: torch_npu's `transfer_to_npu`, HCCL for NCCL, plus the
+points it misses. CUDA: only the backend-independent fixes.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+
+from npuspeed.features.base import Feature
+from npuspeed.features.device import cuda_shim, dist_backend, megatron_fixes, rng
+from npuspeed.features.device.apex_guard import guard_apex
+
+log = logging.getLogger("npuspeed")
+
+
+class DeviceFeature(Feature):
+    name = "device"
+    flags = ("--npuspeed-device",)
+    always_on = True
+
+    def add_arguments(self, group) -> None:
+        group.add_argument(
+            "--npuspeed-device", choices=["auto", "npu", "cuda", "cpu"], default="auto",
+            help="Accelerator to run on (overrides NPUSPEED_DEVICE; default: detect).",
+        )
+
+    def prepare(self, args: argparse.Namespace, accelerator) -> None:
+        """Side effects that must precede patching: the apex guard, NPU's own remapping,
+        CPU memory tracking (only storages allocated after this are counted)."""
+        self.apex_warning = guard_apex()
+        if accelerator.name == "npu":
+            accelerator.transfer_to_npu()
+        if accelerator.name == "cpu":
+            accelerator.enable_memory_tracking()
+
+    def register_patches(self, registry, args, accelerator) -> None:
+        # Backend-independent: WrappedTorchNorm's SP refusal, MoE split sizes off-CUDA.
+        registry.register(
+            "megatron.core.transformer.torch_norm.WrappedTorchNorm.__new__",
+            wrapper=megatron_fixes.norm_with_sequence_parallel, feature=self.name,
+        )
+        if accelerator.name == "cuda":
+            return
+        registry.register(
+            "megatron.core.transformer.moe.moe_utils.maybe_move_tensor_to_cpu",
+            megatron_fixes.maybe_move_tensor_to_cpu, feature=self.name,
+        )
+        dist_backend.register(registry, self.name)
+        if accelerator.name == "cpu":
+            cuda_shim.register(registry, accelerator, self.name)
+            rng.register(registry, self.name)
+            megatron_fixes.register(registry, accelerator, self.name)
+
+    def path(self, args, accelerator) -> str:
+        return {
+            "cpu": "cpu: torch.cuda shim + targeted Megatron patches, gloo, device RNG, tracking allocator",
+            "npu": "npu: torch_npu transfer_to_npu + targeted patches, hccl",
+            "cuda": "cuda: native, backend-independent fixes only",
+        }[accelerator.name]

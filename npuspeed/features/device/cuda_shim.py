@@ -1,0 +1,61 @@
+"""The narrow `torch.cuda` shim for the CPU backend.
+
+Megatron (and launch scripts written for GPUs) call a known set of `torch.cuda` names:
+`current_device()` as a device argument, `set_device`, RNG state, streams, memory
+statistics, `synchronize`. On a CPU build these raise or, worse, silently queue work
+(`manual_seed` goes through `_lazy_call`). Each name below is answered by the accelerator.
+Every shim is its own function object: aliasing a `torch.cpu` function breaks dynamo,
+which registers one handler per function object. On CUDA nothing here is installed; on
+NPU torch_npu's transfer_to_npu does the same job.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from npuspeed.accelerator.base import Accelerator
+
+# name -> builder(accelerator) returning the shim. Only names Megatron or launchers use.
+_SHIMS: dict[str, Callable[[Accelerator], Callable]] = {
+    # current_device() feeds `device=` arguments, so it answers with a torch.device.
+    "current_device": lambda a: (lambda: a.device()),
+    "set_device": lambda a: (lambda device: a.set_device(device)),
+    "device_count": lambda a: (lambda: a.device_count()),
+    "is_available": lambda a: (lambda: a.is_available()),
+    "is_initialized": lambda a: (lambda: True),
+    "synchronize": lambda a: (lambda device=None: a.synchronize(device)),
+    "get_rng_state": lambda a: (lambda device="cuda": a.get_rng_state()),
+    "set_rng_state": lambda a: (lambda new_state, device="cuda": a.set_rng_state(new_state)),
+    "manual_seed": lambda a: (lambda seed: a.manual_seed(seed)),
+    "manual_seed_all": lambda a: (lambda seed: a.manual_seed_all(seed)),
+    "memory_allocated": lambda a: (lambda device=None: a.memory_allocated(device)),
+    "max_memory_allocated": lambda a: (lambda device=None: a.max_memory_allocated(device)),
+    "memory_reserved": lambda a: (lambda device=None: a.memory_reserved(device)),
+    "max_memory_reserved": lambda a: (lambda device=None: a.max_memory_reserved(device)),
+    "reset_peak_memory_stats": lambda a: (lambda device=None: a.reset_peak_memory_stats(device)),
+    "reset_max_memory_allocated": lambda a: (lambda device=None: a.reset_peak_memory_stats(device)),
+    "memory_stats": lambda a: (lambda device=None: a.memory_stats(device)),
+    "empty_cache": lambda a: (lambda: a.empty_cache()),
+    "get_device_name": lambda a: (lambda device=None: a.device_name()),
+    # Classes, so isinstance checks keep working.
+    "Stream": lambda a: type("Stream", (type(a.Stream()),), {}),
+    "Event": lambda a: type("Event", (type(a.Event()),), {}),
+    "current_stream": lambda a: (lambda device=None: a.current_stream(device)),
+    "default_stream": lambda a: (lambda device=None: a.default_stream(device)),
+    "stream": lambda a: (lambda stream: a.stream(stream)),
+    "nvtx.range_push": lambda a: (lambda msg: 0),
+    "nvtx.range_pop": lambda a: (lambda: 0),
+}
+
+
+def shim_names() -> list[str]:
+    return list(_SHIMS)
+
+
+def register(registry, accelerator: Accelerator, feature: str) -> None:
+    for name, build in _SHIMS.items():
+        shim = build(accelerator)
+        if not isinstance(shim, type):
+            shim.__name__ = name.rsplit(".", 1)[-1]
+            shim.__qualname__ = f"npuspeed_cuda_shim.{name}"
+        shim.__doc__ = f"torch.cuda.{name} answered by the {accelerator.name} accelerator"
+        registry.register(f"torch.cuda.{name}", shim, feature=feature, megatron=None)

@@ -1,0 +1,105 @@
+"""Finding or building the `npuspeed::` C++ op library.
+
+Order: the library built by `pip install` (npuspeed/_C*.so), else a JIT build of csrc/
+into a cache directory, else nothing, and every caller runs its pure-PyTorch reference.
+What happened is kept in `status()` for `npuspeed report`, and the fallback is logged once.
+`NPUSPEED_DISABLE_CPP=1` stands in for a machine without a compiler.
+
+torch's JIT builder guards its build folder with a lock file that a killed build leaves
+behind, after which every later build waits forever. We serialise builds with our own
+`fcntl` lock, so any torch lock file found while we hold ours is stale and is removed.
+"""
+from __future__ import annotations
+
+import glob
+import hashlib
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("npuspeed")
+
+_PACKAGE_DIR = Path(__file__).resolve().parent.parent
+_CSRC = _PACKAGE_DIR.parent / "csrc"
+_STATUS: dict | None = None
+
+
+def cpp_disabled() -> bool:
+    return os.environ.get("NPUSPEED_DISABLE_CPP", "0") not in ("", "0", "false", "False")
+
+
+def source_files() -> list[str]:
+    return sorted(glob.glob(str(_CSRC / "cpu" / "*.cpp")))
+
+
+def _prebuilt() -> str | None:
+    hits = sorted(glob.glob(str(_PACKAGE_DIR / "_C*.so")))
+    return hits[0] if hits else None
+
+
+def _cache_dir(sources: list[str]) -> Path:
+    digest = hashlib.sha256(torch.__version__.encode())
+    for src in sources:
+        digest.update(Path(src).read_bytes())
+    root = Path(os.environ.get("NPUSPEED_CACHE", Path.home() / ".cache" / "npuspeed"))
+    return root / f"build-{digest.hexdigest()[:16]}"
+
+
+def _jit_build(sources: list[str]) -> str:
+    import fcntl
+
+    from torch.utils.cpp_extension import load
+
+    build_dir = _cache_dir(sources)
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with open(build_dir / "npuspeed.lock", "w") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)
+        stale = build_dir / "lock"
+        if stale.exists():
+            log.warning("npuspeed: removing stale build lock %s", stale)
+            stale.unlink()
+        load(
+            name="npuspeed_C",
+            sources=sources,
+            build_directory=str(build_dir),
+            extra_cflags=["-O3"],
+            is_python_module=False,
+            verbose=False,
+        )
+    return str(build_dir / "npuspeed_C.so")
+
+
+def load_library() -> dict:
+    """Load the op library once; return its status (never raises)."""
+    global _STATUS
+    if _STATUS is not None:
+        return _STATUS
+    status = {"compiled": False, "source": None, "path": None, "error": None}
+    if cpp_disabled():
+        status.update(source="disabled", error="NPUSPEED_DISABLE_CPP is set")
+    else:
+        path = _prebuilt()
+        status["source"] = "prebuilt" if path else "jit"
+        try:
+            if path is None:
+                if not source_files():
+                    raise RuntimeError(f"no C++ sources under {_CSRC} and no prebuilt library")
+                path = _jit_build(source_files())
+            else:
+                torch.ops.load_library(path)
+            status.update(compiled=True, path=path)
+        except Exception as exc:  # a missing compiler must not stop training
+            status.update(source="failed", error=f"{type(exc).__name__}: {exc}".strip()[:2000])
+    if not status["compiled"]:
+        log.warning(
+            "npuspeed: C++ op library unavailable (%s); using pure-PyTorch references",
+            status["error"],
+        )
+    _STATUS = status
+    return status
+
+
+def has_op(name: str) -> bool:
+    return load_library()["compiled"] and hasattr(torch.ops.npuspeed, name)

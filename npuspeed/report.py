@@ -1,0 +1,69 @@
+"""`npuspeed report`: what will run here, before anything is launched.
+
+The JSON form is a contract read by scripts: keys are only ever added.
+"""
+from __future__ import annotations
+
+import platform
+
+import torch
+
+
+def _ops() -> list[dict]:
+    from npuspeed.ops import catalog
+
+    return catalog()
+
+
+def collect() -> dict:
+    from npuspeed import __version__, runtime
+    from npuspeed.patching import registry
+    from npuspeed.patching.versions import megatron_version
+
+    state = runtime.state() or runtime.initialize([])
+    acc = state.accelerator
+    return {
+        "npuspeed_version": __version__,
+        "device": acc.name,
+        "dist_backend": acc.dist_backend,
+        "torch_version": torch.__version__,
+        "megatron_core_version": str(megatron_version()),
+        "python_version": platform.python_version(),
+        "accelerator": acc.describe(),
+        "features": [
+            {"name": f.name, "enabled": on, "path": f.path(state.args, acc) if on else "off",
+             "flags": list(f.flags)}
+            for f, on in state.features
+        ],
+        "patches": registry.report(),
+        "ops": _ops(),
+        "notes": list(state.notes),
+        "late_import": state.late_import,
+    }
+
+
+def _table(rows: list[list[str]], headers: list[str]) -> str:
+    widths = [max(len(str(r[i])) for r in rows + [headers]) for i in range(len(headers))]
+    line = lambda r: "  ".join(str(c).ljust(w) for c, w in zip(r, widths))  # noqa: E731
+    return "\n".join([line(headers), line(["-" * w for w in widths])] + [line(r) for r in rows])
+
+
+def render(data: dict) -> str:
+    out = [
+        f"npuspeed {data['npuspeed_version']}  torch {data['torch_version']}  "
+        f"megatron-core {data['megatron_core_version']}  python {data['python_version']}",
+        f"device: {data['device']} ({data['accelerator']['device_name']})  "
+        f"dist backend: {data['dist_backend']}  memory: {data['accelerator']['memory_tracking']}",
+        "",
+        _table([[f["name"], "on" if f["enabled"] else "off", f["path"]] for f in data["features"]],
+               ["feature", "state", "path in use"]),
+        "",
+        _table([[o["name"], "yes" if o["compiled"] else "no", o["implementation"]] for o in data["ops"]],
+               ["op", "compiled", "implementation"]),
+        "",
+        _table([[p["target"], p["feature"], p["kind"], p["status"] + (f" ({p['reason']})" if p["reason"] else "")]
+                for p in data["patches"]], ["patch target", "feature", "kind", "status"]),
+    ]
+    if data["notes"]:
+        out += ["", "notes:"] + [f"  - {n}" for n in data["notes"]]
+    return "\n".join(out)
