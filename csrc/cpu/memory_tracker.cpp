@@ -17,11 +17,18 @@ std::atomic<int64_t> g_current{0};
 std::atomic<int64_t> g_peak{0};
 std::atomic<int64_t> g_num_allocs{0};
 
-struct TrackedContext {
+// Each block is served with a 64-byte header in front of the caller's bytes, holding the
+// size and the wrapped allocator's context and deleter. The pointer handed out is both the
+// data and the context (torch's raw_allocate / raw_deallocate and copy-on-write require
+// that), and freeing needs no lookup table or lock. 64 bytes keep the default alignment.
+constexpr size_t kHeader = 64;
+
+struct Header {
   void* inner_context;
   c10::DeleterFnPtr inner_deleter;
   int64_t nbytes;
 };
+static_assert(sizeof(Header) <= kHeader, "header must fit in its slot");
 
 void raise_peak(int64_t now) {
   int64_t peak = g_peak.load();
@@ -30,12 +37,15 @@ void raise_peak(int64_t now) {
 }
 
 void tracked_delete(void* ptr) {
-  auto* ctx = static_cast<TrackedContext*>(ptr);
-  g_current.fetch_sub(ctx->nbytes);
-  if (ctx->inner_deleter != nullptr) {
-    ctx->inner_deleter(ctx->inner_context);
+  if (ptr == nullptr) {
+    return;
   }
-  delete ctx;
+  auto* header = reinterpret_cast<Header*>(static_cast<char*>(ptr) - kHeader);
+  Header copy = *header;
+  g_current.fetch_sub(copy.nbytes);
+  if (copy.inner_deleter != nullptr) {
+    copy.inner_deleter(copy.inner_context);
+  }
 }
 
 class TrackingAllocator final : public c10::Allocator {
@@ -43,19 +53,24 @@ class TrackingAllocator final : public c10::Allocator {
   explicit TrackingAllocator(c10::Allocator* inner) : inner_(inner) {}
 
   c10::DataPtr allocate(size_t nbytes) override {
-    c10::DataPtr inner = inner_->allocate(nbytes);
-    if (nbytes == 0 || inner.get() == nullptr) {
-      return inner;
+    if (nbytes == 0) {
+      return inner_->allocate(0);
     }
-    auto* ctx = new TrackedContext{nullptr, inner.get_deleter(), static_cast<int64_t>(nbytes)};
-    void* data = inner.get();
+    c10::DataPtr inner = inner_->allocate(nbytes + kHeader);
+    char* base = static_cast<char*>(inner.get());
     c10::Device device = inner.device();
-    ctx->inner_context = inner.release_context();
-    int64_t now = g_current.fetch_add(ctx->nbytes) + ctx->nbytes;
+    auto* header = reinterpret_cast<Header*>(base);
+    header->inner_deleter = inner.get_deleter();
+    header->nbytes = static_cast<int64_t>(nbytes);
+    header->inner_context = inner.release_context();
+    int64_t now = g_current.fetch_add(header->nbytes) + header->nbytes;
     g_num_allocs.fetch_add(1);
     raise_peak(now);
-    return c10::DataPtr(data, ctx, &tracked_delete, device);
+    void* data = base + kHeader;
+    return c10::DataPtr(data, data, &tracked_delete, device);
   }
+
+  c10::DeleterFnPtr raw_deleter() const override { return &tracked_delete; }
 
   void copy_data(void* dest, const void* src, std::size_t count) const override {
     std::memcpy(dest, src, count);

@@ -160,6 +160,15 @@ class PatchRegistry:
         for target in reversed(list(self._installed)):
             self._uninstall(target)
 
+    def remove(self, feature: str) -> None:
+        """Undo and forget one feature's patches; other features' patches stay installed."""
+        targets = {p.target for p in self._patches if p.feature == feature}
+        for target in targets:
+            if target in self._installed:
+                self._uninstall(target)
+        self._patches = [p for p in self._patches if p.feature != feature]
+        self.apply()
+
     def clear(self) -> None:
         """Revert and forget all registrations (tests)."""
         self.revert()

@@ -1,0 +1,177 @@
+"""The GPT model on megatron.core's local modules, and a layout-independent initialisation.
+
+`--use-cpu-initialization` here means more than Megatron's: every weight is drawn from a
+generator seeded by the seed and the weight's *global* name (global layer number, global
+expert number), in the TP=1 layout, and then this rank's shard is cut out. So TP, PP,
+VPP, EP and DP layouts of the same seed start from identical weights, which is what the
+parity tests compare (Megatron's own CPU initialisation differs across PP stages and
+shards SwiGLU's fused fc1 differently from its TP=1 layout).
+"""
+from __future__ import annotations
+
+import inspect
+import re
+import zlib
+
+import torch
+from megatron.core import parallel_state as mpu
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer import TransformerConfig
+
+
+def padded_vocab_size(vocab: int, args) -> int:
+    multiple = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
+    return ((vocab + multiple - 1) // multiple) * multiple
+
+
+def _supported(fn, kwargs: dict) -> dict:
+    """Keep only the keyword arguments `fn` accepts (megatron-core 0.12-0.16 differ)."""
+    params = inspect.signature(fn).parameters
+    return {k: v for k, v in kwargs.items() if k in params}
+
+
+def transformer_config(args) -> TransformerConfig:
+    import torch.nn.functional as F
+
+    dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+    kwargs = dict(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        ffn_hidden_size=args.ffn_hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups if args.group_query_attention else None,
+        kv_channels=args.kv_channels,
+        hidden_dropout=args.hidden_dropout,
+        attention_dropout=args.attention_dropout,
+        init_method_std=args.init_method_std,
+        normalization=args.normalization,
+        layernorm_epsilon=args.norm_epsilon,
+        gated_linear_unit=args.swiglu,
+        activation_func=F.silu if args.swiglu else F.gelu,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        add_bias_linear=not args.disable_bias_linear,
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=_vpp_size(args),
+        sequence_parallel=args.sequence_parallel,
+        expert_model_parallel_size=args.expert_model_parallel_size,
+        num_moe_experts=args.num_experts,
+        moe_router_topk=args.moe_router_topk,
+        moe_ffn_hidden_size=args.moe_ffn_hidden_size or (args.ffn_hidden_size if args.num_experts else None),
+        moe_aux_loss_coeff=args.moe_aux_loss_coeff,
+        moe_token_dispatcher_type=args.moe_token_dispatcher_type,
+        recompute_granularity=args.recompute_granularity,
+        recompute_method=args.recompute_method,
+        recompute_num_layers=args.recompute_num_layers,
+        use_cpu_initialization=True,
+        perform_initialization=True,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=args.bf16,
+        fp16=args.fp16,
+        deallocate_pipeline_outputs=True,
+    )
+    return TransformerConfig(**_supported(TransformerConfig, kwargs))
+
+
+def _vpp_size(args):
+    if args.num_layers_per_virtual_pipeline_stage is None:
+        return None
+    per_stage = args.num_layers // args.pipeline_model_parallel_size
+    return per_stage // args.num_layers_per_virtual_pipeline_stage
+
+
+def build_model(args, config: TransformerConfig, vocab_size: int) -> list[torch.nn.Module]:
+    """One GPTModel per virtual pipeline stage (a list of one without VPP)."""
+    spec_kwargs = dict(num_experts=args.num_experts, moe_grouped_gemm=False, qk_layernorm=False,
+                       normalization=args.normalization)
+    spec = get_gpt_layer_local_spec(**_supported(get_gpt_layer_local_spec, spec_kwargs))
+    vpp = _vpp_size(args)
+    chunks = []
+    for stage in range(vpp or 1):
+        if vpp:
+            mpu.set_virtual_pipeline_model_parallel_rank(stage)
+        pre = mpu.is_pipeline_first_stage(**_supported(mpu.is_pipeline_first_stage, dict(
+            ignore_virtual=False, vp_stage=stage if vpp else None)))
+        post = mpu.is_pipeline_last_stage(**_supported(mpu.is_pipeline_last_stage, dict(
+            ignore_virtual=False, vp_stage=stage if vpp else None)))
+        kwargs = dict(
+            config=config, transformer_layer_spec=spec, vocab_size=vocab_size,
+            max_sequence_length=args.max_position_embeddings, pre_process=pre, post_process=post,
+            parallel_output=True,
+            share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+            position_embedding_type=args.position_embedding_type,
+            rotary_percent=args.rotary_percent, rotary_base=args.rotary_base,
+            vp_stage=stage if vpp else None,
+        )
+        chunks.append(GPTModel(**_supported(GPTModel.__init__, kwargs)))
+    if vpp:
+        mpu.set_virtual_pipeline_model_parallel_rank(0)
+    return chunks
+
+
+# -- layout-independent initialisation ---------------------------------------------------------
+_LAYER = re.compile(r"^(.*?decoder\.layers\.)(\d+)(\..*)$")
+_EXPERT = re.compile(r"^(.*\.local_experts\.)(\d+)(\..*)$")
+_OUTPUT_LAYERS = ("linear_proj.weight", "linear_fc2.weight")
+
+
+def _global_name(name: str, chunk, num_local_experts: int, ep_rank: int) -> str:
+    match = _LAYER.match(name)
+    if match:
+        layer = chunk.decoder.layers[int(match.group(2))]
+        name = f"{match.group(1)}{layer.layer_number - 1}{match.group(3)}"
+    match = _EXPERT.match(name)
+    if match:
+        name = f"{match.group(1)}{ep_rank * num_local_experts + int(match.group(2))}{match.group(3)}"
+    if name == "output_layer.weight" and chunk.share_embeddings_and_output_weights:
+        name = "embedding.word_embeddings.weight"  # the last stage's copy of the tied weight
+    return name
+
+
+def _shard(full: torch.Tensor, param, name: str, swiglu: bool, tp_rank: int, tp_size: int):
+    if not getattr(param, "tensor_model_parallel", False) or tp_size == 1 or full.shape == param.shape:
+        return full
+    dim = param.partition_dim
+    if swiglu and ".linear_fc1." in name and dim == 0:
+        # Each rank's fc1 holds [gate_r; up_r], not a contiguous slice of [gate; up].
+        gate, up = full.chunk(2, dim=0)
+        return torch.cat([gate.chunk(tp_size, 0)[tp_rank], up.chunk(tp_size, 0)[tp_rank]], dim=0)
+    return full.chunk(tp_size, dim=dim)[tp_rank]
+
+
+def _full_shape(param, tp_size: int):
+    shape = list(param.shape)
+    if getattr(param, "tensor_model_parallel", False):
+        shape[param.partition_dim] *= tp_size
+    return shape
+
+
+@torch.no_grad()
+def initialize_by_global_name(chunks, args, config) -> None:
+    tp_size, tp_rank = mpu.get_tensor_model_parallel_world_size(), mpu.get_tensor_model_parallel_rank()
+    ep_size = mpu.get_expert_model_parallel_world_size()
+    ep_rank = mpu.get_expert_model_parallel_rank()
+    etp_size = mpu.get_expert_tensor_parallel_world_size()
+    etp_rank = mpu.get_expert_tensor_parallel_rank()
+    num_local_experts = (args.num_experts or 0) // max(ep_size, 1)
+    scaled_std = args.init_method_std / (2.0 * args.num_layers) ** 0.5
+    for chunk in chunks:
+        for name, param in chunk.named_parameters():
+            if param.dim() < 2:
+                continue  # biases (zero) and norms (one) are layout-independent already
+            gname = _global_name(name, chunk, num_local_experts, ep_rank)
+            expert = getattr(param, "allreduce", True) is False  # experts shard over expert-TP
+            t_size, t_rank = (etp_size, etp_rank) if expert else (tp_size, tp_rank)
+            gen = torch.Generator().manual_seed(args.seed * 1_000_003 + zlib.crc32(gname.encode()))
+            std = scaled_std if gname.endswith(_OUTPUT_LAYERS) else args.init_method_std
+            full = torch.empty(_full_shape(param, t_size), dtype=torch.float32)
+            full.normal_(0.0, std, generator=gen)
+            shard = _shard(full, param, gname, args.swiglu, t_rank, t_size)
+            param.data.copy_(shard.to(param.dtype))

@@ -1,0 +1,229 @@
+"""The training loop: set-up, Megatron's schedules, Megatron-LM-style log lines, summary JSON."""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import random
+import time
+from functools import partial
+
+import numpy as np
+import torch
+from megatron.core import parallel_state as mpu
+from megatron.core import tensor_parallel
+from megatron.core.distributed import DistributedDataParallel as DDP
+from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from gpt_example import checkpoint, data
+from gpt_example.model import (
+    _supported, build_model, initialize_by_global_name, padded_vocab_size, transformer_config,
+)
+from npuspeed import get_accelerator
+
+
+def init_distributed(args) -> None:
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29500")
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    acc = get_accelerator()
+    if acc.name != "cpu":
+        acc.set_device(int(os.environ["LOCAL_RANK"]))
+    torch.distributed.init_process_group(
+        backend=args.distributed_backend or acc.dist_backend, timeout=datetime.timedelta(minutes=10)
+    )
+    mpu.initialize_model_parallel(
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=_vpp(args),
+        expert_model_parallel_size=args.expert_model_parallel_size,
+    )
+
+
+def _vpp(args):
+    from gpt_example.model import _vpp_size
+
+    return _vpp_size(args)
+
+
+def set_seeds(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def loss_func(loss_mask: torch.Tensor, output: torch.Tensor):
+    losses = output.float().reshape(-1)
+    mask = loss_mask.reshape(-1).float()
+    loss = torch.sum(losses * mask) / mask.sum()
+    return loss, {"lm loss": loss.detach()}
+
+
+def forward_step(data_iterator, model):
+    batch = next(data_iterator)
+    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    return output, partial(loss_func, batch["loss_mask"])
+
+
+def build_optimizer(args, model):
+    dtype_kwargs = dict(bf16=args.bf16, fp16=args.fp16,
+                        params_dtype=torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32)
+    config = OptimizerConfig(**_supported(OptimizerConfig, dict(
+        optimizer="adam", lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
+        adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
+        clip_grad=args.clip_grad, use_distributed_optimizer=args.use_distributed_optimizer,
+        overlap_param_gather=args.overlap_param_gather, **dtype_kwargs,
+    )))
+    optimizer = get_megatron_optimizer(config, model)
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=0.0 if args.lr_warmup_iters else args.lr, max_lr=args.lr, min_lr=args.min_lr,
+        lr_warmup_steps=args.lr_warmup_iters * args.global_batch_size,
+        lr_decay_steps=args.train_iters * args.global_batch_size, lr_decay_style=args.lr_decay_style,
+        start_wd=args.weight_decay, end_wd=args.weight_decay, wd_incr_steps=args.train_iters * args.global_batch_size,
+        wd_incr_style="constant",
+    )
+    return optimizer, scheduler
+
+
+def wrap_ddp(args, config, chunks):
+    ddp_config = DistributedDataParallelConfig(**_supported(DistributedDataParallelConfig, dict(
+        grad_reduce_in_fp32=args.bf16 or args.fp16, overlap_grad_reduce=args.overlap_grad_reduce,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+        overlap_param_gather=args.overlap_param_gather,
+    )))
+    return [DDP(config=config, ddp_config=ddp_config, module=chunk, disable_bucketing=(i > 0))
+            for i, chunk in enumerate(chunks)]
+
+
+def _configure_schedule_hooks(args, config, model, optimizer) -> None:
+    config.grad_scale_func = optimizer.scale_loss
+    config.finalize_model_grads_func = finalize_model_grads
+    if args.overlap_grad_reduce:
+        hooks = [m.no_sync for m in model]
+        config.no_sync_func = hooks[0] if len(hooks) == 1 else hooks
+    if args.overlap_param_gather:
+        hooks = [m.start_param_sync for m in model]
+        config.param_sync_func = hooks[0] if len(hooks) == 1 else hooks
+
+
+def _iteration_loss(losses_reduced) -> torch.Tensor:
+    """Mean lm loss of the iteration over micro-batches and data-parallel ranks (all ranks get it)."""
+    local = torch.zeros(1, dtype=torch.float64)
+    if mpu.is_pipeline_last_stage(ignore_virtual=True) and mpu.get_tensor_model_parallel_rank() == 0:
+        values = [float(x["lm loss"]) for x in losses_reduced]
+        local += sum(values) / len(values)
+    torch.distributed.all_reduce(local)
+    return local / mpu.get_data_parallel_world_size()
+
+
+def _max_over_ranks(value: float) -> float:
+    t = torch.tensor([value], dtype=torch.float64)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return float(t.item())
+
+
+def log_line(it, args, step_ms, lr, loss, grad_norm, peak, tokens_per_s, skipped) -> str:
+    now = datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S")
+    return (
+        f" [{now}] iteration {it:8d}/{args.train_iters:8d} | consumed samples: {it * args.global_batch_size:12d} "
+        f"| elapsed time per iteration (ms): {step_ms:.1f} | tokens per second: {tokens_per_s:.1f} "
+        f"| learning rate: {lr:.6E} | global batch size: {args.global_batch_size:5d} | lm loss: {loss:.6E} "
+        f"| grad norm: {grad_norm:.3f} | number of skipped iterations: {skipped:3d} "
+        f"| peak memory (MB): {peak / 2**20:.1f} |"
+    )
+
+
+def main(args) -> dict:
+    init_distributed(args)
+    dp = mpu.get_data_parallel_world_size()
+    if args.global_batch_size is None:
+        args.global_batch_size = args.micro_batch_size * dp
+    if args.global_batch_size % (args.micro_batch_size * dp):
+        raise SystemExit(f"--global-batch-size {args.global_batch_size} must be a multiple of "
+                         f"--micro-batch-size x DP = {args.micro_batch_size * dp}")
+    num_microbatches = args.global_batch_size // (args.micro_batch_size * dp)
+    set_seeds(args.seed)
+    tokenizer = data.build_tokenizer(args)
+    config = transformer_config(args)
+    chunks = build_model(args, config, padded_vocab_size(tokenizer.vocab_size, args))
+    if args.use_cpu_initialization:
+        initialize_by_global_name(chunks, args, config)
+    model = wrap_ddp(args, config, chunks)
+    optimizer, scheduler = build_optimizer(args, model)
+    _configure_schedule_hooks(args, config, model, optimizer)
+
+    iteration = 0
+    if args.load:
+        iteration = checkpoint.load(args.load, model, optimizer, scheduler,
+                                    load_optim=not args.no_load_optim, load_rng=not args.no_load_rng)
+    iterators = [
+        data.build_train_iterator(args, tokenizer, iteration * args.global_batch_size,
+                                  mpu.get_data_parallel_rank(), dp)
+        for _ in model
+    ]
+    acc = get_accelerator()
+    acc.reset_peak_memory_stats()
+    rank0 = torch.distributed.get_rank() == 0
+    forward_backward = get_forward_backward_func()
+    losses, step_times, skipped = [], [], 0
+    tokens_per_iter = args.global_batch_size * args.seq_length
+    start_iteration = iteration
+    while iteration < args.train_iters:
+        t0 = time.perf_counter()
+        for chunk in model:
+            chunk.zero_grad_buffer()
+        optimizer.zero_grad()
+        reduced = forward_backward(
+            forward_step_func=forward_step, data_iterator=iterators if len(model) > 1 else iterators[0],
+            model=model if len(model) > 1 else model[0], num_microbatches=num_microbatches,
+            seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
+            decoder_seq_length=args.seq_length, forward_only=False,
+        )
+        ok, grad_norm, _ = optimizer.step()
+        if ok:
+            scheduler.step(increment=args.global_batch_size)
+        else:
+            skipped += 1
+        loss = float(_iteration_loss(reduced).item())
+        acc.synchronize()
+        step_ms = (time.perf_counter() - t0) * 1000.0
+        iteration += 1
+        losses.append(loss)
+        step_times.append(step_ms)
+        if iteration % args.log_interval == 0:
+            peak = _max_over_ranks(acc.max_memory_allocated())
+            if rank0:
+                print(log_line(iteration, args, step_ms, optimizer.param_groups[0]["lr"], loss,
+                               float(grad_norm or 0.0), peak, tokens_per_iter / (step_ms / 1000.0), skipped),
+                      flush=True)
+        if args.save and args.save_interval and iteration % args.save_interval == 0:
+            checkpoint.save(args.save, iteration, model, optimizer, scheduler)
+        if args.exit_interval and iteration % args.exit_interval == 0:
+            break
+    if args.save and not (args.save_interval and iteration % args.save_interval == 0):
+        checkpoint.save(args.save, iteration, model, optimizer, scheduler)
+    measured = step_times[1:] or step_times
+    mean_ms = sum(measured) / max(len(measured), 1)
+    summary = {
+        "losses": losses,
+        "first_iteration": start_iteration + 1,
+        "mean_step_ms": mean_ms,
+        "tokens_per_s": tokens_per_iter / (mean_ms / 1000.0) if mean_ms else 0.0,
+        "peak_mem_bytes": int(_max_over_ranks(acc.max_memory_allocated())),
+        "world_size": torch.distributed.get_world_size(),
+        "device": acc.name,
+        "iterations": iteration,
+    }
+    if rank0 and args.summary_json:
+        with open(args.summary_json, "w") as f:
+            json.dump(summary, f, indent=2)
+    torch.distributed.barrier()
+    mpu.destroy_model_parallel()
+    torch.distributed.destroy_process_group()
+    return summary

@@ -1,0 +1,60 @@
+"""npuspeed packaging.
+
+The C++ op library (csrc/) is compiled here when torch and a C++ compiler are present
+at install time (`pip install --no-build-isolation -e .`, after torch); otherwise it is
+JIT-built at first use, and failing that the pure-PyTorch references run (see
+npuspeed/ops/_extension.py). NPUSPEED_DISABLE_CPP=1 skips the build.
+"""
+import glob
+import os
+import sys
+
+from setuptools import find_packages, setup
+
+EXTRAS = {
+    "npu": ["torch_npu"],
+    "test": ["pytest>=7", "hypothesis>=6", "pytest-timeout"],
+    "bench": ["matplotlib"],
+    "megatron-lm": ["regex", "triton; platform_system=='Linux'", "pydantic", "psutil", "six", "pyyaml",
+                    "sentencepiece", "tiktoken"],
+}
+
+
+def _extensions():
+    """The op library as a torch CppExtension, or nothing when it cannot be built here."""
+    if os.environ.get("NPUSPEED_DISABLE_CPP", "0") not in ("", "0"):
+        return [], {}
+    try:
+        from torch.utils.cpp_extension import BuildExtension, CppExtension
+    except Exception as exc:  # no torch in this build environment: JIT at first use
+        print(f"npuspeed: not building the C++ op library at install ({exc}); it will be JIT-built",
+              file=sys.stderr)
+        return [], {}
+    sources = sorted(glob.glob("csrc/cpu/*.cpp"))
+    ext = CppExtension("npuspeed._C", sources, extra_compile_args=["-O3"])
+    return [ext], {"build_ext": BuildExtension.with_options(no_python_abi_suffix=True)}
+
+
+ext_modules, cmdclass = _extensions()
+
+setup(
+    name="npuspeed",
+    version="0.1.0",
+    description="Non-invasive acceleration plugin for Megatron-Core on Ascend NPUs, CUDA GPUs and CPUs",
+    long_description=open("README.md").read() if os.path.exists("README.md") else "",
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["npuspeed", "npuspeed.*"]),
+    python_requires=">=3.11",
+    install_requires=[
+        "torch>=2.4",
+        "megatron-core>=0.12,<0.17",
+        "numpy",
+        "packaging",
+        "einops",
+        "tqdm",
+    ],
+    extras_require=EXTRAS,
+    ext_modules=ext_modules,
+    cmdclass=cmdclass,
+    entry_points={"console_scripts": ["npuspeed=npuspeed.cli:main"]},
+)
