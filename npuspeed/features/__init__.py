@@ -3,10 +3,11 @@ from __future__ import annotations
 
 from npuspeed.features.base import Feature, FeatureError
 from npuspeed.features.device import DeviceFeature
+from npuspeed.features.fused_attention import FusedAttentionFeature
 
 
 def all_features() -> list[Feature]:
-    return [DeviceFeature()]
+    return [DeviceFeature(), FusedAttentionFeature()]
 
 
 __all__ = ["Feature", "FeatureError", "all_features"]

@@ -1,0 +1,105 @@
+"""Fused attention (`--use-flash-attn`): Megatron-Core's local core attention on one fused kernel.
+
+Megatron's `DotProductAttention` materialises the S x S scores (baddbmm, masked softmax,
+bmm). Under Megatron's own `--use-flash-attn` its forward is replaced: on NPU by
+`torch_npu.npu_fusion_attention` (as MindSpeed does, with MindSpeed's `--pre-tockens`,
+`--next-tockens`, `--sparse-mode`), elsewhere by `scaled_dot_product_attention`. Masking,
+scale, GQA and dropout follow Megatron's module exactly (see plan.py and forward.py).
+Only the local spec's `DotProductAttention` is patched; Transformer Engine specs keep TE's.
+"""
+from __future__ import annotations
+
+import argparse
+
+from npuspeed.features.base import Feature, FeatureError
+from npuspeed.features.fused_attention.forward import STATS, KernelChoice, init_wrapper, make_forward
+from npuspeed.features.fused_attention.plan import BandOptions
+
+TARGET = "megatron.core.transformer.dot_product_attention.DotProductAttention"
+MEGATRON_RANGE = ">=0.12,<0.17"  # forward(query, key, value, attention_mask, attn_mask_type,
+# attention_bias, packed_seq_params) is the same in all of them; window_size exists from 0.15
+
+
+class FusedAttentionFeature(Feature):
+    name = "fused_attention"
+    flags = ("--use-flash-attn", "--pre-tockens", "--next-tockens", "--sparse-mode")
+
+    def add_arguments(self, group) -> None:
+        group.add_argument("--use-flash-attn", action="store_true",
+                           help="Run Megatron's core attention on a fused kernel "
+                                "(npu_fusion_attention on NPU, scaled_dot_product_attention elsewhere).")
+        group.add_argument("--pre-tockens", type=int, default=None,
+                           help="With --use-flash-attn: attend to at most this many earlier tokens "
+                                "(band attention, on every backend). Default: unbounded.")
+        group.add_argument("--next-tockens", type=int, default=None,
+                           help="With --use-flash-attn: attend to at most this many later tokens "
+                                "(0 with a causal model). Default: unbounded.")
+        group.add_argument("--sparse-mode", type=int, default=None, choices=[0, 1, 2, 3, 4],
+                           help="With --use-flash-attn on NPU: force npu_fusion_attention's sparse_mode "
+                                "(0 full mask, 1 all-mask, 2/3 compressed causal, 4 band). Default: chosen "
+                                "per layer (2 causal, 4 band, 0 explicit mask).")
+
+    def enabled(self, args: argparse.Namespace) -> bool:
+        # The tuning flags alone turn the feature on, so validate() can refuse them.
+        return bool(getattr(args, "use_flash_attn", False)) or any(
+            getattr(args, a, None) is not None for a in ("pre_tockens", "next_tockens", "sparse_mode")
+        )
+
+    def validate(self, args: argparse.Namespace, accelerator) -> None:
+        given = [f for f, a in (("--pre-tockens", "pre_tockens"), ("--next-tockens", "next_tockens"),
+                                ("--sparse-mode", "sparse_mode")) if getattr(args, a, None) is not None]
+        if not getattr(args, "use_flash_attn", False):
+            raise FeatureError(f"{', '.join(given)} only apply to fused attention: add --use-flash-attn "
+                               "or drop them.")
+        pre, nxt = args.pre_tockens, args.next_tockens
+        if pre is not None and nxt is not None and pre + nxt < 0:
+            raise FeatureError(f"--pre-tockens {pre} --next-tockens {nxt} leave no token to attend to; "
+                               "their sum must be >= 0.")
+        if args.sparse_mode in (1, 2, 3) and (pre is not None or nxt is not None):
+            raise FeatureError(f"--sparse-mode {args.sparse_mode} ignores --pre-tockens/--next-tockens; "
+                               "use --sparse-mode 4 (band) or 0, or drop the token flags.")
+        if args.sparse_mode is not None and self._kernel(accelerator) != "npu_fusion_attention":
+            raise FeatureError(f"--sparse-mode selects npu_fusion_attention's mask mode; on "
+                               f"{accelerator.name} there is none. Drop --sparse-mode (the band flags "
+                               "--pre-tockens/--next-tockens work on every backend).")
+
+    def prepare(self, args, accelerator) -> None:
+        from npuspeed import runtime
+
+        if accelerator.name == "npu" and not accelerator.has_fused_attention():
+            runtime.note("--use-flash-attn: this torch_npu has no npu_fusion_attention; attention runs "
+                         "torch's scaled_dot_product_attention on the NPU instead.")
+        elif not accelerator.has_fused_attention():
+            runtime.note(f"--use-flash-attn: {accelerator.name} has no fused attention kernel; "
+                         "scaled_dot_product_attention runs its math backend (S x S scores).")
+
+    @staticmethod
+    def _kernel(accelerator) -> str:
+        if accelerator.name == "npu" and accelerator.has_fused_attention():
+            return "npu_fusion_attention"
+        return "sdpa"
+
+    def register_patches(self, registry, args, accelerator) -> None:
+        choice = KernelChoice(
+            kernel=self._kernel(accelerator),
+            band=BandOptions(args.pre_tockens, args.next_tockens),
+            sparse_mode=args.sparse_mode,
+            accelerator=accelerator,
+        )
+        registry.register(f"{TARGET}.forward", make_forward(choice), feature=self.name, megatron=MEGATRON_RANGE)
+        registry.register(f"{TARGET}.__init__", wrapper=init_wrapper, feature=self.name, megatron=MEGATRON_RANGE)
+
+    def path(self, args, accelerator) -> str:
+        band = ""
+        if args.pre_tockens is not None or args.next_tockens is not None:
+            band = f"; band pre_tockens={args.pre_tockens} next_tockens={args.next_tockens}"
+        if self._kernel(accelerator) == "npu_fusion_attention":
+            mode = "auto (2 causal, 4 band, 0 mask)" if args.sparse_mode is None else str(args.sparse_mode)
+            return (f"torch_npu.npu_fusion_attention (SBH, sparse_mode {mode}{band}) replaces "
+                    "DotProductAttention.forward: --use-flash-attn on an NPU with the fused kernel")
+        kind = "fused kernel" if accelerator.has_fused_attention() else "math backend, no fused kernel here"
+        return (f"scaled_dot_product_attention ({kind}; is_causal, enable_gqa, boolean masks{band}) "
+                f"replaces DotProductAttention.forward: --use-flash-attn on {accelerator.name}")
+
+
+__all__ = ["FusedAttentionFeature", "STATS"]

@@ -1,0 +1,125 @@
+"""The replacement for `DotProductAttention.forward`, and the check of what it can honour.
+
+The scale is Megatron's: `softmax_scale` (1/sqrt(d) unless given), divided by the layer
+number under `apply_query_key_layer_scaling` and multiplied back by the softmax, so the
+product is what the kernel gets. Dropout is drawn as upstream draws it: inside the
+model-parallel RNG tracker's fork unless sequence parallelism is on (then the transformer
+block has already forked), so tensor-parallel ranks stay consistent and reproducible.
+Every call is counted in `STATS`, so a test can prove the fused path ran.
+"""
+from __future__ import annotations
+
+import collections
+import functools
+from dataclasses import dataclass, field
+
+from npuspeed.features.base import FeatureError
+from npuspeed.features.fused_attention.npu import npu_attention
+from npuspeed.features.fused_attention.plan import BandOptions, plan_masks
+from npuspeed.features.fused_attention.sdpa import sdpa_attention
+
+SUPPORTED_MASK_TYPES = ("causal", "padding", "no_mask", "arbitrary")
+
+
+@dataclass
+class AttentionStats:
+    """How often each implementation ran, and what the last call looked like."""
+
+    calls: collections.Counter = field(default_factory=collections.Counter)
+    last: dict = field(default_factory=dict)
+
+    def reset(self) -> None:
+        self.calls.clear()
+        self.last = {}
+
+
+STATS = AttentionStats()
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    """What `register_patches` decided once: the kernel and the flags that shape it."""
+
+    kernel: str  # "sdpa" | "npu_fusion_attention"
+    band: BandOptions
+    sparse_mode: int | None
+    accelerator: object
+
+
+def check_module(module) -> None:
+    """Raise FeatureError for a layer configuration the fused path cannot reproduce."""
+    mask_type = module.attn_mask_type.name
+    if mask_type not in SUPPORTED_MASK_TYPES:
+        raise FeatureError(
+            f"--use-flash-attn does not support attn_mask_type={mask_type} in DotProductAttention "
+            f"(supported: {', '.join(SUPPORTED_MASK_TYPES)}): Megatron's local path applies only "
+            "the given mask for it, other backends add causal masking. Pass a combined boolean "
+            "mask with attn_mask_type=arbitrary, or drop --use-flash-attn."
+        )
+    if getattr(module, "softmax_offset", None) is not None:
+        raise FeatureError(
+            f"--use-flash-attn does not support softmax_type={module.config.softmax_type!r} "
+            "(a softmax offset / attention sink); use softmax_type='vanilla' or drop --use-flash-attn."
+        )
+
+
+def effective_scale(module) -> float:
+    coeff = getattr(module.scale_mask_softmax, "scale", None)
+    return float(module.softmax_scale * (coeff if coeff is not None else 1.0))
+
+
+def init_wrapper(init):
+    """Check the configuration when the layer is built, not at its first step."""
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        check_module(self)
+
+    return __init__
+
+
+def make_forward(choice: KernelChoice):
+    """Build the replacement forward for one kernel choice."""
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None,
+                attention_bias=None, packed_seq_params=None):
+        if packed_seq_params is not None:
+            raise FeatureError(
+                "--use-flash-attn: packed sequences (packed_seq_params) are not supported by "
+                "DotProductAttention; use the Transformer Engine spec or unpacked batches"
+            )
+        if attention_bias is not None:
+            raise FeatureError("--use-flash-attn: attention_bias is not supported by DotProductAttention")
+        check_module(self)
+        sq, sk = query.shape[0], key.shape[0]
+        # attn_mask_type from the caller is ignored, as upstream's forward ignores it.
+        plan = plan_masks(
+            attn_mask_type_name=self.attn_mask_type.name,
+            attention_mask=attention_mask,
+            window_size=getattr(self.scale_mask_softmax, "window_size", None),
+            sq=sq, sk=sk, options=choice.band,
+        )
+        dropout_p = float(self.attention_dropout.p) if self.training else 0.0
+        scale = effective_scale(self)
+        if choice.kernel == "npu_fusion_attention":
+            run = functools.partial(npu_attention, choice.accelerator.torch_npu, query, key, value, plan,
+                                    scale=scale, dropout_p=dropout_p, sparse_mode=choice.sparse_mode)
+        else:
+            run = functools.partial(sdpa_attention, query, key, value, plan, scale=scale, dropout_p=dropout_p)
+        if dropout_p > 0.0 and not self.config.sequence_parallel:
+            from megatron.core import tensor_parallel
+
+            with tensor_parallel.get_cuda_rng_tracker().fork():
+                context = run()
+        else:
+            context = run()
+        STATS.calls[choice.kernel] += 1
+        STATS.last = {
+            "kernel": choice.kernel, "mask": plan.source, "causal": plan.causal,
+            "band": plan.band, "gqa": query.shape[2] != key.shape[2], "dropout_p": dropout_p,
+            "scale": scale, "dtype": str(query.dtype), "shape": tuple(query.shape),
+        }
+        return context
+
+    return forward

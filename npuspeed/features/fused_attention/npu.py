@@ -1,0 +1,113 @@
+"""The Ascend kernel: `torch_npu.npu_fusion_attention`, reached through the accelerator.
+
+Megatron's [s, b, h, d] is the op's "SBH" layout after a free reshape, so nothing is
+transposed. `head_num` is the query heads; K/V with fewer heads are GQA, which the op takes
+natively. Masks use the op's polarity, which is Megatron's (True = masked out). Causal uses
+the compressed 2048 x 2048 mask with sparse_mode 2, a band (window or --pre/--next-tockens)
+the same mask with sparse_mode 4, an explicit mask a full boolean tensor with sparse_mode 0;
+`--sparse-mode` forces a mode, and a mode that cannot express the pattern is an error.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from npuspeed.features.base import FeatureError
+from npuspeed.features.fused_attention.plan import UNBOUNDED, MaskPlan, band_keep, fix_dead_rows
+
+COMPRESSED_SIZE = 2048  # the op's optimised causal mask for sparse_mode 2, 3, 4
+
+
+@functools.lru_cache(maxsize=4)
+def compressed_causal_mask(device: torch.device) -> torch.Tensor:
+    return torch.ones(COMPRESSED_SIZE, COMPRESSED_SIZE, dtype=torch.bool, device=device).triu_(1)
+
+
+def _full_mask(plan: MaskPlan, sq: int, sk: int, hq: int, device) -> torch.Tensor:
+    """The pattern as one boolean tensor of a shape the op accepts (B1SS, BNSS or 11SS)."""
+    if plan.causal:
+        return torch.ones(sq, sk, dtype=torch.bool, device=device).triu_(1)[None, None]
+    if plan.band is not None:
+        return (~band_keep(sq, sk, plan.band, device))[None, None]
+    mask = plan.mask
+    while mask.dim() < 4:
+        mask = mask.unsqueeze(0)
+    if mask.shape[1] not in (1, hq):
+        raise FeatureError(
+            f"--use-flash-attn: attention_mask has {mask.shape[1]} heads, the layer {hq}; "
+            "npu_fusion_attention takes a mask with 1 or all heads"
+        )
+    return mask.expand(mask.shape[0], mask.shape[1], sq, sk).contiguous()
+
+
+def mask_arguments(plan: MaskPlan, sparse_mode: int | None, sq: int, sk: int, hq: int, device) -> dict:
+    """atten_mask, sparse_mode, pre_tockens, next_tockens for the op (see module docstring)."""
+    kind = "causal" if plan.causal else "band" if plan.band is not None else "mask" if plan.mask is not None else "none"
+    left, right = plan.band if plan.band is not None else (UNBOUNDED, 0 if plan.causal else UNBOUNDED)
+    args = {"atten_mask": None, "sparse_mode": 0, "pre_tockens": UNBOUNDED, "next_tockens": UNBOUNDED}
+    if sparse_mode is None:  # auto: the cheapest form
+        if kind in ("causal", "band"):
+            args.update(atten_mask=compressed_causal_mask(device), sparse_mode=2 if kind == "causal" else 4)
+            if kind == "band":
+                args.update(pre_tockens=left, next_tockens=right)
+        elif kind == "mask":
+            args["atten_mask"] = _full_mask(plan, sq, sk, hq, device)
+        return args
+    fits = {
+        0: ("none", "causal", "band", "mask"),
+        1: ("causal", "band", "mask"),
+        2: ("causal",),
+        3: ("causal",),
+        4: ("causal", "band"),
+    }[sparse_mode]
+    if kind not in fits:
+        raise FeatureError(
+            f"--sparse-mode {sparse_mode} cannot express this layer's attention pattern ({kind}); "
+            f"it fits {', '.join(fits)}. Leave --sparse-mode out to let npuspeed choose."
+        )
+    args["sparse_mode"] = sparse_mode
+    if sparse_mode in (2, 3, 4):
+        args["atten_mask"] = compressed_causal_mask(device)
+        if sparse_mode == 4:
+            args.update(pre_tockens=left, next_tockens=right)
+    elif kind != "none":
+        args["atten_mask"] = _full_mask(plan, sq, sk, hq, device)
+        if sparse_mode == 0 and kind in ("causal", "band"):
+            # mode 0 aligns its band at the top-left corner, ours at the bottom-right
+            shift = sk - sq
+            args.update(pre_tockens=min(UNBOUNDED, left - shift), next_tockens=min(UNBOUNDED, right + shift))
+    return args
+
+
+def npu_attention(
+    torch_npu,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    plan: MaskPlan,
+    *,
+    scale: float,
+    dropout_p: float,
+    sparse_mode: int | None,
+) -> torch.Tensor:
+    """query [sq, b, hq, d], key/value [sk, b, hk, d] -> context [sq, b, hq * d]."""
+    sq, b, hq, d = query.shape
+    sk, hk = key.shape[0], key.shape[2]
+    mask_args = mask_arguments(plan, sparse_mode, sq, sk, hq, query.device)
+    outputs = torch_npu.npu_fusion_attention(
+        query.reshape(sq, b, hq * d),
+        key.reshape(sk, b, hk * d),
+        value.reshape(sk, b, hk * d),
+        hq,
+        "SBH",
+        scale=scale,
+        keep_prob=1.0 - dropout_p,
+        **mask_args,
+    )
+    out = outputs[0]  # (attention_out, softmax_max, softmax_sum, softmax_in, seed, offset, numels)
+    if plan.dead_rows is not None:
+        bhsd = out.view(sq, b, hq, d).permute(1, 2, 0, 3)
+        bhsd = fix_dead_rows(bhsd, value.permute(1, 2, 0, 3), plan.dead_rows)
+        out = bhsd.permute(2, 0, 1, 3).reshape(sq, b, hq * d)
+    return out

@@ -1,0 +1,218 @@
+"""The NPU path of --use-flash-attn, against an EMULATOR of npu_fusion_attention.
+
+No NPU exists here. `npu_fusion_attention_emulator` is a plain-PyTorch function with the
+op's documented signature, layouts, mask polarity and sparse modes; it is first checked
+against a naive attention for every layout and mode, then stands in for `torch_npu` on an
+accelerator whose name is 'npu', so the patched Megatron layer must marshal its arguments
+(SBH layout, head_num, scale, keep_prob, mask polarity, compressed causal mask) correctly
+to match Megatron's own unfused DotProductAttention.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import types
+
+import pytest
+import torch
+
+from npu_fusion_attention_emulator import npu_fusion_attention as emulator
+from test_fused_attention import make_attention, make_inputs, megatron_mp, run  # noqa: F401 (fixture)
+
+
+def naive(q, k, v, scale, allowed):
+    """q [b, n, sq, d], k/v [b, n2, sk, d], allowed [.., sq, sk] (True = attend)."""
+    k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    scores = (q @ k.transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    return torch.softmax(scores, dim=-1) @ v
+
+
+def to_layout(x, layout):  # from BNSD
+    b, n, s, d = x.shape
+    return {"BNSD": x, "BSND": x.permute(0, 2, 1, 3), "BSH": x.permute(0, 2, 1, 3).reshape(b, s, n * d),
+            "SBH": x.permute(2, 0, 1, 3).reshape(s, b, n * d)}[layout].contiguous()
+
+
+COMPRESSED = torch.ones(2048, 2048, dtype=torch.bool).triu(1)
+
+
+@pytest.mark.parametrize("layout", ["SBH", "BSH", "BSND", "BNSD"])
+def test_emulator_layouts_gqa_and_polarity(layout):
+    gen = torch.Generator().manual_seed(0)
+    b, n, n2, sq, d = 2, 4, 2, 9, 8
+    q, k, v = (torch.randn(b, h, sq, d, generator=gen) for h in (n, n2, n2))
+    mask = torch.rand(b, 1, sq, sq, generator=gen) < 0.3
+    mask[..., 0] = False  # no fully masked row
+    out = emulator(to_layout(q, layout), to_layout(k, layout), to_layout(v, layout), n, layout,
+                   atten_mask=mask, scale=0.3)
+    assert len(out) == 7 and out[0].shape == to_layout(q, layout).shape
+    assert out[1].shape == (b, n, sq, 8) and out[1].dtype == torch.float32
+    ref = naive(q, k, v, 0.3, ~mask)  # True in atten_mask = masked out
+    torch.testing.assert_close(out[0], to_layout(ref, layout))
+
+
+@pytest.mark.parametrize("sq, sk", [(7, 7), (5, 9)])
+def test_emulator_sparse_modes(sq, sk):
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(1, 2, sq, 8, generator=gen)
+    k, v = (torch.randn(1, 2, sk, 8, generator=gen) for _ in range(2))
+    i, j = torch.arange(sq)[:, None], torch.arange(sk)[None, :]
+    call = lambda **kw: emulator(q, k, v, 2, "BNSD", scale=0.5, **kw)[0]  # noqa: E731
+    cases = {
+        2: (dict(atten_mask=COMPRESSED, sparse_mode=2), j <= i),
+        3: (dict(atten_mask=COMPRESSED, sparse_mode=3), j <= i + (sk - sq)),
+        4: (dict(atten_mask=COMPRESSED, sparse_mode=4, pre_tockens=2, next_tockens=1),
+            ((j - i - (sk - sq)) >= -2) & ((j - i - (sk - sq)) <= 1)),
+        0: (dict(atten_mask=torch.zeros(sq, sk, dtype=torch.bool), sparse_mode=0, pre_tockens=1, next_tockens=2),
+            ((j - i) >= -1) & ((j - i) <= 2)),
+    }
+    for mode, (kwargs, allowed) in cases.items():
+        torch.testing.assert_close(call(**kwargs), naive(q, k, v, 0.5, allowed), msg=f"sparse_mode {mode}")
+    torch.testing.assert_close(call(), naive(q, k, v, 0.5, torch.ones(sq, sk, dtype=torch.bool)))
+    with pytest.raises(ValueError, match="compressed"):
+        call(atten_mask=torch.ones(sq, sk, dtype=torch.bool).triu(1), sparse_mode=2)
+
+
+class _FakeNpu:
+    """A CPU accelerator that says it is an NPU and carries the emulator as its torch_npu."""
+
+    name = "npu"
+
+    def __init__(self, cpu_accelerator):
+        self._cpu = cpu_accelerator
+        self.calls = []
+
+        def record(*args, **kwargs):
+            self.calls.append((args, kwargs))
+            return emulator(*args, **kwargs)
+
+        self.torch_npu = types.SimpleNamespace(npu_fusion_attention=record)
+
+    def has_fused_attention(self):
+        return hasattr(self.torch_npu, "npu_fusion_attention")
+
+    def __getattr__(self, item):
+        return getattr(self._cpu, item)
+
+
+@contextlib.contextmanager
+def npu_patched(cpu_accelerator, argv=("--use-flash-attn",)):
+    from npuspeed import arguments
+    from npuspeed.features.fused_attention import FusedAttentionFeature
+    from npuspeed.patching import registry
+
+    fake = _FakeNpu(cpu_accelerator)
+    feature = FusedAttentionFeature()
+    args = arguments.parse_args(list(argv))
+    feature.validate(args, fake)
+    feature.register_patches(registry, args, fake)
+    registry.apply()
+    try:
+        yield fake
+    finally:
+        registry.remove(feature.name)
+
+
+def _parity(module, inputs, mask, fake_ctx):
+    from npuspeed.features.fused_attention import STATS
+
+    ref = run(module, *inputs, mask)
+    with fake_ctx as fake:
+        before = STATS.calls["npu_fusion_attention"]
+        got = run(module, *inputs, mask)
+        assert STATS.calls["npu_fusion_attention"] == before + 1
+    for name, a, b in zip(("out", "dq", "dk", "dv"), ref, got):
+        err = (a - b).abs().max().item()
+        assert err <= 1e-5, f"{name}: {err}"
+    assert len(fake.calls) == 1
+    return fake.calls[0]
+
+
+@pytest.mark.parametrize("groups", [1, 2, 4])
+def test_npu_path_causal_marshalling(megatron_mp, groups):
+    s, b, h, d = 19, 2, 4, 16
+    module = make_attention(heads=h, groups=groups, layer_number=2, apply_query_key_layer_scaling=True)
+    args, kwargs = _parity(module, make_inputs(s, b, h, groups, d, torch.float32), None,
+                           npu_patched(megatron_mp.accelerator))
+    q, k, v, head_num, layout = args
+    assert layout == "SBH" and head_num == h
+    assert q.shape == (s, b, h * d) and k.shape == (s, b, groups * d) and v.shape == k.shape
+    assert kwargs["sparse_mode"] == 2 and torch.equal(kwargs["atten_mask"], COMPRESSED)
+    assert kwargs["scale"] == pytest.approx(1 / math.sqrt(d)) and kwargs["keep_prob"] == 1.0
+
+
+def test_npu_path_padding_mask_marshalling(megatron_mp):
+    s, b = 13, 3
+    module = make_attention(heads=4, groups=2, mask_type="padding")
+    pad = torch.arange(s)[None, :] >= torch.tensor([13, 9, 4])[:, None]
+    mask = pad[:, None, None, :]
+    _, kwargs = _parity(module, make_inputs(s, b, 4, 2, 16, torch.float32), mask,
+                        npu_patched(megatron_mp.accelerator))
+    assert kwargs["sparse_mode"] == 0 and kwargs["atten_mask"].shape == (b, 1, s, s)
+    assert torch.equal(kwargs["atten_mask"], mask.expand(b, 1, s, s))  # same polarity: True = masked
+
+
+def test_npu_path_fully_masked_rows(megatron_mp):
+    s = 11
+    module = make_attention(heads=2, mask_type="padding")
+    pad = torch.arange(s)[None, :] >= torch.tensor([11, 6])[:, None]
+    mask = pad[:, None, :, None] | pad[:, None, None, :]
+    _parity(module, make_inputs(s, 2, 2, 2, 16, torch.float32), mask, npu_patched(megatron_mp.accelerator))
+
+
+def test_npu_path_band_uses_sparse_mode_4(megatron_mp):
+    windowed = make_attention(window_size=(4, 0))
+    if getattr(windowed.scale_mask_softmax, "window_size", None) is None:
+        pytest.skip("this megatron-core has no window_size in DotProductAttention")
+    _, kwargs = _parity(windowed, make_inputs(17, 1, 4, 4, 16, torch.float32), None,
+                        npu_patched(megatron_mp.accelerator))
+    assert kwargs["sparse_mode"] == 4 and (kwargs["pre_tockens"], kwargs["next_tockens"]) == (4, 0)
+    assert torch.equal(kwargs["atten_mask"], COMPRESSED)
+
+
+def test_npu_forced_sparse_mode_0_full_causal_mask(megatron_mp):
+    s = 15
+    _, kwargs = _parity(make_attention(), make_inputs(s, 1, 4, 4, 16, torch.float32), None,
+                        npu_patched(megatron_mp.accelerator, ("--use-flash-attn", "--sparse-mode", "0")))
+    assert kwargs["sparse_mode"] == 0 and kwargs["next_tockens"] == 0
+    assert torch.equal(kwargs["atten_mask"], torch.ones(s, s, dtype=torch.bool).triu(1)[None, None])
+
+
+def test_npu_forced_sparse_mode_that_cannot_fit_is_an_error(megatron_mp):
+    from npuspeed.features import FeatureError
+
+    module = make_attention(mask_type="padding")
+    q, k, v, _ = make_inputs(8, 1, 4, 4, 16, torch.float32)
+    mask = torch.zeros(1, 1, 1, 8, dtype=torch.bool)
+    with npu_patched(megatron_mp.accelerator, ("--use-flash-attn", "--sparse-mode", "2")):
+        with pytest.raises(FeatureError, match="--sparse-mode 2"):
+            module(q, k, v, mask)
+
+
+def test_npu_dropout_keep_prob_inside_tracker(megatron_mp):
+    from megatron.core import tensor_parallel
+
+    acc = megatron_mp.accelerator
+    module = make_attention(dropout=0.25)
+    module.train()
+    q, k, v, _ = make_inputs(8, 1, 4, 4, 16, torch.float32)
+    with npu_patched(acc) as fake, acc.device_rng_scope():
+        tensor_parallel.model_parallel_cuda_manual_seed(11)
+        default_before = acc.get_rng_state().clone()
+        first = module(q, k, v, None)
+        assert torch.equal(acc.get_rng_state(), default_before)
+        tensor_parallel.model_parallel_cuda_manual_seed(11)
+        again = module(q, k, v, None)
+    assert fake.calls[0][1]["keep_prob"] == pytest.approx(0.75)
+    assert torch.equal(first, again)
+
+
+def test_npu_report_path():
+    from npuspeed import arguments
+    from npuspeed.features.fused_attention import FusedAttentionFeature
+
+    fake = _FakeNpu(None)
+    text = FusedAttentionFeature().path(arguments.parse_args(["--use-flash-attn"]), fake)
+    assert text.startswith("torch_npu.npu_fusion_attention") and "SBH" in text
