@@ -62,7 +62,8 @@ def loss_func(loss_mask: torch.Tensor, output: torch.Tensor):
     losses = output.float().reshape(-1)
     mask = loss_mask.reshape(-1).float()
     loss = torch.sum(losses * mask) / mask.sum()
-    return loss, {"lm loss": loss.detach()}
+    # A copy: the schedule divides the returned loss in place by the micro-batch count.
+    return loss, {"lm loss": loss.detach().clone()}
 
 
 def forward_step(data_iterator, model):

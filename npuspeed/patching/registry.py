@@ -30,6 +30,7 @@ class Patch:
     kind: str  # "replace" or "wrap"
     fn: Callable
     megatron: str | None
+    if_missing: bool = False
     status: str = "registered"  # registered | applied | skipped
     reason: str = ""
 
@@ -70,15 +71,18 @@ class PatchRegistry:
         wrapper: Callable[[Callable], Callable] | None = None,
         feature: str,
         megatron: str | None = ">=0.12",
+        if_missing: bool = False,
     ) -> Patch:
         """Record a replacement of `target` or a wrapper around it (exactly one of the two).
 
         `megatron` is the version range in which the target exists; outside it the patch
         is skipped and the report says so. None means the target is not Megatron's.
+        `if_missing=True` provides a name upstream forgot to define (e.g. one only bound
+        when an optional package imports): installed only where it is absent.
         """
-        if (replacement is None) == (wrapper is None):
+        if (replacement is None and not if_missing) == (wrapper is None):
             raise PatchError(f"{feature}: register {target!r} with a replacement or a wrapper, not both")
-        kind = "replace" if replacement is not None else "wrap"
+        kind = "replace" if replacement is not None or if_missing else "wrap"
         if kind == "replace":
             for other in self._patches:
                 if other.target == target and other.kind == "replace":
@@ -86,7 +90,10 @@ class PatchRegistry:
                         f"{target!r} is replaced by two features: {other.feature!r} and "
                         f"{feature!r}; one must wrap instead, or the features are incompatible"
                     )
-        patch = Patch(target, feature, kind, replacement or wrapper, megatron)
+        if if_missing and kind != "replace":
+            raise PatchError(f"{feature}: if_missing needs a replacement value for {target!r}")
+        patch = Patch(target, feature, kind, replacement if replacement is not None else wrapper,
+                      megatron, if_missing)
         self._patches.append(patch)
         return patch
 
@@ -107,7 +114,9 @@ class PatchRegistry:
                 continue
             if target in self._installed:  # recompose with the earlier patches of the target
                 self._uninstall(target)
-            fresh.append(self._install(target, [p for p in self._patches if p.target == target and p.status != "skipped"]))
+            record = self._install(target, [p for p in self._patches if p.target == target and p.status != "skipped"])
+            if record is not None:
+                fresh.append(record)
         _rebind(fresh)
 
     def _admit(self, patch: Patch) -> bool:
@@ -118,8 +127,9 @@ class PatchRegistry:
         return True
 
     def _install(self, target: str, patches: list[Patch]) -> _Installed:
+        if_missing = any(p.if_missing for p in patches)
         try:
-            slot = resolve(target)
+            slot = resolve(target, allow_absent=if_missing)
         except TargetNotFound as exc:
             features = sorted({p.feature for p in patches})
             raise PatchError(
@@ -127,6 +137,10 @@ class PatchRegistry:
                 f"installed megatron-core {megatron_version()} ({exc}); this npuspeed does not "
                 "support that Megatron version for this feature"
             ) from exc
+        if if_missing and not slot.absent:
+            for patch in patches:
+                patch.status, patch.reason = "skipped", "already defined upstream"
+            return None
         original = slot.original
         fn = original
         for patch in sorted(patches, key=lambda p: p.kind != "replace"):

@@ -1,8 +1,10 @@
 """Turning a dotted target into (owner, attribute, original) and back.
 
 `a.b.Class.method` is resolved by importing the longest module prefix and walking the
-rest with getattr. For class attributes the raw `__dict__` entry is kept, so that
-staticmethod / classmethod descriptors survive a patch and its revert.
+rest with getattr. For class attributes the raw descriptor is kept (from the class's
+`__dict__`, or from the base class that defines an inherited one), so that staticmethod /
+classmethod descriptors survive a patch and its revert; an inherited target is installed
+on the named class and removed from it again on revert.
 """
 from __future__ import annotations
 
@@ -16,8 +18,6 @@ class TargetNotFound(LookupError):
     pass
 
 
-_MISSING = object()
-
 
 @dataclass
 class Slot:
@@ -25,19 +25,19 @@ class Slot:
 
     owner: Any
     attr: str
-    raw: Any  # the raw attribute (descriptor for classes), or _MISSING when inherited
+    raw: Any  # the raw attribute (the descriptor for classes, found along the MRO)
+    inherited: bool = False  # raw comes from a base class: revert deletes the override
+    absent: bool = False  # not there at all (an `if_missing` patch): revert deletes it
 
     @property
     def original(self) -> Any:
-        if self.raw is _MISSING:
-            return getattr(self.owner, self.attr)
         return _unwrap_descriptor(self.raw)
 
     def install(self, fn: Any) -> None:
         setattr(self.owner, self.attr, _rewrap_like(self.raw, fn))
 
     def restore(self) -> None:
-        if self.raw is _MISSING:
+        if self.inherited or self.absent:
             delattr(self.owner, self.attr)
         else:
             setattr(self.owner, self.attr, self.raw)
@@ -57,7 +57,7 @@ def _rewrap_like(raw, fn):
     return fn
 
 
-def resolve(target: str) -> Slot:
+def resolve(target: str, allow_absent: bool = False) -> Slot:
     parts = target.split(".")
     module, index = None, 0
     for i in range(len(parts) - 1, 0, -1):
@@ -81,9 +81,17 @@ def resolve(target: str) -> Slot:
     if inspect.isclass(owner):
         if attr in vars(owner):
             return Slot(owner, attr, vars(owner)[attr])
-        if not hasattr(owner, attr):
-            raise TargetNotFound(f"{target!r}: {attr!r} not found")
-        return Slot(owner, attr, _MISSING)
+        try:  # the base class's own descriptor, not a method bound to `owner`
+            raw = inspect.getattr_static(owner, attr)
+        except AttributeError:
+            if not hasattr(owner, attr):
+                if allow_absent:
+                    return Slot(owner, attr, None, absent=True)
+                raise TargetNotFound(f"{target!r}: {attr!r} not found") from None
+            raw = getattr(owner, attr)
+        return Slot(owner, attr, raw, inherited=True)
     if not hasattr(owner, attr):
+        if allow_absent:
+            return Slot(owner, attr, None, absent=True)
         raise TargetNotFound(f"{target!r}: {attr!r} not found")
     return Slot(owner, attr, getattr(owner, attr))

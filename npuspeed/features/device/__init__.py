@@ -43,6 +43,11 @@ class DeviceFeature(Feature):
             "megatron.core.transformer.torch_norm.WrappedTorchNorm.__new__",
             wrapper=megatron_fixes.norm_with_sequence_parallel, feature=self.name,
         )
+        # moe_utils binds te_general_gemm only when Transformer Engine imports (upstream bug).
+        registry.register(
+            "megatron.core.transformer.moe.moe_utils.te_general_gemm", None, feature=self.name,
+            if_missing=True,
+        )
         if accelerator.name == "cuda":
             return
         registry.register(
