@@ -1,0 +1,1 @@
+"""Helpers of examples/pretrain_gpt.py: tokenizers and the training data pipeline."""
