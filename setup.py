@@ -3,7 +3,9 @@
 The C++ op library (csrc/) is compiled here when torch and a C++ compiler are present
 at install time (`pip install --no-build-isolation -e .`, after torch); otherwise it is
 JIT-built at first use, and failing that the pure-PyTorch references run (see
-npuspeed/ops/_extension.py). NPUSPEED_DISABLE_CPP=1 skips the build.
+npuspeed/ops/_extension.py). NPUSPEED_DISABLE_CPP=1 skips the build. The SIMD level is
+the build machine's unless NPUSPEED_CPU_CAPABILITY says otherwise (npuspeed/ops/build_flags.py):
+set it to `default` when building a wheel for other machines.
 """
 import glob
 import os
@@ -30,8 +32,14 @@ def _extensions():
         print(f"npuspeed: not building the C++ op library at install ({exc}); it will be JIT-built",
               file=sys.stderr)
         return [], {}
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_npuspeed_build_flags", "npuspeed/ops/build_flags.py")
+    flags = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(flags)
     sources = sorted(glob.glob("csrc/cpu/*.cpp"))
-    ext = CppExtension("npuspeed._C", sources, extra_compile_args=["-O3"])
+    ext = CppExtension("npuspeed._C", sources, extra_compile_args=flags.compile_args(),
+                       extra_link_args=flags.link_args(), depends=sorted(glob.glob("csrc/cpu/*.h")))
     return [ext], {"build_ext": BuildExtension.with_options(no_python_abi_suffix=True)}
 
 

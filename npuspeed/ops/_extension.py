@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from npuspeed.ops import build_flags
+
 log = logging.getLogger("npuspeed")
 
 _PACKAGE_DIR = Path(__file__).resolve().parent.parent
@@ -41,7 +43,8 @@ def _prebuilt() -> str | None:
 
 def _cache_dir(sources: list[str]) -> Path:
     digest = hashlib.sha256(torch.__version__.encode())
-    for src in sources:
+    digest.update(" ".join(build_flags.compile_args()).encode())
+    for src in sources + sorted(glob.glob(str(_CSRC / "cpu" / "*.h"))):
         digest.update(Path(src).read_bytes())
     root = Path(os.environ.get("NPUSPEED_CACHE", Path.home() / ".cache" / "npuspeed"))
     return root / f"build-{digest.hexdigest()[:16]}"
@@ -64,7 +67,8 @@ def _jit_build(sources: list[str]) -> str:
             name="npuspeed_C",
             sources=sources,
             build_directory=str(build_dir),
-            extra_cflags=["-O3"],
+            extra_cflags=build_flags.compile_args(),
+            extra_ldflags=build_flags.link_args(),
             is_python_module=False,
             verbose=False,
         )
@@ -76,7 +80,7 @@ def load_library() -> dict:
     global _STATUS
     if _STATUS is not None:
         return _STATUS
-    status = {"compiled": False, "source": None, "path": None, "error": None}
+    status = {"compiled": False, "source": None, "path": None, "error": None, "cpu_capability": None}
     if cpp_disabled():
         status.update(source="disabled", error="NPUSPEED_DISABLE_CPP is set")
     else:
@@ -90,6 +94,11 @@ def load_library() -> dict:
             else:
                 torch.ops.load_library(path)
             status.update(compiled=True, path=path)
+            if hasattr(torch.ops.npuspeed, "cpu_capability"):
+                status["cpu_capability"] = level = torch.ops.npuspeed.cpu_capability()
+                problem = build_flags.unsupported_capability(level)
+                if problem:
+                    raise RuntimeError(problem)
         except Exception as exc:  # a missing compiler must not stop training
             status.update(source="failed", error=f"{type(exc).__name__}: {exc}".strip()[:2000])
     if not status["compiled"]:
