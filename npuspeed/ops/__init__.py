@@ -4,16 +4,22 @@ from __future__ import annotations
 
 def catalog() -> list[dict]:
     """Each op: whether the compiled library provides it and what implementation runs."""
+    import torch
+
     from npuspeed.ops._extension import load_library
 
     lib = load_library()
     rows = []
-    for name, source in [("memory_tracker", "csrc/cpu/memory_tracker.cpp")]:
-        compiled = lib["compiled"]
+    for name, source in [("memory_tracker", "csrc/cpu/memory_tracker.cpp"),
+                         ("rms_norm", "csrc/cpu/rms_norm.cpp"), ("swiglu", "csrc/cpu/swiglu.cpp"),
+                         ("rotary_pos_emb", "csrc/cpu/rope.cpp")]:
+        op = "memory_tracker_enable" if name == "memory_tracker" else name
+        compiled = lib["compiled"] and hasattr(torch.ops.npuspeed, op)
         rows.append({
             "name": name,
             "compiled": compiled,
-            "implementation": f"C++ {source} ({lib['source']})" if compiled else f"none: {lib['error']}",
+            "implementation": (f"C++ {source} ({lib['source']}, {lib.get('cpu_capability')})" if compiled
+                               else f"pure-PyTorch reference: {lib['error'] or 'op not in the library'}"),
             "error": lib["error"],
         })
     return rows

@@ -1,0 +1,44 @@
+"""Fused RMSNorm, SwiGLU and RoPE (`--use-fused-rmsnorm`, `--use-fused-swiglu`,
+`--use-fused-rotary-pos-emb`): one feature per flag, each routing one Megatron-Core
+computation to an `npuspeed.ops` front end (C++ on CPU, torch_npu on NPU, reference else)."""
+from __future__ import annotations
+
+from npuspeed.features.fused_ops import rmsnorm, rope, swiglu
+from npuspeed.features.fused_ops.base import FusedOpFeature
+
+
+class FusedRMSNormFeature(FusedOpFeature):
+    name = "fused_rmsnorm"
+    flags = ("--use-fused-rmsnorm",)
+    op, npu_kernel, source = "rms_norm", "npu_rms_norm", "csrc/cpu/rms_norm.cpp"
+    replaces = "the torch.nn.RMSNorm of --normalization RMSNorm"
+
+    def register_patches(self, registry, args, accelerator) -> None:
+        rmsnorm.register(registry, self.name)
+
+    def path(self, args, accelerator) -> str:
+        base = super().path(args, accelerator)
+        return base if base == "off" else f"{base}; {rmsnorm.SWAPPED['count']} norms fused"
+
+
+class FusedSwiGLUFeature(FusedOpFeature):
+    name = "fused_swiglu"
+    flags = ("--use-fused-swiglu",)
+    op, npu_kernel, source = "swiglu", "npu_swiglu", "csrc/cpu/swiglu.cpp"
+    replaces = "the SwiGLU activation of the MLP (--swiglu)"
+
+    def register_patches(self, registry, args, accelerator) -> None:
+        swiglu.register(registry, self.name)
+
+
+class FusedRoPEFeature(FusedOpFeature):
+    name = "fused_rotary_pos_emb"
+    flags = ("--use-fused-rotary-pos-emb",)
+    op, npu_kernel, source = "rotary_pos_emb", "npu_rotary_mul", "csrc/cpu/rope.cpp"
+    replaces = "Megatron's unfused rotary position embedding (--position-embedding-type rope)"
+
+    def register_patches(self, registry, args, accelerator) -> None:
+        rope.register(registry, self.name)
+
+
+FEATURES = (FusedRMSNormFeature, FusedSwiGLUFeature, FusedRoPEFeature)

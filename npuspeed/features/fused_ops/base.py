@@ -1,0 +1,53 @@
+"""What the three fused-op features share: one flag each, the implementation they report,
+and the notice when the fast kernel is absent (the reference then runs; training goes on)."""
+from __future__ import annotations
+
+import argparse
+
+from npuspeed.features.base import Feature
+
+
+class FusedOpFeature(Feature):
+    #: the `npuspeed::` op (and npuspeed.ops module) this feature routes to
+    op: str = ""
+    #: the torch_npu kernel used on an NPU
+    npu_kernel: str = ""
+    #: the C++ source, for the report
+    source: str = ""
+    #: what the flag replaces, for --help and the report
+    replaces: str = ""
+
+    @property
+    def dest(self) -> str:
+        return self.flags[0].lstrip("-").replace("-", "_")
+
+    def add_arguments(self, group) -> None:
+        group.add_argument(self.flags[0], action="store_true",
+                           help=f"Run {self.replaces} as npuspeed's fused {self.op} "
+                                f"(CPU: C++ {self.source}; NPU: torch_npu.{self.npu_kernel}).")
+
+    def enabled(self, args: argparse.Namespace) -> bool:
+        return bool(getattr(args, self.dest, False))
+
+    def prepare(self, args, accelerator) -> None:
+        from npuspeed import runtime
+
+        path = self.path(args, accelerator)
+        if "reference" in path:
+            runtime.note(f"{self.flags[0]}: {path}")
+
+    def path(self, args, accelerator) -> str:
+        if not self.enabled(args):
+            return "off"
+        if accelerator.name == "npu":
+            if hasattr(accelerator.torch_npu, self.npu_kernel):
+                return f"torch_npu.{self.npu_kernel}"
+            return f"pure-PyTorch reference (this torch_npu has no {self.npu_kernel})"
+        if accelerator.name == "cuda":
+            return "pure-PyTorch reference (no npuspeed CUDA kernel; CPU tensors use the C++ op)"
+        from npuspeed.ops._extension import has_op, load_library
+
+        lib = load_library()
+        if has_op(self.op):
+            return f"npuspeed::{self.op} (C++ {self.source}, {lib['source']}, {lib.get('cpu_capability')})"
+        return f"pure-PyTorch reference (C++ op library unavailable: {lib['error'] or 'op missing'})"

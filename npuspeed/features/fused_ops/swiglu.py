@@ -1,0 +1,62 @@
+"""--use-fused-swiglu: the SwiGLU activation of Megatron's MLP runs the fused op.
+
+MLP.forward reaches SwiGLU in two ways: with `config.bias_activation_fusion` (Megatron-LM's
+default under `--swiglu`) it calls `fused_bias_swiglu.bias_swiglu_impl`, which we wrap; without
+it, it runs an inline closure no patch can reach. So for gated-silu MLPs built without the
+fusion we give the MLP (only it) a copy of its config with `bias_activation_fusion=True`,
+which routes it to the wrapped function; the maths is the same SwiGLU. Configurations the
+fused op does not cover (clamped or offset GLU, TE activations) are left untouched, and so
+are calls with Megatron's fp8/offload input-store options (they run Megatron's own kernel).
+"""
+from __future__ import annotations
+
+import copy
+import functools
+
+import torch.nn.functional as F
+
+from npuspeed.ops.swiglu import swiglu
+
+BIAS_SWIGLU = "megatron.core.fusions.fused_bias_swiglu.bias_swiglu_impl"
+MLP_INIT = "megatron.core.transformer.mlp.MLP.__init__"
+#: MLPs routed to the fused activation in this process (the report shows it)
+ROUTED = {"count": 0}
+
+
+def fused_bias_swiglu(original):
+    @functools.wraps(original)
+    def bias_swiglu_impl(input, bias, fp8_input_store=False, cpu_offload_input=False, *args, **kwargs):
+        if fp8_input_store or cpu_offload_input or args or kwargs:
+            return original(input, bias, fp8_input_store, cpu_offload_input, *args, **kwargs)
+        return swiglu(input if bias is None else input + bias)
+
+    return bias_swiglu_impl
+
+
+def _routable(config) -> bool:
+    return (
+        getattr(config, "gated_linear_unit", False)
+        and getattr(config, "activation_func", None) is F.silu
+        and not getattr(config, "bias_activation_fusion", False)
+        and not getattr(config, "use_te_activation_func", False)
+        and getattr(config, "activation_func_clamp_value", None) is None
+        and not getattr(config, "glu_linear_offset", 0.0)
+    )
+
+
+def route_mlp(init):
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        if _routable(self.config) and getattr(self, "activation_func", F.silu) is F.silu:
+            fused = copy.copy(self.config)
+            object.__setattr__(fused, "bias_activation_fusion", True)
+            self.config = fused
+            ROUTED["count"] += 1
+
+    return __init__
+
+
+def register(registry, feature: str) -> None:
+    registry.register(BIAS_SWIGLU, wrapper=fused_bias_swiglu, feature=feature)
+    registry.register(MLP_INIT, wrapper=route_mlp, feature=feature)

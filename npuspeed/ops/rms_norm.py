@@ -1,0 +1,64 @@
+"""RMSNorm over the last dimension: y = x * rsqrt(mean(x^2) + eps) * weight.
+
+`rms_norm` runs `npuspeed::rms_norm` on CPU (one pass each way, fp32 accumulation, see
+csrc/cpu/rms_norm.cpp), `torch_npu.npu_rms_norm` on an NPU, and `rms_norm_reference`
+otherwise. The weight must have the input's dtype for the C++ path (Megatron's case: the
+module is cast with the model); mixed dtypes take the reference, which promotes as
+torch.nn.RMSNorm does.
+"""
+from __future__ import annotations
+
+import torch
+
+from npuspeed.ops import _dispatch
+
+OP = "rms_norm"
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """Pure PyTorch, computed in fp32 (fp64 for fp64) and rounded once to the output dtype."""
+    compute = torch.promote_types(x.dtype, torch.float32)
+    xf = x.to(compute)
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if weight is None:
+        return y.to(x.dtype)
+    return (y * weight.to(compute)).to(torch.promote_types(x.dtype, weight.dtype))
+
+
+def _register() -> None:
+    def setup_context(ctx, inputs, output):
+        x, weight, _eps = inputs
+        _y, rstd = output
+        ctx.save_for_backward(x, weight, rstd)
+        ctx.mark_non_differentiable(rstd)
+
+    def backward(ctx, grad_y, _grad_rstd):
+        x, weight, rstd = ctx.saved_tensors
+        want_dw = ctx.needs_input_grad[1]
+        dx, dw = torch.ops.npuspeed.rms_norm_backward(grad_y, x, weight, rstd, want_dw)
+        return dx, (dw if want_dw else None), None
+
+    torch.library.register_autograd("npuspeed::rms_norm", backward, setup_context=setup_context)
+
+    @torch.library.register_fake("npuspeed::rms_norm")
+    def _fake(x, weight, eps):
+        acc = torch.promote_types(x.dtype, torch.float32)
+        return torch.empty_like(x), x.new_empty(x.shape[:-1], dtype=acc)
+
+    @torch.library.register_fake("npuspeed::rms_norm_backward")
+    def _fake_bwd(grad, x, weight, rstd, weight_grad):
+        return torch.empty_like(x), weight.new_empty(weight.shape if weight_grad else (0,))
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 1e-5) -> torch.Tensor:
+    """RMSNorm of `x` over its last dimension, scaled by `weight` (1-D, or None for none)."""
+    if weight is None:
+        weight = torch.ones(x.shape[-1], dtype=x.dtype, device=x.device)
+    impl = _dispatch.implementation(OP, x, weight)
+    _dispatch.record(OP, impl)
+    if impl == "cpp":
+        _dispatch.ensure_registered(OP, _register)
+        return torch.ops.npuspeed.rms_norm(x, weight, float(eps))[0]
+    if impl == "npu":
+        return _dispatch.torch_npu().npu_rms_norm(x, weight, epsilon=float(eps))[0]
+    return rms_norm_reference(x, weight, eps)

@@ -1,0 +1,83 @@
+"""Rotary position embedding on Megatron's [s, b, h, d] layout (its `_apply_rotary_pos_emb_bshd`).
+
+`freqs` is Megatron's angle tensor, broadcastable to [s, b, h, rot] with rot <= d; the last
+d - rot channels pass through. cos and sin are taken as Megatron takes them (times mscale,
+rounded to t's dtype) so the fp32 results agree bit for bit. `rotary_pos_emb` runs
+`npuspeed::rotary_pos_emb` on CPU (csrc/cpu/rope.cpp), `torch_npu.npu_rotary_mul` on an NPU
+(rotate-half form), and `rotary_pos_emb_reference` otherwise. `freqs` gets no gradient from
+the fused paths; when it requires one, the reference runs.
+"""
+from __future__ import annotations
+
+import torch
+
+from npuspeed.ops import _dispatch
+
+OP = "rotary_pos_emb"
+
+
+def _cos_sin(t: torch.Tensor, freqs: torch.Tensor, mscale: float):
+    return (torch.cos(freqs) * mscale).to(t.dtype), (torch.sin(freqs) * mscale).to(t.dtype)
+
+
+def _rotate_half(x: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    if not interleaved:
+        x1, x2 = torch.chunk(x, 2, dim=-1)
+        return torch.cat((-x2, x1), dim=-1)
+    x1, x2 = x[..., ::2], x[..., 1::2]
+    return torch.stack((-x2, x1), dim=-1).flatten(-2)
+
+
+def rotary_pos_emb_reference(t: torch.Tensor, freqs: torch.Tensor, interleaved: bool = False,
+                             mscale: float = 1.0) -> torch.Tensor:
+    rot = freqs.shape[-1]
+    t_rot, t_pass = t[..., :rot], t[..., rot:]
+    cos, sin = _cos_sin(t, freqs, mscale)
+    return torch.cat((t_rot * cos + _rotate_half(t_rot, interleaved) * sin, t_pass), dim=-1)
+
+
+def _register() -> None:
+    def setup_context(ctx, inputs, output):
+        _t, cos, sin, interleaved = inputs
+        ctx.save_for_backward(cos, sin)
+        ctx.interleaved = interleaved
+
+    def backward(ctx, grad):
+        cos, sin = ctx.saved_tensors
+        return torch.ops.npuspeed.rotary_pos_emb_backward(grad, cos, sin, ctx.interleaved), None, None, None
+
+    torch.library.register_autograd("npuspeed::rotary_pos_emb", backward, setup_context=setup_context)
+
+    @torch.library.register_fake("npuspeed::rotary_pos_emb")
+    def _fake(t, cos, sin, interleaved):
+        return torch.empty_like(t)
+
+    @torch.library.register_fake("npuspeed::rotary_pos_emb_backward")
+    def _fake_bwd(grad, cos, sin, interleaved):
+        return torch.empty_like(grad)
+
+
+def supported(t: torch.Tensor, freqs: torch.Tensor) -> bool:
+    """Whether the fused paths take this call (4-D [s, b, h, d], even rot <= d, no freqs grad)."""
+    rot = freqs.shape[-1] if freqs.dim() else 0
+    return (t.dim() == 4 and freqs.dim() == 4 and rot % 2 == 0 and 0 < rot <= t.shape[-1]
+            and not freqs.requires_grad)
+
+
+def rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, interleaved: bool = False,
+                   mscale: float = 1.0) -> torch.Tensor:
+    """Megatron's rotary embedding of t [s, b, h, d] by the angles `freqs` (see the module doc)."""
+    fits = supported(t, freqs) and freqs.device == t.device
+    impl = _dispatch.implementation(OP, t) if fits else "reference"
+    if impl == "npu" and interleaved:  # npu_rotary_mul is the rotate-half form
+        impl = "reference"
+    _dispatch.record(OP, impl)
+    if impl == "reference":
+        return rotary_pos_emb_reference(t, freqs, interleaved, mscale)
+    cos, sin = _cos_sin(t, freqs, mscale)
+    if impl == "cpp":
+        _dispatch.ensure_registered(OP, _register)
+        return torch.ops.npuspeed.rotary_pos_emb(t, cos, sin, bool(interleaved))
+    rot = freqs.shape[-1]
+    out = _dispatch.torch_npu().npu_rotary_mul(t[..., :rot], cos, sin)
+    return out if rot == t.shape[-1] else torch.cat((out, t[..., rot:]), dim=-1)

@@ -1,0 +1,53 @@
+"""SwiGLU in Megatron's layout: x [..., 2F] -> silu(x[..., :F]) * x[..., F:].
+
+`swiglu` runs `npuspeed::swiglu` on CPU (csrc/cpu/swiglu.cpp: one pass each way, the
+sigmoid recomputed in backward from the saved input), `torch_npu.npu_swiglu` on an NPU,
+and `swiglu_reference` (what Megatron's unfused MLP computes) otherwise.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from npuspeed.ops import _dispatch
+
+OP = "swiglu"
+
+
+def swiglu_reference(x: torch.Tensor) -> torch.Tensor:
+    a, b = torch.chunk(x, 2, dim=-1)
+    return F.silu(a) * b
+
+
+def _register() -> None:
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[0])
+
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return torch.ops.npuspeed.swiglu_backward(grad, x)
+
+    torch.library.register_autograd("npuspeed::swiglu", backward, setup_context=setup_context)
+
+    @torch.library.register_fake("npuspeed::swiglu")
+    def _fake(x):
+        return x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
+
+    @torch.library.register_fake("npuspeed::swiglu_backward")
+    def _fake_bwd(grad, x):
+        return torch.empty_like(x)
+
+
+def swiglu(x: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * linear for x = [gate | linear] on the last dimension (which must be even)."""
+    if x.dim() == 0 or x.shape[-1] % 2:
+        raise ValueError(f"swiglu: the last dimension must be even (gate and linear halves), got {tuple(x.shape)}")
+    impl = _dispatch.implementation(OP, x)
+    _dispatch.record(OP, impl)
+    if impl == "cpp":
+        _dispatch.ensure_registered(OP, _register)
+        return torch.ops.npuspeed.swiglu(x)
+    if impl == "npu":
+        return _dispatch.torch_npu().npu_swiglu(x, dim=-1)
+    return swiglu_reference(x)
+
