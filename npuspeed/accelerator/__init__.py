@@ -17,6 +17,13 @@ log = logging.getLogger("npuspeed")
 
 DEVICES = ("npu", "cuda", "cpu")
 _ACCELERATOR: Accelerator | None = None
+# torch's own answer, kept before the device feature's CPU shim replaces torch.cuda's
+# (the shim says True); the registry never rebinds npuspeed's references.
+_torch_cuda_is_available = torch.cuda.is_available
+
+
+def _cuda_present() -> bool:
+    return bool(_torch_cuda_is_available())
 
 
 class AcceleratorError(RuntimeError):
@@ -49,7 +56,7 @@ def _build(name: str) -> Accelerator:
             raise AcceleratorError("NPUSPEED_DEVICE=npu but torch_npu sees no NPU device.")
         return acc
     if name == "cuda":
-        if not getattr(torch.backends, "cuda", None) or not torch.cuda.is_available():
+        if not getattr(torch.backends, "cuda", None) or not _cuda_present():
             raise AcceleratorError("NPUSPEED_DEVICE=cuda but this torch build sees no CUDA device.")
         from npuspeed.accelerator.cuda import CudaAccelerator
 
@@ -70,7 +77,7 @@ def select_device_name() -> str:
         return requested
     if _npu_present():
         return "npu"
-    if torch.cuda.is_available():
+    if _cuda_present():
         return "cuda"
     return "cpu"
 

@@ -36,20 +36,23 @@ def fork(self, name=None):
     if name not in self.states_:
         raise Exception(f"cuda rng state {name} is not added")
     acc = get_accelerator()
-    outer_name = getattr(self, "_current_state_name", _DEFAULT)
-    outer_state = acc.get_rng_state()
-    if outer_name != _DEFAULT:
-        self.states_[outer_name] = outer_state
-    acc.set_rng_state(self.states_[name])
-    self._current_state_name = name
-    try:
-        yield
-    finally:
-        self.states_[name] = acc.get_rng_state()
+    # The device scope makes the body draw from the device generator even when fork is
+    # entered outside a schedule (a direct forward call); inside one it is a no-op.
+    with acc.device_rng_scope():
+        outer_name = getattr(self, "_current_state_name", _DEFAULT)
+        outer_state = acc.get_rng_state()
         if outer_name != _DEFAULT:
-            outer_state = self.states_[outer_name]
-        acc.set_rng_state(outer_state)
-        self._current_state_name = outer_name
+            self.states_[outer_name] = outer_state
+        acc.set_rng_state(self.states_[name])
+        self._current_state_name = name
+        try:
+            yield
+        finally:
+            self.states_[name] = acc.get_rng_state()
+            if outer_name != _DEFAULT:
+                outer_state = self.states_[outer_name]
+            acc.set_rng_state(outer_state)
+            self._current_state_name = outer_name
 
 
 def in_device_rng_scope(fn):
