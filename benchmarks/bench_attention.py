@@ -1,0 +1,98 @@
+"""Fused attention benchmark: Megatron's DotProductAttention unfused vs --use-flash-attn.
+
+    python benchmarks/bench_attention.py [--seq-lengths 1024 2048] [--dtypes fp32 bf16]
+
+One step = forward + backward of one causal DotProductAttention layer (b=1, 8 heads, d=64)
+on a 1-rank gloo group. Baseline is Megatron's own forward (the registry's original), the
+feature is the patched one; both run on the same module and inputs in one process, through
+the shared harness (interleaved timing, peak memory, CSV + PNG under benchmarks/results/).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+
+import torch
+
+from harness import Bench
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+TARGET = "megatron.core.transformer.dot_product_attention.DotProductAttention.forward"
+
+
+def _init_megatron():
+    from npuspeed import runtime
+
+    state = runtime.initialize(["--use-flash-attn"])  # before megatron.core, as the adaptor does
+    import torch.distributed as dist
+    from megatron.core import parallel_state, tensor_parallel
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    parallel_state.initialize_model_parallel(1, 1)
+    tensor_parallel.model_parallel_cuda_manual_seed(1234)
+    return state
+
+
+def _layer(heads: int, d: int, dtype: torch.dtype):
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    cfg = TransformerConfig(num_layers=1, hidden_size=heads * d, num_attention_heads=heads, kv_channels=d,
+                            attention_dropout=0.0, use_cpu_initialization=True,
+                            bf16=dtype == torch.bfloat16, params_dtype=dtype)
+    return DotProductAttention(cfg, 1, AttnMaskType.causal, "self")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seq-lengths", type=int, nargs="+", default=[1024, 2048])
+    parser.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), default=["fp32", "bf16"])
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--repeat", type=int, default=3)
+    args = parser.parse_args()
+
+    bench = Bench("attention", warmup=args.warmup, repeat=args.repeat)
+    _init_megatron()
+    from npuspeed.features.fused_attention import STATS
+    from npuspeed.patching import registry
+
+    unfused_forward = registry.original(TARGET)
+    for dtype_name in args.dtypes:
+        dtype = DTYPES[dtype_name]
+        layer = _layer(args.heads, args.head_dim, dtype)
+        for s in args.seq_lengths:
+            gen = torch.Generator().manual_seed(s)
+            shape = (s, args.batch, args.heads, args.head_dim)
+            q, k, v = (torch.randn(*shape, generator=gen).to(dtype).requires_grad_(True) for _ in range(3))
+            grad = torch.randn(s, args.batch, args.heads * args.head_dim, generator=gen).to(dtype)
+
+            def step(forward):
+                def run():
+                    for t in (q, k, v):
+                        t.grad = None
+                    forward(q, k, v, None).backward(grad)
+                return run
+
+            calls = STATS.calls.copy()
+            row = bench.compare(
+                f"causal S={s}", dtype_name,
+                baseline=step(lambda *a: unfused_forward(layer, *a)), feature=step(layer),
+                extra={"S": s, "b": args.batch, "heads": args.heads, "d": args.head_dim, "threads": torch.get_num_threads(), "torch": torch.__version__},
+            )
+            ran = {k_: n - calls.get(k_, 0) for k_, n in STATS.calls.items() if n != calls.get(k_, 0)}
+            assert ran, "the fused path never ran"
+            row.extra["kernel"] = ",".join(sorted(ran))
+    bench.finish()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
+    main()
