@@ -60,6 +60,7 @@ setup(
         "packaging",
         "einops",
         "tqdm",
+        "psutil",  # megatron.core dist_checkpointing saves need it
     ],
     extras_require=EXTRAS,
     ext_modules=ext_modules,

@@ -23,10 +23,15 @@ def _iter_dir(root: str, iteration: int) -> str:
     return os.path.join(root, f"iter_{iteration:07d}")
 
 
+def _unwrap(chunk):
+    """The GPTModel inside Megatron's DDP wrapper (checkpoints hold the bare model's keys)."""
+    return getattr(chunk, "module", chunk)
+
+
 def _model_state(model) -> dict:
     if len(model) == 1:
-        return {"model": model[0].sharded_state_dict()}
-    return {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(model)}
+        return {"model": _unwrap(model[0]).sharded_state_dict()}
+    return {f"model{i}": _unwrap(chunk).sharded_state_dict() for i, chunk in enumerate(model)}
 
 
 def _rng_object(data=None) -> ShardedObject:
@@ -98,10 +103,10 @@ def load(root: str, model, optimizer, scheduler, *, load_optim: bool = True, loa
                         with_optim=load_optim, with_rng=load_rng)
     state = dist_checkpointing.load(template, _iter_dir(root, iteration))
     if len(model) == 1:
-        model[0].load_state_dict(state["model"])
+        _unwrap(model[0]).load_state_dict(state["model"])
     else:
         for i, chunk in enumerate(model):
-            chunk.load_state_dict(state[f"model{i}"])
+            _unwrap(chunk).load_state_dict(state[f"model{i}"])
     if load_optim:
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])

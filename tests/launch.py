@@ -1,0 +1,50 @@
+"""Run examples/pretrain_gpt.py as a user would (torchrun for 2 ranks) and read its summary."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE = ROOT / "examples" / "pretrain_gpt.py"
+
+# Small, deterministic, and identical padded vocab for every TP size.
+TINY = ["--use-cpu-initialization", "--make-vocab-size-divisible-by", "1",
+        "--global-batch-size", "4", "--micro-batch-size", "2", "--log-interval", "1"]
+NO_DROPOUT = ["--hidden-dropout", "0", "--attention-dropout", "0"]
+LLAMA = ["--normalization", "RMSNorm", "--swiglu", "--position-embedding-type", "rope",
+         "--group-query-attention", "--num-query-groups", "2", "--disable-bias-linear",
+         "--untie-embeddings-and-output-weights"]
+MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--disable-bias-linear"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_example(args: list[str], tmp_path: Path, nproc: int = 1, name: str = "run",
+                env: dict | None = None, timeout: int = 600) -> dict:
+    """Train; return the summary JSON (with the combined output under 'log')."""
+    summary = Path(tmp_path) / f"{name}.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(EXAMPLE)]
+    cmd += list(args) + ["--summary-json", str(summary)]
+    run_env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+    run_env.update(env or {})
+    proc = subprocess.run(cmd, cwd=ROOT, env=run_env, capture_output=True, text=True, timeout=timeout)
+    log = proc.stdout + proc.stderr
+    if proc.returncode != 0 or not summary.exists():
+        raise AssertionError(f"example failed ({proc.returncode}): {' '.join(cmd)}\n{log[-6000:]}")
+    result = json.loads(summary.read_text())
+    result["log"] = log
+    return result
+
+
+def max_abs_diff(a: list[float], b: list[float]) -> float:
+    assert len(a) == len(b), (len(a), len(b))
+    return max(abs(x - y) for x, y in zip(a, b))
