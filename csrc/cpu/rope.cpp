@@ -69,17 +69,41 @@ void rope_half_row(const T* x, const acc_t<T>* c, const acc_t<T>* sn, T* out, in
   }
 }
 
+// Pairs (2k, 2k+1): a step of 2N elements is split into its N even and N odd channels
+// (at::vec::deinterleave2), rotated, and interleaved back. Written with explicit vector ops:
+// GCC's SLP vectorizer turns the scalar form into fmaddsub even under -ffp-contract=off.
 template <typename T, bool kBackward>
 void rope_interleaved_row(const T* x, const acc_t<T>* c, const acc_t<T>* sn, T* out, int64_t rot) {
-  using A = acc_t<T>;
-  for (int64_t k = 0; k + 1 < rot; k += 2) {
-    const A e = static_cast<A>(x[k]), o = static_cast<A>(x[k + 1]);
-    if constexpr (!kBackward) {
-      out[k] = static_cast<T>(e * c[k] - o * sn[k]);
-      out[k + 1] = static_cast<T>(o * c[k + 1] + e * sn[k + 1]);
+  using V = AVec<T>;
+  constexpr int64_t S = kStep<T>;
+  V x0, x1, c0, c1, s0, s1;
+  for (int64_t j = 0; j < rot; j += S) {
+    const int64_t n = std::min<int64_t>(S, rot - j);
+    if (n == S) {
+      load2(x + j, x0, x1);
+      load2(c + j, c0, c1);
+      load2(sn + j, s0, s1);
     } else {
-      out[k] = static_cast<T>(e * c[k] + o * sn[k + 1]);
-      out[k + 1] = static_cast<T>(o * c[k + 1] - e * sn[k]);
+      load2(x + j, x0, x1, n);
+      load2(c + j, c0, c1, n);
+      load2(sn + j, s0, s1, n);
+    }
+    auto [e, o] = at::vec::deinterleave2(x0, x1);
+    auto [ce, co] = at::vec::deinterleave2(c0, c1);
+    auto [se, so] = at::vec::deinterleave2(s0, s1);
+    V oe, oo;
+    if constexpr (!kBackward) {
+      oe = e * ce - o * se;
+      oo = o * co + e * so;
+    } else {
+      oe = e * ce + o * so;
+      oo = o * co - e * se;
+    }
+    auto [y0, y1] = at::vec::interleave2(oe, oo);
+    if (n == S) {
+      store2(out + j, y0, y1);
+    } else {
+      store2(out + j, y0, y1, n);
     }
   }
 }

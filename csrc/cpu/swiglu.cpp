@@ -21,8 +21,8 @@
 namespace npuspeed::cpu {
 namespace {
 
-// The same operation order as ATen's silu and silu_backward CPU kernels, so fp32 results
-// match eager PyTorch bit for bit.
+// The same operation order as ATen's vectorized silu and silu_backward CPU kernels, so fp32
+// results match them bit for bit (eager on strided chunk halves may differ by an ulp).
 template <typename V>
 inline V silu(const V& a) {
   const V one(typename V::value_type(1));
