@@ -5,11 +5,12 @@ from npuspeed.features.base import Feature, FeatureError
 from npuspeed.features.device import DeviceFeature
 from npuspeed.features.fused_attention import FusedAttentionFeature
 from npuspeed.features.fused_ops import FusedRMSNormFeature, FusedRoPEFeature, FusedSwiGLUFeature
+from npuspeed.features.megatron_lm import MegatronLMFeature
 
 
 def all_features() -> list[Feature]:
     return [DeviceFeature(), FusedAttentionFeature(), FusedRMSNormFeature(), FusedSwiGLUFeature(),
-            FusedRoPEFeature()]
+            FusedRoPEFeature(), MegatronLMFeature()]
 
 
 __all__ = ["Feature", "FeatureError", "all_features"]
