@@ -25,9 +25,10 @@ ROUTED = {"count": 0}
 
 def fused_bias_swiglu(original):
     @functools.wraps(original)
-    def bias_swiglu_impl(input, bias, fp8_input_store=False, cpu_offload_input=False, *args, **kwargs):
-        if fp8_input_store or cpu_offload_input or args or kwargs:
-            return original(input, bias, fp8_input_store, cpu_offload_input, *args, **kwargs)
+    def bias_swiglu_impl(input, bias, *options, **kw_options):
+        # fp8_input_store (0.12+), cpu_offload_input (later): any that is set keeps Megatron's.
+        if any(options) or any(kw_options.values()):
+            return original(input, bias, *options, **kw_options)
         return swiglu(input if bias is None else input + bias)
 
     return bias_swiglu_impl
