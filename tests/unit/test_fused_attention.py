@@ -152,24 +152,43 @@ def test_scale_and_query_key_layer_scaling(megatron_mp, with_features, dtype):
     assert record["scale"] == pytest.approx(0.37)
 
 
-def test_window_size_parity(megatron_mp, with_features):
-    """Megatron (>= 0.15) honours window_size with a sliding-window mask; so does the band path."""
-    module = make_attention(window_size=(5, 0))
+def make_windowed(window):
+    """DotProductAttention with window_size, or skip where Megatron (< 0.15) refuses it."""
+    try:
+        module = make_attention(window_size=window)
+    except AssertionError as exc:  # "Sliding Window Attention is only supported by TE..."
+        pytest.skip(f"this megatron-core has no window_size in DotProductAttention: {exc}")
     if getattr(module.scale_mask_softmax, "window_size", None) is None:
         pytest.skip("this megatron-core has no window_size in DotProductAttention")
+    return module
+
+
+def band_mask(s, left, right):
+    """Megatron's polarity (True = masked out) for the band -left <= j - i <= right."""
+    rel = torch.arange(s)[None, :] - torch.arange(s)[:, None]
+    return ~((rel >= -left) & (rel <= right))[None, None]
+
+
+def test_window_size_parity(megatron_mp, with_features):
+    """Megatron (>= 0.15) honours window_size with a sliding-window mask; so does the band path."""
+    module = make_windowed((5, 0))
     record = compare(module, make_inputs(23, 2, 4, 4, 16, torch.float32), None, with_features)
     assert record["band"] == (5, 0) and record["mask"] == "window_size"
 
 
-def test_pre_next_tockens_band_matches_window(megatron_mp, with_features):
-    """--pre-tockens 5 --next-tockens 0 on a causal layer == Megatron with window_size (5, 0)."""
-    windowed = make_attention(window_size=(5, 0))
-    if getattr(windowed.scale_mask_softmax, "window_size", None) is None:
-        pytest.skip("this megatron-core has no window_size in DotProductAttention")
-    inputs = make_inputs(23, 2, 4, 4, 16, torch.float32, seed=5)
-    ref = run(windowed, *inputs, None)
-    with with_features(["--use-flash-attn", "--pre-tockens", "5", "--next-tockens", "0"]):
-        got = run(make_attention(), *inputs, None)
+@pytest.mark.parametrize("mask_type, pre, nxt", [("causal", 5, 0), ("no_mask", 3, 2), ("causal", 4, 7)])
+def test_pre_next_tockens_band(megatron_mp, with_features, mask_type, pre, nxt):
+    """--pre-tockens/--next-tockens == Megatron given the same band as an explicit mask
+    (a causal layer keeps next = 0 whatever --next-tockens says, as on NPU)."""
+    from npuspeed.features.fused_attention import STATS
+
+    s = 23
+    module = make_attention(mask_type=mask_type)
+    inputs = make_inputs(s, 2, 4, 4, 16, torch.float32, seed=5)
+    ref = run(module, *inputs, band_mask(s, pre, 0 if mask_type == "causal" else nxt))
+    with with_features(["--use-flash-attn", "--pre-tockens", str(pre), "--next-tockens", str(nxt)]):
+        got = run(module, *inputs, None)
+        assert STATS.last["band"] == (pre, 0 if mask_type == "causal" else nxt)
     for a, b in zip(ref, got):
         assert (a - b).abs().max().item() <= 1e-5
 

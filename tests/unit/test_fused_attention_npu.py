@@ -17,7 +17,9 @@ import pytest
 import torch
 
 from npu_fusion_attention_emulator import npu_fusion_attention as emulator
-from test_fused_attention import make_attention, make_inputs, megatron_mp, run  # noqa: F401 (fixture)
+from test_fused_attention import (  # noqa: F401 (megatron_mp is a fixture)
+    band_mask, make_attention, make_inputs, make_windowed, megatron_mp, run,
+)
 
 
 def naive(q, k, v, scale, allowed):
@@ -115,13 +117,13 @@ def npu_patched(cpu_accelerator, argv=("--use-flash-attn",)):
         registry.remove(feature.name)
 
 
-def _parity(module, inputs, mask, fake_ctx):
+def _parity(module, inputs, mask, fake_ctx, fused_mask="same"):
     from npuspeed.features.fused_attention import STATS
 
     ref = run(module, *inputs, mask)
     with fake_ctx as fake:
         before = STATS.calls["npu_fusion_attention"]
-        got = run(module, *inputs, mask)
+        got = run(module, *inputs, mask if fused_mask == "same" else fused_mask)
         assert STATS.calls["npu_fusion_attention"] == before + 1
     for name, a, b in zip(("out", "dq", "dk", "dv"), ref, got):
         err = (a - b).abs().max().item()
@@ -163,13 +165,19 @@ def test_npu_path_fully_masked_rows(megatron_mp):
 
 
 def test_npu_path_band_uses_sparse_mode_4(megatron_mp):
-    windowed = make_attention(window_size=(4, 0))
-    if getattr(windowed.scale_mask_softmax, "window_size", None) is None:
-        pytest.skip("this megatron-core has no window_size in DotProductAttention")
-    _, kwargs = _parity(windowed, make_inputs(17, 1, 4, 4, 16, torch.float32), None,
-                        npu_patched(megatron_mp.accelerator))
+    """--pre-tockens 4 on a causal layer: Megatron given the band mask == sparse_mode 4."""
+    s = 17
+    argv = ("--use-flash-attn", "--pre-tockens", "4", "--next-tockens", "0")
+    _, kwargs = _parity(make_attention(), make_inputs(s, 1, 4, 4, 16, torch.float32), band_mask(s, 4, 0),
+                        npu_patched(megatron_mp.accelerator, argv), fused_mask=None)
     assert kwargs["sparse_mode"] == 4 and (kwargs["pre_tockens"], kwargs["next_tockens"]) == (4, 0)
     assert torch.equal(kwargs["atten_mask"], COMPRESSED)
+
+
+def test_npu_path_window_size(megatron_mp):
+    _, kwargs = _parity(make_windowed((3, 0)), make_inputs(15, 1, 4, 4, 16, torch.float32), None,
+                        npu_patched(megatron_mp.accelerator))
+    assert kwargs["sparse_mode"] == 4 and (kwargs["pre_tockens"], kwargs["next_tockens"]) == (3, 0)
 
 
 def test_npu_forced_sparse_mode_0_full_causal_mask(megatron_mp):
