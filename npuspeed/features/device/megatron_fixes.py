@@ -11,6 +11,7 @@ import functools
 import torch
 
 from npuspeed.accelerator import get_accelerator
+from npuspeed.features.device.module_proxy import DeviceMappedTorch
 from npuspeed.features.device.redirect import on_device
 from npuspeed.features.device.rng import in_device_rng_scope
 
@@ -33,13 +34,24 @@ DEVICE_REDIRECTS = [
     "transformer.utils.get_default_causal_mask",
     "transformer.utils.get_sliding_window_causal_mask",
     "rerun_state_machine.RerunStateMachine._reduce_any",
+    "rerun_state_machine.RerunStateMachine.should_run_forward_backward",
     "models.common.language_module.language_module.LanguageModule.setup_embeddings_and_output_layer",
     "transformer.moe.moe_utils.track_moe_metrics",
     "utils.local_multi_tensor_l2_norm",
     "utils.check_param_hashes_across_dp_replicas",
 ]
 
-# The schedules: device RNG scope, plus the `total_num_tokens` tensor made on 'cuda'.
+# Targets that exist (or need the fix) only in part of the supported range; the rest: ">=0.12".
+# Before 0.16 the rerun state machine made its all-reduce flags on 'cuda' inline in
+# should_run_forward_backward; 0.16 moved that into _reduce_any.
+MEGATRON_RANGES = {
+    "transformer.utils.get_sliding_window_causal_mask": ">=0.15",
+    "rerun_state_machine.RerunStateMachine._reduce_any": ">=0.16",
+    "rerun_state_machine.RerunStateMachine.should_run_forward_backward": "<0.16",
+}
+
+# The schedules run in the device RNG scope; the `total_num_tokens` tensor they make on
+# 'cuda' is mapped by giving the module its own `torch` (see module_proxy.py).
 SCHEDULES = [
     "pipeline_parallel.schedules.forward_backward_no_pipelining",
     "pipeline_parallel.schedules.forward_backward_pipelining_without_interleaving",
@@ -83,7 +95,9 @@ def maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
 def register(registry, accelerator, feature: str) -> None:
     device_fn = accelerator.device
     for target in DEVICE_REDIRECTS:
-        registry.register(f"{_MC}.{target}", wrapper=on_device(device_fn), feature=feature)
+        registry.register(f"{_MC}.{target}", wrapper=on_device(device_fn), feature=feature,
+                          megatron=MEGATRON_RANGES.get(target, ">=0.12"))
     for target in SCHEDULES:
-        registry.register(f"{_MC}.{target}", wrapper=on_device(device_fn), feature=feature)
         registry.register(f"{_MC}.{target}", wrapper=in_device_rng_scope, feature=feature)
+    registry.register(f"{_MC}.pipeline_parallel.schedules.torch", DeviceMappedTorch(device_fn),
+                      feature=feature)
