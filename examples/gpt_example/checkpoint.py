@@ -24,8 +24,10 @@ def _iter_dir(root: str, iteration: int) -> str:
 
 
 def _unwrap(chunk):
-    """The GPTModel inside Megatron's DDP wrapper (checkpoints hold the bare model's keys)."""
-    return getattr(chunk, "module", chunk)
+    """The GPTModel inside Megatron's DDP / Float16Module wrappers (checkpoints hold its keys)."""
+    while hasattr(chunk, "module"):
+        chunk = chunk.module
+    return chunk
 
 
 def _model_state(model) -> dict:

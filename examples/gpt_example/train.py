@@ -23,6 +23,7 @@ from gpt_example.model import (
     _supported, build_model, initialize_by_global_name, padded_vocab_size, transformer_config,
 )
 from npuspeed import get_accelerator
+from npuspeed.memory import weight_bytes
 
 
 def init_distributed(args) -> None:
@@ -92,6 +93,15 @@ def build_optimizer(args, model):
     return optimizer, scheduler
 
 
+def wrap_float16(args, config, chunks):
+    """As Megatron-LM: bf16/fp16 models take fp32 inputs and return fp32 losses."""
+    if not (args.bf16 or args.fp16):
+        return chunks
+    from megatron.core.transformer.module import Float16Module
+
+    return [Float16Module(config, chunk) for chunk in chunks]
+
+
 def wrap_ddp(args, config, chunks):
     ddp_config = DistributedDataParallelConfig(**_supported(DistributedDataParallelConfig, dict(
         grad_reduce_in_fp32=args.bf16 or args.fp16, overlap_grad_reduce=args.overlap_grad_reduce,
@@ -155,7 +165,7 @@ def main(args) -> dict:
     chunks = build_model(args, config, padded_vocab_size(tokenizer.vocab_size, args))
     if args.use_cpu_initialization:
         initialize_by_global_name(chunks, args, config)
-    model = wrap_ddp(args, config, chunks)
+    model = wrap_ddp(args, config, wrap_float16(args, config, chunks))
     optimizer, scheduler = build_optimizer(args, model)
     _configure_schedule_hooks(args, config, model, optimizer)
 
@@ -218,6 +228,7 @@ def main(args) -> dict:
         "tokens_per_s": tokens_per_iter / (mean_ms / 1000.0) if mean_ms else 0.0,
         "peak_mem_bytes": int(_max_over_ranks(acc.max_memory_allocated())),
         "world_size": torch.distributed.get_world_size(),
+        "weight_bytes": int(_max_over_ranks(weight_bytes(model, optimizer))),
         "device": acc.name,
         "iterations": iteration,
     }

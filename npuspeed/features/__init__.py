@@ -2,15 +2,19 @@
 from __future__ import annotations
 
 from npuspeed.features.base import Feature, FeatureError
+from npuspeed.features.coc_overlap import CocFeature
 from npuspeed.features.device import DeviceFeature
 from npuspeed.features.fused_attention import FusedAttentionFeature
 from npuspeed.features.fused_ops import FusedRMSNormFeature, FusedRoPEFeature, FusedSwiGLUFeature
 from npuspeed.features.megatron_lm import MegatronLMFeature
+from npuspeed.features.recompute_activation import RecomputeActivationFeature
+from npuspeed.features.reuse_fp32_param import ReuseFp32ParamFeature
 
 
 def all_features() -> list[Feature]:
     return [DeviceFeature(), FusedAttentionFeature(), FusedRMSNormFeature(), FusedSwiGLUFeature(),
-            FusedRoPEFeature(), MegatronLMFeature()]
+            FusedRoPEFeature(), ReuseFp32ParamFeature(), RecomputeActivationFeature(),
+            CocFeature(), MegatronLMFeature()]
 
 
 __all__ = ["Feature", "FeatureError", "all_features"]
