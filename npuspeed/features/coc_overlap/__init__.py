@@ -1,0 +1,106 @@
+"""Compute-communication overlap (`--use-coc --coc-parallel-num N`) for tensor parallelism.
+
+With TP, a column-parallel linear starts with an all-gather of the sequence-sharded input
+(SP) and a row-parallel linear ends with a reduce-scatter (SP) or an all-reduce; done whole,
+that communication is pure waiting. Here the token rows of each call are cut into N chunks
+and pipelined: chunk i+1 is gathered while chunk i is multiplied, chunk i is reduced while
+chunk i+1 is multiplied; backward mirrors it. The forward and backward of Megatron-Core's
+local ColumnParallelLinear / RowParallelLinear are replaced (layers.py, functions.py);
+collectives are async work handles, on a side stream where the device has streams
+(comm.py). With `--use-ascend-mc2` on an NPU whose torch_npu has the MC2 kernels, the fused
+`npu_all_gather_base_mm` / `npu_mm_reduce_scatter_base` run instead (mc2.py).
+
+N must be > 1: one chunk would be the original code under another name (MindSpeed's
+default). Shapes N does not divide use the nearest divisor, logged (chunking.py).
+"""
+from __future__ import annotations
+
+import argparse
+
+from npuspeed.features.base import Feature, FeatureError
+from npuspeed.features.coc_overlap.comm import STATS
+from npuspeed.features.coc_overlap.layers import (
+    Settings, build_module_wrapper, column_forward_wrapper, init_wrapper, row_forward_wrapper, use_mc2,
+)
+
+LAYERS = "megatron.core.tensor_parallel.layers"
+MEGATRON_RANGE = ">=0.12,<0.17"  # forward(input_, weight, runtime_gather_output) / forward(input_)
+
+
+def _tp_size_from_argv() -> int | None:
+    """--tensor-model-parallel-size from the command line, if given (Megatron's flag)."""
+    from npuspeed.arguments import argv_with_env
+
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    parser.add_argument("--tensor-model-parallel-size", type=int, default=None)
+    return parser.parse_known_args(argv_with_env())[0].tensor_model_parallel_size
+
+
+class CocFeature(Feature):
+    name = "coc_overlap"
+    flags = ("--use-coc", "--coc-parallel-num", "--use-ascend-mc2")
+
+    def add_arguments(self, group) -> None:
+        group.add_argument("--use-coc", action="store_true",
+                           help="Overlap tensor-parallel communication with the matmuls of Megatron's "
+                                "ColumnParallelLinear/RowParallelLinear, in --coc-parallel-num row chunks "
+                                "(needs tensor-model-parallel size > 1).")
+        group.add_argument("--coc-parallel-num", type=int, default=None,
+                           help="With --use-coc: number of row chunks N (> 1), e.g. 2 or 4.")
+        group.add_argument("--use-ascend-mc2", action="store_true",
+                           help="With --use-coc on an NPU: torch_npu's fused MC2 kernels "
+                                "(npu_all_gather_base_mm, npu_mm_reduce_scatter_base) instead of chunks.")
+
+    def enabled(self, args: argparse.Namespace) -> bool:
+        # The companion flags alone turn the feature on, so validate() can refuse them.
+        return bool(getattr(args, "use_coc", False) or getattr(args, "use_ascend_mc2", False)
+                    or getattr(args, "coc_parallel_num", None) is not None)
+
+    def validate(self, args: argparse.Namespace, accelerator) -> None:
+        if not args.use_coc:
+            given = [f for f, on in (("--coc-parallel-num", args.coc_parallel_num is not None),
+                                     ("--use-ascend-mc2", args.use_ascend_mc2)) if on]
+            raise FeatureError(f"{', '.join(given)} only apply with --use-coc: add --use-coc "
+                               "--coc-parallel-num N (N > 1) or drop them.")
+        n = args.coc_parallel_num
+        if n is None or n <= 1:
+            got = "not given" if n is None else f"got {n}"
+            raise FeatureError(f"--use-coc needs --coc-parallel-num N with N > 1 ({got}): one chunk "
+                               "leaves nothing to overlap. Add e.g. --coc-parallel-num 2, or drop --use-coc.")
+        tp = _tp_size_from_argv()
+        if tp is not None and tp <= 1:
+            raise FeatureError(f"--use-coc overlaps tensor-parallel communication, but "
+                               f"--tensor-model-parallel-size is {tp}; use a size > 1 or drop --use-coc.")
+
+    def prepare(self, args, accelerator) -> None:
+        from npuspeed import runtime
+
+        if args.use_ascend_mc2 and not use_mc2(Settings(args.coc_parallel_num, True, accelerator)):
+            runtime.note(f"--use-ascend-mc2: no torch_npu MC2 kernels on {accelerator.name}; "
+                         f"--use-coc runs the chunked path (N={args.coc_parallel_num}).")
+
+    def register_patches(self, registry, args, accelerator) -> None:
+        settings = Settings(args.coc_parallel_num, bool(args.use_ascend_mc2), accelerator)
+        kw = dict(feature=self.name, megatron=MEGATRON_RANGE)
+        registry.register(f"{LAYERS}.ColumnParallelLinear.forward", wrapper=column_forward_wrapper(settings), **kw)
+        registry.register(f"{LAYERS}.RowParallelLinear.forward", wrapper=row_forward_wrapper(settings), **kw)
+        registry.register(f"{LAYERS}.ColumnParallelLinear.__init__", wrapper=init_wrapper("ColumnParallelLinear"), **kw)
+        registry.register(f"{LAYERS}.RowParallelLinear.__init__", wrapper=init_wrapper("RowParallelLinear"), **kw)
+        registry.register("megatron.core.transformer.spec_utils.build_module", wrapper=build_module_wrapper, **kw)
+
+    def path(self, args, accelerator) -> str:
+        if not self.enabled(args):
+            return "off"
+        n = args.coc_parallel_num
+        target = "replaces forward+backward of Megatron's local ColumnParallelLinear/RowParallelLinear"
+        if use_mc2(Settings(n, bool(args.use_ascend_mc2), accelerator)):
+            return (f"torch_npu MC2 fused npu_all_gather_base_mm / npu_mm_reduce_scatter_base "
+                    f"(chunked N={n} where a shape does not fit MC2); {target}")
+        where = ("async work handles (no streams on this device)"
+                 if accelerator.name == "cpu" else "a separate communication stream")
+        mc2 = "; --use-ascend-mc2 given but no MC2 kernels here" if args.use_ascend_mc2 else ""
+        return (f"chunked all-gather+matmul / matmul+reduce-scatter / matmul+all-reduce, N={n} row chunks, "
+                f"{accelerator.dist_backend} collectives on {where}{mc2}; {target}")
+
+
+__all__ = ["CocFeature", "STATS"]

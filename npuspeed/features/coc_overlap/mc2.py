@@ -1,0 +1,94 @@
+"""The Ascend MC2 engine: torch_npu's fused communication+matmul kernels (`--use-ascend-mc2`).
+
+`npu_all_gather_base_mm(x, w_t, hcom, world_size, bias=, gather_index=0, gather_output=,
+comm_turn=0)` returns (all_gather(x) @ w_t, all_gather(x)); `npu_mm_reduce_scatter_base(x,
+w_t, hcom, world_size, reduce_op='sum', bias=, comm_turn=0)` returns reduce_scatter(x @ w_t);
+`npu_mm_all_reduce_base(x, w_t, hcom, reduce_op='sum', ...)` returns all_reduce(x @ w_t).
+They pipeline internally; rows come out in the unchunked collective's order. `hcom` is the
+HCCL communicator name of the tensor-parallel group.
+
+The kernels take fp16/bf16 2-D inputs with k in [256, 65535) on 2, 4 or 8 ranks; any other
+call goes to the chunked engine (one log line per shape). torch_npu is reached only through
+`get_accelerator().torch_npu`, so a unit test can stand a fake in for it.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from npuspeed.features.coc_overlap.comm import STATS, ChunkedEngine, Pending
+
+log = logging.getLogger("npuspeed")
+OPS = ("npu_all_gather_base_mm", "npu_mm_reduce_scatter_base")
+_LOGGED: set = set()
+
+
+def hccl_comm_name(group, acc) -> str:
+    """The HCCL communicator name torch_npu's MC2 kernels take for `group`."""
+    rank = torch.distributed.get_rank()
+    return group._get_backend(acc.device()).get_hccl_comm_name(rank)
+
+
+def unsupported(x: torch.Tensor, w_t: torch.Tensor, world_size: int) -> str | None:
+    """Why the MC2 kernels cannot take this call (None when they can)."""
+    if x.dtype not in (torch.float16, torch.bfloat16):
+        return f"dtype {x.dtype} (MC2 takes fp16/bf16)"
+    if x.dim() != 2 or w_t.dim() != 2:
+        return "inputs not 2-D"
+    if not 256 <= x.shape[1] < 65535:
+        return f"k={x.shape[1]} outside [256, 65535)"
+    if world_size not in (2, 4, 8):
+        return f"tensor-parallel size {world_size} (MC2 takes 2, 4 or 8)"
+    return None
+
+
+class Mc2Engine:
+    """Same interface as ChunkedEngine; fused kernels where they apply, chunked elsewhere."""
+
+    name = "mc2"
+
+    def __init__(self, torch_npu, chunked: ChunkedEngine, group, acc):
+        self.npu, self.chunked, self.group, self.acc = torch_npu, chunked, group, acc
+        self.comm = chunked.comm
+        self.size = chunked.comm.size
+        self._hcom = None
+
+    @property
+    def hcom(self) -> str:
+        if self._hcom is None:
+            self._hcom = hccl_comm_name(self.group, self.acc)
+        return self._hcom
+
+    def _usable(self, op: str, x, w_t) -> bool:
+        why = None if hasattr(self.npu, op) else f"this torch_npu has no {op}"
+        why = why or unsupported(x, w_t, self.size)
+        if why is None:
+            STATS.collectives[f"mc2:{op}"] += 1
+            return True
+        key = (op, tuple(x.shape), x.dtype)
+        if key not in _LOGGED:
+            _LOGGED.add(key)
+            log.warning("--use-ascend-mc2: %s for %s %s; this shape runs the chunked path", why,
+                        op, tuple(x.shape))
+        return False
+
+    def ag_mm(self, x, w_t, keep_gathered: bool = False):
+        if not self._usable("npu_all_gather_base_mm", x, w_t):
+            return self.chunked.ag_mm(x, w_t, keep_gathered)
+        out, gathered = self.npu.npu_all_gather_base_mm(
+            x.contiguous(), w_t, self.hcom, self.size, bias=None, gather_index=0,
+            gather_output=keep_gathered, comm_turn=0)
+        return out, (gathered if keep_gathered else None)
+
+    def mm_rs(self, x, w_t) -> Pending:
+        if not self._usable("npu_mm_reduce_scatter_base", x, w_t):
+            return self.chunked.mm_rs(x, w_t)
+        return Pending(self.npu.npu_mm_reduce_scatter_base(
+            x.contiguous(), w_t, self.hcom, self.size, reduce_op="sum", bias=None, comm_turn=0))
+
+    def mm_ar(self, x, w_t) -> Pending:
+        if not self._usable("npu_mm_all_reduce_base", x, w_t):
+            return self.chunked.mm_ar(x, w_t)
+        return Pending(self.npu.npu_mm_all_reduce_base(
+            x.contiguous(), w_t, self.hcom, reduce_op="sum", bias=None, comm_turn=0))

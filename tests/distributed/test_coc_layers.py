@@ -1,0 +1,425 @@
+"""--use-coc on 2 gloo ranks: the chunked ColumnParallelLinear / RowParallelLinear against
+Megatron's own layers, and proof that the chunked collectives ran.
+
+One spawn runs every case (Megatron's import is the slow part) and writes, per rank, the
+max |difference| of output, input grad, weight grad and bias grad, plus the collectives that
+were issued (counted by wrapping torch.distributed's functions, independently of the
+feature's own counter). The tests below read those results.
+
+Cases: column and row, SP on and off, bias on and off, fp32 and bf16, N in {2, 4}, one shape
+whose rows N divides and one whose rows it does not (the nearest divisor is then used).
+Also: gradient accumulation into main_grad, and the MC2 path against a fake torch_npu whose
+kernels implement the documented semantics with gloo collectives.
+"""
+from __future__ import annotations
+
+import datetime
+import itertools
+import json
+import os
+import socket
+from collections import Counter
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+WORLD = 2
+H, FFN = 16, 24  # hidden, ffn (column output / row input, split over the 2 ranks)
+SHAPES = {"even": (16, 2), "odd": (10, 3)}  # (sequence, batch): rows 16/32 and 15/30
+TOL = {"fp32": 1e-6, "bf16": 1e-2}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+CASES = [dict(layer=layer, sp=sp, bias=bias, dtype=dt, n=n, shape=shape)
+         for layer, sp, bias, dt, n, shape in itertools.product(
+             ("column", "row"), (True, False), (True, False), ("fp32", "bf16"), (2, 4), SHAPES)]
+
+
+def case_id(c: dict) -> str:
+    return f"{c['layer']}-{'sp' if c['sp'] else 'nosp'}-{'bias' if c['bias'] else 'nobias'}-{c['dtype']}-N{c['n']}-{c['shape']}"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# -- inside each rank ---------------------------------------------------------------------------
+
+class CountingCollectives:
+    """Wraps torch.distributed's collectives to record (name, async_op, rows of the input)."""
+
+    NAMES = ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce")
+
+    def __init__(self):
+        self.calls: list = []
+        self._saved = {}
+
+    def __enter__(self):
+        import torch.distributed as dist
+
+        for name in self.NAMES:
+            original = getattr(dist, name)
+            self._saved[name] = original
+
+            def counted(*args, _name=name, _original=original, **kwargs):
+                inp = args[1] if _name != "all_reduce" else args[0]
+                self.calls.append((_name, bool(kwargs.get("async_op")), inp.shape[0]))
+                return _original(*args, **kwargs)
+
+            setattr(dist, name, counted)
+        return self
+
+    def __exit__(self, *exc):
+        import torch.distributed as dist
+
+        for name, original in self._saved.items():
+            setattr(dist, name, original)
+
+
+def _enable_coc(n: int, acc, extra=()):
+    from npuspeed import arguments
+    from npuspeed.features.coc_overlap import CocFeature
+    from npuspeed.patching import registry
+
+    feature = CocFeature()
+    args = arguments.parse_args(["--use-coc", "--coc-parallel-num", str(n), *extra])
+    feature.validate(args, acc)
+    feature.register_patches(registry, args, acc)
+    registry.apply()
+    return feature
+
+
+def _disable_coc():
+    from npuspeed.patching import registry
+
+    registry.remove("coc_overlap")
+
+
+def _build(layer: str, sp: bool, bias: bool, dtype, h=H, ffn=FFN):
+    from megatron.core.model_parallel_config import ModelParallelConfig
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    cfg = ModelParallelConfig(tensor_model_parallel_size=WORLD, sequence_parallel=sp, use_cpu_initialization=True,
+                              params_dtype=dtype, gradient_accumulation_fusion=False)
+    init = torch.nn.init.zeros_
+    if layer == "column":
+        return ColumnParallelLinear(h, ffn, config=cfg, init_method=init, bias=bias, gather_output=False)
+    return RowParallelLinear(ffn, h, config=cfg, init_method=init, bias=bias, input_is_parallel=True,
+                             skip_bias_add=False)
+
+
+def _setup(module, layer: str, rank: int, dtype, seed: int, h=H, ffn=FFN, w_std=0.3):
+    """Shard one seeded full weight/bias; return (input, grad_output) for this rank."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        if layer == "column":
+            w = torch.randn(ffn, h, generator=gen) * w_std
+            b = torch.randn(ffn, generator=gen)
+            module.weight.copy_(w.chunk(WORLD, 0)[rank])
+            if module.bias is not None:
+                module.bias.copy_(b.chunk(WORLD, 0)[rank])
+        else:
+            w = torch.randn(h, ffn, generator=gen) * w_std
+            b = torch.randn(h, generator=gen)
+            module.weight.copy_(w.chunk(WORLD, 1)[rank])
+            if module.bias is not None:
+                module.bias.copy_(b)
+
+
+def _inputs(layer: str, sp: bool, shape: str, rank: int, dtype, seed: int, h=H, ffn=FFN):
+    s, b = SHAPES[shape] if isinstance(shape, str) else shape
+    gen = torch.Generator().manual_seed(seed + 1)
+    rank_gen = torch.Generator().manual_seed(seed + 100 + rank)
+    if layer == "column":
+        full = torch.randn(s, b, h, generator=gen) * 0.5
+        x = full.chunk(WORLD, 0)[rank] if sp else full
+        g = torch.randn(s, b, ffn // WORLD, generator=rank_gen)
+    else:
+        x = (torch.randn(s, b, ffn, generator=gen) * 0.5).chunk(WORLD, 2)[rank]
+        g = torch.randn(s // WORLD, b, h, generator=rank_gen) if sp else torch.randn(s, b, h, generator=gen)
+    return x.to(dtype).contiguous(), g.to(dtype).contiguous()
+
+
+def _run(module, x, g):
+    module.zero_grad(set_to_none=True)
+    x = x.clone().requires_grad_(True)
+    out, out_bias = module(x)
+    assert out_bias is None
+    out.backward(g)
+    got = {"out": out.detach(), "dx": x.grad, "dw": module.weight.grad}
+    if module.bias is not None:
+        got["db"] = module.bias.grad
+    return got
+
+
+def _diffs(ref: dict, got: dict) -> dict:
+    out = {}
+    for k, a in ref.items():
+        b = got[k]
+        assert a.shape == b.shape and a.dtype == b.dtype, (k, a.shape, b.shape, a.dtype, b.dtype)
+        out[k] = (a.float() - b.float()).abs().max().item()
+    return out
+
+
+def _expected_collectives(c: dict) -> Counter:
+    from npuspeed.features.coc_overlap.chunking import nearest_divisor
+
+    s, b = SHAPES[c["shape"]]
+    local, full = (s // WORLD) * b, s * b
+    if c["layer"] == "column" and c["sp"]:
+        n = nearest_divisor(local, c["n"])
+        return Counter(all_gather_into_tensor=n + 1, reduce_scatter_tensor=n)  # +1: dW's re-gather
+    if c["layer"] == "column":
+        return Counter(all_reduce=nearest_divisor(full, c["n"]))
+    if c["sp"]:
+        n = nearest_divisor(local, c["n"])
+        return Counter(reduce_scatter_tensor=n, all_gather_into_tensor=n)
+    return Counter(all_reduce=nearest_divisor(full, c["n"]))
+
+
+def _parity_cases(rank: int, acc) -> dict:
+    from npuspeed.features.coc_overlap import STATS
+
+    results = {}
+    for i, c in enumerate(CASES):
+        dtype = DTYPES[c["dtype"]]
+        module = _build(c["layer"], c["sp"], c["bias"], dtype)
+        _setup(module, c["layer"], rank, dtype, seed=i)
+        x, g = _inputs(c["layer"], c["sp"], c["shape"], rank, dtype, seed=i)
+        ref = _run(module, x, g)
+        _enable_coc(c["n"], acc)
+        try:
+            STATS.reset()
+            with CountingCollectives() as counting:
+                got = _run(module, x, g)
+        finally:
+            _disable_coc()
+        issued = Counter(name for name, _, _ in counting.calls)
+        results[case_id(c)] = {
+            "diffs": _diffs(ref, got),
+            "issued": dict(issued),
+            "expected": dict(_expected_collectives(c)),
+            "all_async": all(is_async for _, is_async, _ in counting.calls),
+            "chunk_rows": sorted({rows for _, _, rows in counting.calls}),
+            "stats": {k if isinstance(k, str) else "/".join(k): v for k, v in STATS.calls.items()},
+        }
+    return results
+
+
+def _main_grad_case(rank: int, acc) -> dict:
+    """gradient_accumulation_fusion: dW lands in main_grad, a dummy grad is returned."""
+    out = {}
+    for layer in ("column", "row"):
+        module = _build(layer, True, True, torch.float32)
+        _setup(module, layer, rank, torch.float32, seed=7)
+        x, g = _inputs(layer, True, "even", rank, torch.float32, seed=7)
+        ref = _run(module, x, g)
+        module.gradient_accumulation_fusion = True
+        start = torch.randn(module.weight.shape, generator=torch.Generator().manual_seed(3))
+        module.weight.main_grad = start.clone()
+        module.weight.grad_added_to_main_grad = False
+        _enable_coc(2, acc)
+        try:
+            got = _run(module, x, g)
+            flagged = module.weight.grad_added_to_main_grad
+            del module.weight.grad_added_to_main_grad  # without the attribute: no dummy grad
+            module.weight.main_grad = start.clone()
+            plain = _run(module, x, g)
+        finally:
+            _disable_coc()
+        out[layer] = {
+            "main_grad_err": (module.weight.main_grad - (start + ref["dw"])).abs().max().item(),
+            "dummy_shape_ok": got["dw"] is not None and tuple(got["dw"].shape) == tuple(start.shape),
+            "flagged": bool(flagged),
+            "plain_grad_is_none": plain["dw"] is None,
+            "dx_err": (got["dx"] - ref["dx"]).abs().max().item(),
+        }
+    return out
+
+
+class FakeTorchNpu:
+    """torch_npu's MC2 kernels as documented, on gloo: all_gather(x) @ x2, reduce_scatter(x @ x2),
+    all_reduce(x @ x2). Records every call so the test can check the marshalling."""
+
+    def __init__(self, group):
+        self.group, self.calls = group, []
+
+    def _check(self, x, x2, hcom):
+        assert hcom == "fake-hcom", hcom
+        assert x.dim() == 2 and x2.dim() == 2 and x.shape[1] == x2.shape[0], (x.shape, x2.shape)
+        assert x.dtype in (torch.float16, torch.bfloat16) and x2.dtype == x.dtype
+
+    def npu_all_gather_base_mm(self, x, x2, hcom, world_size, *, bias=None, gather_index=0,
+                               gather_output=True, comm_turn=0):
+        import torch.distributed as dist
+
+        self._check(x, x2, hcom)
+        assert world_size == dist.get_world_size(self.group) and gather_index == 0 and comm_turn == 0
+        self.calls.append(("npu_all_gather_base_mm", tuple(x.shape), tuple(x2.shape), gather_output))
+        gathered = x.new_empty(x.shape[0] * world_size, x.shape[1])
+        dist.all_gather_into_tensor(gathered, x.contiguous(), group=self.group)
+        out = gathered @ x2 + (bias if bias is not None else 0)
+        return out, (gathered if gather_output else x.new_empty(0))
+
+    def npu_mm_reduce_scatter_base(self, x, x2, hcom, world_size, *, reduce_op="sum", bias=None, comm_turn=0):
+        import torch.distributed as dist
+
+        self._check(x, x2, hcom)
+        assert reduce_op == "sum" and world_size == dist.get_world_size(self.group)
+        self.calls.append(("npu_mm_reduce_scatter_base", tuple(x.shape), tuple(x2.shape), None))
+        y = x @ x2
+        out = y.new_empty(y.shape[0] // world_size, y.shape[1])
+        dist.reduce_scatter_tensor(out, y.contiguous(), group=self.group)
+        return out
+
+    def npu_mm_all_reduce_base(self, x, x2, hcom, *, reduce_op="sum", bias=None, comm_turn=0):
+        import torch.distributed as dist
+
+        self._check(x, x2, hcom)
+        self.calls.append(("npu_mm_all_reduce_base", tuple(x.shape), tuple(x2.shape), None))
+        y = (x @ x2).contiguous()
+        dist.all_reduce(y, group=self.group)
+        return y
+
+
+class FakeNpuAccelerator:
+    """The CPU accelerator saying it is an NPU with MC2, carrying the fake torch_npu."""
+
+    name = "npu"
+
+    def __init__(self, cpu, torch_npu):
+        self._cpu, self.torch_npu = cpu, torch_npu
+
+    def has_mc2(self):
+        return all(hasattr(self.torch_npu, op) for op in ("npu_all_gather_base_mm", "npu_mm_reduce_scatter_base"))
+
+    def __getattr__(self, item):
+        return getattr(self._cpu, item)
+
+
+def _mc2_cases(rank: int, acc) -> dict:
+    from megatron.core import parallel_state
+
+    from npuspeed.features.coc_overlap import STATS, mc2
+
+    fake = FakeTorchNpu(parallel_state.get_tensor_model_parallel_group())
+    fake_acc = FakeNpuAccelerator(acc, fake)
+    original_name = mc2.hccl_comm_name
+    mc2.hccl_comm_name = lambda group, acc_: "fake-hcom"
+    h, ffn = 256, 512  # MC2 takes k in [256, 65535)
+    out = {}
+    try:
+        for layer, sp, dt in itertools.product(("column", "row"), (True, False), ("bf16", "fp32")):
+            dtype = DTYPES[dt]
+            module = _build(layer, sp, True, dtype, h=h, ffn=ffn)
+            _setup(module, layer, rank, dtype, seed=11, h=h, ffn=ffn, w_std=0.05)
+            x, g = _inputs(layer, sp, (8, 2), rank, dtype, seed=11, h=h, ffn=ffn)
+            ref = _run(module, x, g)
+            _enable_coc(2, fake_acc, ["--use-ascend-mc2"])
+            fake.calls.clear()
+            STATS.reset()
+            try:
+                got = _run(module, x, g)
+            finally:
+                _disable_coc()
+            out[f"{layer}-{'sp' if sp else 'nosp'}-{dt}"] = {
+                "diffs": _diffs(ref, got), "calls": list(fake.calls),
+                "chunked": sum(v for k, v in STATS.collectives.items() if not k.startswith("mc2:")),
+            }
+    finally:
+        mc2.hccl_comm_name = original_name
+    return out
+
+
+def _worker(rank: int, port: int, out_dir: str) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(WORLD),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    from npuspeed import runtime
+
+    state = runtime.initialize([])
+    import torch.distributed as dist
+    from megatron.core import parallel_state, tensor_parallel
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
+                            timeout=datetime.timedelta(seconds=120))
+    parallel_state.initialize_model_parallel(WORLD, 1)
+    tensor_parallel.model_parallel_cuda_manual_seed(1234)
+    acc = state.accelerator
+    results = {"parity": _parity_cases(rank, acc), "main_grad": _main_grad_case(rank, acc),
+               "mc2": _mc2_cases(rank, acc)}
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as fh:
+        json.dump(results, fh)
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+# -- the tests ----------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    out_dir = tmp_path_factory.mktemp("coc")
+    mp.spawn(_worker, args=(_free_port(), str(out_dir)), nprocs=WORLD, join=True)
+    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(WORLD)]
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_parity_with_megatron_layers(results, case):
+    tol = TOL[case["dtype"]]
+    for rank, res in enumerate(results):
+        diffs = res["parity"][case_id(case)]["diffs"]
+        assert set(diffs) == ({"out", "dx", "dw", "db"} if case["bias"] else {"out", "dx", "dw"})
+        bad = {k: v for k, v in diffs.items() if not v <= tol}
+        assert not bad, f"rank {rank}: |diff| above {tol}: {bad}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_chunked_collectives_were_issued(results, case):
+    """N (or the nearest divisor of the rows) async collectives per layer call, of chunk size."""
+    for res in results:
+        r = res["parity"][case_id(case)]
+        assert r["issued"] == r["expected"], r
+        assert r["all_async"], "a collective was issued without async_op=True"
+        if case["shape"] == "even":  # N divides the rows: exactly N chunks of rows/N
+            s, b = SHAPES["even"]
+            local = (s // WORLD) * b if case["sp"] else s * b
+            assert local // case["n"] in r["chunk_rows"], r["chunk_rows"]
+            assert max(r["issued"].values()) >= case["n"]
+        path = ("column" if case["layer"] == "column" else "row") + ("_sp" if case["sp"] else "_ar")
+        assert r["stats"].get(f"{path}.forward") == 1 and r["stats"].get(f"{path}.backward") == 1, r["stats"]
+
+
+def test_gradient_accumulation_into_main_grad(results):
+    for res in results:
+        for layer, r in res["main_grad"].items():
+            assert r["main_grad_err"] <= 1e-6, (layer, r)
+            assert r["dummy_shape_ok"] and r["flagged"], (layer, r)
+            assert r["plain_grad_is_none"], (layer, r)
+            assert r["dx_err"] <= 1e-6, (layer, r)
+
+
+EXPECTED_MC2 = {  # per layer call (forward + backward): which fused kernel, input shapes
+    "column-sp": [("npu_all_gather_base_mm", (8, 256), (256, 256), False),
+                  ("npu_mm_reduce_scatter_base", (16, 256), (256, 256), None)],
+    "row-sp": [("npu_mm_reduce_scatter_base", (16, 256), (256, 256), None),
+               ("npu_all_gather_base_mm", (8, 256), (256, 256), True)],
+    "column-nosp": [("npu_mm_all_reduce_base", (16, 256), (256, 256), None)],
+    "row-nosp": [("npu_mm_all_reduce_base", (16, 256), (256, 256), None)],
+}
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED_MC2))
+def test_mc2_marshalling_against_fake_torch_npu(results, name):
+    for res in results:
+        r = res["mc2"][f"{name}-bf16"]
+        calls = [tuple(tuple(v) if isinstance(v, list) else v for v in c) for c in r["calls"]]
+        assert calls == EXPECTED_MC2[name], calls
+        bad = {k: v for k, v in r["diffs"].items() if not v <= TOL["bf16"]}
+        assert not bad, bad
+        # column-sp's dW re-gather is the only plain collective on the MC2 path
+        assert r["chunked"] == (1 if name == "column-sp" else 0), r
+        fp32 = res["mc2"][f"{name}-fp32"]  # MC2 takes no fp32: the chunked path runs
+        assert fp32["calls"] == [] and fp32["chunked"] > 0
+        bad = {k: v for k, v in fp32["diffs"].items() if not v <= TOL["fp32"]}
+        assert not bad, bad
