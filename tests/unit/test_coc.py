@@ -1,0 +1,208 @@
+"""--use-coc without processes: chunk choice, flag validation, construction-time refusals,
+the MC2 helpers and the report line. The 2-rank numerics are in tests/distributed/test_coc_layers.py."""
+from __future__ import annotations
+
+import logging
+import types
+
+import pytest
+import torch
+from hypothesis import given, strategies as st
+
+from npuspeed.features import FeatureError
+from npuspeed.features.coc_overlap import CocFeature, chunking, layers, mc2
+from test_fused_attention import megatron_mp  # noqa: F401 (fixture: 1-rank gloo, TP=1)
+
+
+def _args(*argv):
+    from npuspeed import arguments
+
+    return arguments.parse_args(list(argv))
+
+
+# -- chunk choice -------------------------------------------------------------------------------
+
+@given(st.integers(1, 5000), st.integers(2, 16))
+def test_nearest_divisor_divides_and_is_nearest(m, n):
+    d = chunking.nearest_divisor(m, n)
+    assert m % d == 0
+    best = min(abs(k - n) for k in range(1, m + 1) if m % k == 0)
+    assert abs(d - n) == best
+    if m % n == 0:
+        assert d == n
+
+
+def test_nearest_divisor_ties_go_to_more_chunks():
+    assert chunking.nearest_divisor(15, 2) == 3  # 1 and 3 are both 1 away
+    assert chunking.nearest_divisor(15, 4) == 5  # 3 and 5
+    assert chunking.nearest_divisor(18, 4) == 3
+    assert chunking.nearest_divisor(7, 4) == 7   # 1 and 7 are both 3 away
+
+
+def test_fallback_is_logged_once_per_shape_even_down_to_one_chunk():
+    records = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append
+    logger = logging.getLogger("npuspeed")
+    logger.addHandler(handler)
+    try:
+        assert chunking.chunk_count(5, 2, "unit-test op") == 1
+        assert chunking.chunk_count(5, 2, "unit-test op") == 1
+        assert chunking.chunk_count(12, 4, "unit-test op") == 4  # divides: no line
+    finally:
+        logger.removeHandler(handler)
+    lines = [r.getMessage() for r in records if "unit-test op" in r.getMessage()]
+    assert len(lines) == 1 and "--coc-parallel-num 2" in lines[0] and "using 1 chunk of 5 rows" in lines[0]
+    assert ("unit-test op", 5, 2) in chunking.logged_shapes()
+
+
+# -- flags --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("argv, match", [
+    (["--use-coc"], "--coc-parallel-num N with N > 1 \\(not given\\)"),
+    (["--use-coc", "--coc-parallel-num", "1"], "--coc-parallel-num N with N > 1 \\(got 1\\)"),
+    (["--use-coc", "--coc-parallel-num", "0"], "got 0"),
+    (["--coc-parallel-num", "4"], "--coc-parallel-num only apply with --use-coc"),
+    (["--use-ascend-mc2"], "--use-ascend-mc2 only apply with --use-coc"),
+])
+def test_bad_flags_are_errors_naming_the_flag(argv, match):
+    feature = CocFeature()
+    args = _args(*argv)
+    assert feature.enabled(args)
+    with pytest.raises(FeatureError, match=match):
+        feature.validate(args, None)
+
+
+def test_tp1_on_the_command_line_is_an_error(monkeypatch):
+    feature = CocFeature()
+    monkeypatch.setattr("sys.argv", ["train.py", "--tensor-model-parallel-size", "1"])
+    with pytest.raises(FeatureError, match="--use-coc.*--tensor-model-parallel-size is 1"):
+        feature.validate(_args("--use-coc", "--coc-parallel-num", "2"), None)
+    monkeypatch.setattr("sys.argv", ["train.py", "--tensor-model-parallel-size", "2"])
+    feature.validate(_args("--use-coc", "--coc-parallel-num", "2"), None)
+    monkeypatch.setattr("sys.argv", ["train.py"])
+    monkeypatch.setenv("NPUSPEED_ARGS", "--tensor-model-parallel-size 1")
+    with pytest.raises(FeatureError, match="--tensor-model-parallel-size is 1"):
+        feature.validate(_args("--use-coc", "--coc-parallel-num", "2"), None)
+
+
+def test_off_without_flags():
+    assert not CocFeature().enabled(_args())
+    assert CocFeature().path(_args(), None) == "off"
+
+
+# -- construction-time refusals -----------------------------------------------------------------
+
+def test_tp1_layer_construction_is_an_error(megatron_mp, with_features):  # noqa: F811
+    from megatron.core.model_parallel_config import ModelParallelConfig
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    cfg = ModelParallelConfig(use_cpu_initialization=True)
+    with with_features(["--use-coc", "--coc-parallel-num", "2"]):
+        with pytest.raises(FeatureError, match="--use-coc .*tensor-model-parallel size 1"):
+            ColumnParallelLinear(8, 8, config=cfg, init_method=torch.nn.init.zeros_, bias=False)
+        with pytest.raises(FeatureError, match="--use-coc .*RowParallelLinear"):
+            RowParallelLinear(8, 8, config=cfg, init_method=torch.nn.init.zeros_, bias=False,
+                              input_is_parallel=True, skip_bias_add=False)
+    ColumnParallelLinear(8, 8, config=cfg, init_method=torch.nn.init.zeros_, bias=False)  # patch undone
+
+
+def test_deferred_embedding_wgrad_is_refused():
+    fake_group = types.SimpleNamespace(size=lambda: 2)
+    layer = types.SimpleNamespace(tp_group=fake_group, explicit_expert_comm=False,
+                                  config=types.SimpleNamespace(defer_embedding_wgrad_compute=True))
+    init = layers.init_wrapper("ColumnParallelLinear")(lambda self: None)
+    with pytest.raises(FeatureError, match="--use-coc cannot replace .*defer_embedding_wgrad_compute"):
+        init(layer)
+    layer.config.defer_embedding_wgrad_compute = False
+    init(layer)
+    layer.explicit_expert_comm, fake_group.size = True, lambda: 1  # experts: nothing to chunk, no error
+    init(layer)
+
+
+def test_foreign_linear_classes_are_refused(megatron_mp):  # noqa: F811
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    layers.check_linear_class(ColumnParallelLinear)
+    layers.check_linear_class(RowParallelLinear)
+
+    class Inherits(ColumnParallelLinear):
+        pass
+
+    layers.check_linear_class(Inherits)
+
+    class OwnForward(RowParallelLinear):
+        def forward(self, input_):
+            return input_, None
+
+    with pytest.raises(FeatureError, match="--use-coc .*OwnForward defines its own forward"):
+        layers.check_linear_class(OwnForward)
+    TEColumnParallelLinear = type("TEColumnParallelLinear", (torch.nn.Module,), {})
+    with pytest.raises(FeatureError, match="--use-coc .*TEColumnParallelLinear.*--transformer-impl local"):
+        layers.check_linear_class(TEColumnParallelLinear)
+    layers.check_linear_class(torch.nn.Linear)
+
+
+def test_build_module_refuses_a_foreign_linear_spec(megatron_mp, with_features):  # noqa: F811
+    from megatron.core.transformer import spec_utils
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    TERowParallelLinear = type("TERowParallelLinear", (torch.nn.Module,), {})
+    with with_features(["--use-coc", "--coc-parallel-num", "2"]):
+        with pytest.raises(FeatureError, match="TERowParallelLinear"):
+            spec_utils.build_module(ModuleSpec(module=TERowParallelLinear))
+        assert isinstance(spec_utils.build_module(torch.nn.Identity), torch.nn.Identity)
+    spec_utils.build_module(ModuleSpec(module=TERowParallelLinear))  # patch undone
+
+
+# -- MC2 helpers and the report -----------------------------------------------------------------
+
+def test_hccl_comm_name_asks_the_group_backend_for_the_global_rank(monkeypatch):
+    seen = {}
+
+    class Backend:
+        def get_hccl_comm_name(self, rank):
+            seen["rank"] = rank
+            return f"hcom-{rank}"
+
+    class Group:
+        def _get_backend(self, device):
+            seen["device"] = device
+            return Backend()
+
+    acc = types.SimpleNamespace(device=lambda: torch.device("cpu"))
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None: 5)
+    assert mc2.hccl_comm_name(Group(), acc) == "hcom-5"
+    assert seen == {"rank": 5, "device": torch.device("cpu")}
+
+
+def test_mc2_constraints():
+    x, w = torch.empty(8, 256, dtype=torch.bfloat16), torch.empty(256, 64, dtype=torch.bfloat16)
+    assert mc2.unsupported(x, w, 2) is None
+    assert "dtype" in mc2.unsupported(x.float(), w.float(), 2)
+    assert "k=128" in mc2.unsupported(x[:, :128], w[:128], 2)
+    assert "tensor-parallel size 3" in mc2.unsupported(x, w, 3)
+
+
+class _FakeNpuAcc:
+    name, dist_backend = "npu", "hccl"
+
+    def __init__(self, ops):
+        self.torch_npu = types.SimpleNamespace(**{op: (lambda *a, **k: None) for op in ops})
+
+    def has_mc2(self):
+        return all(hasattr(self.torch_npu, op) for op in mc2.OPS)
+
+
+def test_report_path_says_which_path_runs(npuspeed_runtime):
+    feature = CocFeature()
+    args = _args("--use-coc", "--coc-parallel-num", "4")
+    cpu = npuspeed_runtime.accelerator
+    text = feature.path(args, cpu)
+    assert "chunked" in text and "N=4" in text and "gloo" in text and "async work handles" in text
+    assert "ColumnParallelLinear/RowParallelLinear" in text
+    mc2_args = _args("--use-coc", "--coc-parallel-num", "4", "--use-ascend-mc2")
+    assert "torch_npu MC2 fused npu_all_gather_base_mm" in feature.path(mc2_args, _FakeNpuAcc(mc2.OPS))
+    assert "chunked" in feature.path(mc2_args, _FakeNpuAcc(()))
+    assert "no MC2 kernels here" in feature.path(mc2_args, cpu)
+    assert "chunked" in feature.path(args, _FakeNpuAcc(mc2.OPS))  # MC2 only when asked for
