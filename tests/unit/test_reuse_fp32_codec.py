@@ -1,0 +1,62 @@
+"""The split/merge behind --reuse-fp32-param over random and adversarial fp32 bit patterns.
+
+bf16 must equal `x.to(torch.bfloat16)` bit for bit and merge must restore x bit for bit.
+"""
+from __future__ import annotations
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from npuspeed.features.reuse_fp32_param import codec
+
+SPECIAL = [
+    0x00000000, 0x80000000,  # +-0
+    0x7F800000, 0xFF800000,  # +-inf
+    0x7FC00000, 0xFFC00000, 0x7F800001, 0x7FBFFFFF, 0xFFFFFFFF, 0x7FFFFFFF,  # NaNs with payloads
+    0x00000001, 0x80000001, 0x007FFFFF, 0x00008000, 0x00018000,  # subnormals, subnormal ties
+    0x7F7FFFFF, 0xFF7FFFFF, 0x7F7F8000, 0x7F7E8000, 0x7F7F7FFF,  # largest finite, ties near max
+    0x3F808000, 0x3F818000, 0xBF808000, 0xBF818000,  # ties to even, both parities and signs
+    0x3F80FFFF, 0x3F807FFF, 0x3F808001,
+]
+
+
+def _roundtrip(bits: list[int]) -> None:
+    x = torch.tensor([b - (1 << 32) if b >= 1 << 31 else b for b in bits], dtype=torch.int32).view(torch.float32)
+    bf16 = x.to(torch.bfloat16)
+    residual = torch.empty(x.numel(), dtype=torch.int16)
+    exceptions = codec.split(x, residual)
+    out = torch.empty_like(x)
+    codec.merge(bf16, residual, exceptions, out)
+    same = out.view(torch.int32) == x.view(torch.int32)
+    assert bool(same.all()), [hex(b) for b, ok in zip(bits, same.tolist()) if not ok][:10]
+
+
+def test_special_patterns_roundtrip():
+    _roundtrip(SPECIAL)
+
+
+def test_every_low_half_around_ties_roundtrips():
+    # All 65536 low halves under an odd and an even high half, positive and negative.
+    lows = list(range(0, 1 << 16))
+    for high in (0x3F80, 0x3F81, 0xBF80, 0xBF81, 0x0000, 0x7F7F):
+        _roundtrip([(high << 16) | low for low in lows])
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(min_value=0, max_value=(1 << 32) - 1), min_size=1, max_size=257))
+def test_random_bit_patterns_roundtrip(bits):
+    _roundtrip(bits)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(min_value=0, max_value=(1 << 16) - 1), min_size=1, max_size=64))
+def test_all_ties_roundtrip(highs):
+    _roundtrip([(h << 16) | 0x8000 for h in highs])
+
+
+def test_exceptions_are_sparse_for_ordinary_weights():
+    x = torch.randn(1 << 16) * 0.02
+    exceptions = codec.split(x, torch.empty(x.numel(), dtype=torch.int16))
+    assert exceptions.nan_index.numel() == 0
+    assert exceptions.tie_up.numel() <= 8  # ~1 exact tie in 65536, half of them round up

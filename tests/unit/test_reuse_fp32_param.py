@@ -1,0 +1,45 @@
+"""--reuse-fp32-param inside one optimizer: storage really freed at rest, masters exact."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from npuspeed.features.base import FeatureError
+from npuspeed.features.reuse_fp32_param.shared_masters import SharedMasters
+
+
+def test_masters_are_freed_at_rest_and_rebuilt_exactly():
+    main = torch.randn(1000) * 3
+    main[7] = float("nan")
+    model = main.to(torch.bfloat16)
+    exact = main.clone()
+    shared = SharedMasters([(model, main)])
+    shared.release()
+    assert main.untyped_storage().nbytes() == 0  # the fp32 copy is gone
+    assert shared.pairs[0].residual.numel() == 1000
+    shared.materialize()
+    assert torch.equal(main.view(torch.int32), exact.view(torch.int32))
+    # A step: new masters; Megatron copies them into the bf16 params before release.
+    main.add_(0.125)
+    model.copy_(main)
+    after = main.clone()
+    shared.release()
+    shared.materialize()
+    assert torch.equal(main.view(torch.int32), after.view(torch.int32))
+    assert shared.counts == {"materialize": 2, "release": 2}
+
+
+def test_flag_rejects_fp16_and_fp32(with_features, monkeypatch):
+    from npuspeed.features.reuse_fp32_param import ReuseFp32ParamFeature
+
+    monkeypatch.setattr("sys.argv", ["train.py", "--fp16", "--reuse-fp32-param"])
+    feature = ReuseFp32ParamFeature()
+    args = type("A", (), {"reuse_fp32_param": True})()
+    with pytest.raises(FeatureError, match="--reuse-fp32-param works with --bf16 only"):
+        feature.validate(args, None)
+    monkeypatch.setattr("sys.argv", ["train.py"])
+    with with_features(["--reuse-fp32-param"]):
+        from megatron.core.optimizer.optimizer import FP32Optimizer
+
+        with pytest.raises(FeatureError, match="add --bf16 or drop --reuse-fp32-param"):
+            FP32Optimizer(None, None, None)
