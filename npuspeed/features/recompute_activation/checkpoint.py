@@ -1,0 +1,114 @@
+"""Megatron-Core's own `CheckpointWithoutOutput`, made safe to use on every version we support.
+
+It already does what the feature needs: run a function without saving its graph, release its
+output's storage (`untyped_storage().resize_(0)`) once the consumer has saved the tensor, and,
+from a gradient hook, recompute it under the forward's RNG states and copy it back into the
+same storage. What we add:
+
+* 0.13-0.16 take `fp8=` and read the default `False` as "fp8 on" (`fp8 is not None`), which
+  calls Transformer Engine's FP8 state manager: a NameError without TE. We pass `fp8=None`
+  (no fp8 there); 0.12 has no such argument.
+* Only an output that owns its storage alone is released (a function returning a view of its
+  input would otherwise free the input); a shared one is kept and recomputed harmlessly.
+* Megatron keeps the recomputed tensor until the checkpoint's backward has run, and the
+  checkpoint's input (fc1's output) as long; with the copy that is up to three activations at
+  once in the layer being backpropagated, more than the baseline ever holds there. Whatever
+  the recompute's graph did not save is not needed for backward (its autograd nodes are):
+  the input is released before the copy (with a bias the graph saved `x + bias`, not `x`),
+  the recomputed tensor right after it (GeLU and SwiGLU, fused or not, save their input, not
+  their output). What the graph saved, or what shares its storage, is left alone.
+"""
+from __future__ import annotations
+
+import inspect
+
+import torch
+from megatron.core.tensor_parallel.random import CheckpointWithoutOutput
+
+#: what ran in this process (the tests' proof that the storages were really freed/recomputed)
+STATS = {"freed": 0, "freed_bytes": 0, "kept_shared": 0, "recomputed": 0, "inputs_released": 0}
+
+
+def _ptr(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+class _SavedStorages(torch.autograd.graph.saved_tensors_hooks):
+    """Notes which storages a recompute's graph saves; the tensors themselves pass through."""
+
+    def __init__(self, ptrs: set):
+        def pack(t):
+            ptrs.add(_ptr(t))
+            return t.detach()  # not `t`: a saved output would otherwise reference its own node
+
+        super().__init__(pack, lambda t: t)
+
+
+class ActivationCheckpoint(CheckpointWithoutOutput):
+    """One use: `checkpoint(fn, *args)`, then `discard_output_and_register_recompute(t)`."""
+
+    _takes_fp8 = "fp8" in inspect.signature(CheckpointWithoutOutput.__init__).parameters
+
+    def __init__(self):
+        if self._takes_fp8:
+            super().__init__(fp8=None)
+        else:
+            super().__init__()
+        self._needed: set[int] = set()  # storages the recompute's graph (or its inputs) holds on to
+        self._arg_ptrs: set[int] = set()
+        self._activations: list[bool] = []  # which checkpoint inputs are activations (not leaves)
+        self.freed = False
+
+    def checkpoint(self, run_function, *args):
+        def tracked(*inputs):
+            if not torch.is_grad_enabled():  # the forward: nothing is saved anyway
+                return run_function(*inputs)
+            saved: set[int] = set()
+            with _SavedStorages(saved):
+                out = run_function(*inputs)
+            outs = out if isinstance(out, tuple) else (out,)
+            out_ptrs = {_ptr(t) for t in outs if isinstance(t, torch.Tensor)}
+            for t, activation in zip(inputs, self._activations):
+                # fc1's output, kept only by this checkpoint: done with it now. Parameters (the
+                # bias) are leaves of the forward graph and never released.
+                if activation and _ptr(t) not in saved | out_ptrs and self._sole(t):
+                    t.untyped_storage().resize_(0)
+                    STATS["inputs_released"] += 1
+            self._needed = saved | {_ptr(t) for t in inputs if isinstance(t, torch.Tensor)}
+            return out
+
+        self._arg_ptrs = {_ptr(t) for t in args if isinstance(t, torch.Tensor)}
+        self._activations = [isinstance(t, torch.Tensor) and t.grad_fn is not None for t in args]
+        return super().checkpoint(tracked, *args)
+
+    @staticmethod
+    def _sole(t: torch.Tensor) -> bool:
+        """The tensor spans its whole storage (it is not a view into something bigger)."""
+        return t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+
+    def _owns(self, t: torch.Tensor) -> bool:
+        return _ptr(t) not in self._arg_ptrs and self._sole(t)
+
+    def discard_output_and_register_recompute(self, hook_tensor):
+        if all(self._owns(t) for t in self.outputs):
+            nbytes = sum(t.untyped_storage().nbytes() for t in self.outputs)
+            super().discard_output_and_register_recompute(hook_tensor)
+            self.freed = all(t.untyped_storage().nbytes() == 0 for t in self.outputs)
+            if self.freed:
+                STATS["freed"] += 1
+                STATS["freed_bytes"] += nbytes
+            return
+        STATS["kept_shared"] += 1
+        if hook_tensor.requires_grad:  # still needed: the checkpoint's backward reads ctx.outputs
+            hook_tensor.register_hook(self._recompute)
+
+    def _recompute(self, grad):
+        ctx = self.ctx
+        super()._recompute(grad)
+        if ctx is None or self.ctx is not None:
+            return  # nothing was recomputed (done already, or a cuda-graph warm-up)
+        STATS["recomputed"] += 1
+        outputs = ctx.outputs if isinstance(ctx.outputs, tuple) else (ctx.outputs,)
+        for out in outputs:
+            if isinstance(out, torch.Tensor) and _ptr(out) not in self._needed and self._sole(out):
+                out.untyped_storage().resize_(0)

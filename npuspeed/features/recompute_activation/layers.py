@@ -1,0 +1,109 @@
+"""Which MLPs recompute their activation: the first N layers of each pipeline stage.
+
+Chosen when a TransformerBlock (one pipeline stage, or one virtual chunk of it) is built, from
+the layer's position in the block. With virtual pipeline chunks a stage runs its chunks in
+turn, so its layers are taken in interleaved order: position i of chunk v has rank
+i * vpp + v, and the N lowest ranks are selected (N = 2, 2 chunks: the first layer of each).
+
+Skipped, and said once in the log and the report:
+* layers under full recompute (`recompute_granularity='full'`: every layer with method
+  'uniform', the first recompute_num_layers with 'block'): the whole layer is recomputed
+  anyway, so full wins; likewise an MLP recomputed whole by selective `recompute_modules=['mlp']`;
+* MoE layers: expert MLPs scale by per-token router probabilities and see variable token
+  counts; Megatron-Core's own `recompute_modules=['moe_act']` covers their activation.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+from npuspeed.features.base import FeatureError
+
+TARGET = "megatron.core.transformer.transformer_block.TransformerBlock.__init__"
+FLAG = "--recompute-activation-function-num-layers"
+#: MLPs selected in this process (for the report and the tests)
+SELECTED = {"count": 0}
+
+
+def layers_per_stage(config) -> int:
+    return math.ceil(config.num_layers / (config.pipeline_model_parallel_size or 1))
+
+
+def check_num_layers(num_layers: int | None, config) -> None:
+    per_stage = layers_per_stage(config)
+    if num_layers is not None and num_layers > per_stage:
+        raise FeatureError(
+            f"{FLAG} {num_layers} is larger than the {per_stage} transformer layers per pipeline "
+            f"stage (num_layers={config.num_layers} / pipeline_model_parallel_size="
+            f"{config.pipeline_model_parallel_size or 1}); give at most {per_stage}, or drop it "
+            "to recompute the activation of every layer"
+        )
+
+
+def _vp_stage(block) -> int:
+    stage = getattr(block, "vp_stage", None)
+    if stage is None:  # megatron-core 0.12 builds chunks under the global virtual rank
+        from megatron.core import parallel_state
+
+        stage = parallel_state.get_virtual_pipeline_model_parallel_rank()
+    return stage or 0
+
+
+def _fully_recomputed(config, index: int) -> bool:
+    if config.recompute_granularity != "full":
+        return False
+    if config.recompute_method == "block":
+        return index < (config.recompute_num_layers or 0)
+    return True
+
+
+def select(block, num_layers: int | None) -> None:
+    from megatron.core.transformer.mlp import MLP
+
+    from npuspeed import runtime
+    from npuspeed.features.recompute_activation.mlp import ATTR
+
+    config = block.config
+    check_num_layers(num_layers, config)
+    vpp = config.virtual_pipeline_model_parallel_size or 1
+    stage = _vp_stage(block)
+    for index, layer in enumerate(getattr(block, "layers", ())):
+        mlp = getattr(layer, "mlp", None)
+        if num_layers is not None and index * vpp + stage >= num_layers:
+            continue
+        if not (isinstance(mlp, MLP) and type(mlp).forward is MLP.forward):
+            if mlp is not None and type(mlp).__name__ != "IdentityOp":
+                runtime.note(
+                    "--recompute-activation-function: MoE/expert MLPs are not covered (per-token "
+                    "router scales, variable token counts); Megatron-Core's recompute_modules="
+                    "['moe_act'] recomputes expert activations"
+                )
+            continue
+        if _fully_recomputed(config, index):
+            runtime.note(
+                "--recompute-activation-function: --recompute-granularity full recomputes whole "
+                "layers; full recompute wins and those layers keep Megatron's behaviour"
+            )
+            continue
+        if getattr(layer, "recompute_mlp", False):
+            runtime.note(
+                "--recompute-activation-function: selective recompute of 'mlp' recomputes the "
+                "whole MLP; it wins in those layers"
+            )
+            continue
+        setattr(mlp, ATTR, True)
+        SELECTED["count"] += 1
+
+
+def selector(num_layers: int | None):
+    """Wrapper for TransformerBlock.__init__: select this block's MLPs once it is built."""
+
+    def wrap(init):
+        @functools.wraps(init)
+        def __init__(self, *args, **kwargs):
+            init(self, *args, **kwargs)
+            select(self, num_layers)
+
+        return __init__
+
+    return wrap
