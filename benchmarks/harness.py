@@ -116,6 +116,14 @@ class Bench:
               f"feature {row.feature_ms:.2f} ms, x{row.speedup:.2f}", flush=True)
         return row
 
+    def add(self, case: str, dtype: str, *, baseline_ms: float, feature_ms: float,
+            baseline_peak_bytes: int = 0, feature_peak_bytes: int = 0, extra: dict | None = None) -> Row:
+        """Record a row measured elsewhere (e.g. whole training runs in subprocesses)."""
+        row = Row(self.name, case, dtype, baseline_ms, feature_ms, baseline_peak_bytes,
+                  feature_peak_bytes, dict(extra or {}))
+        self.rows.append(row)
+        return row
+
     # -- output --------------------------------------------------------------------------------
     def finish(self) -> Path:
         """Append the rows to the device CSV, draw the PNG, print the table; return the CSV."""
