@@ -105,7 +105,8 @@ class ChunkedEngine:
     """all-gather+matmul, matmul+reduce-scatter and matmul+all-reduce in N row chunks.
 
     Shapes are 2-D: x [rows, k], w_t [k, n]. Rank r's rows are rows r*m..(r+1)*m of the
-    gathered (or pre-reduce-scatter) matrix, as in the unchunked collective.
+    gathered (or pre-reduce-scatter) matrix, as in the unchunked collective. Results are
+    fresh tensors, never views (they become autograd outputs).
     """
 
     name = "chunked"
@@ -121,14 +122,15 @@ class ChunkedEngine:
         x = x.contiguous()
         buf = x.new_empty(n, p * c, k)  # chunk i holds [rank 0 rows i, rank 1 rows i, ...]
         pending = [self.comm.all_gather(buf[i], x[i * c:(i + 1) * c]) for i in range(n)]
-        out = x.new_empty(p, m, w_t.shape[1])
+        out = x.new_empty(p * m, w_t.shape[1])  # returned as is: autograd outputs must not be views
+        by_rank = out.view(p, m, -1)
         for i in range(n):
             pending[i].wait()
-            out[:, i * c:(i + 1) * c] = torch.matmul(buf[i], w_t).view(p, c, -1)
+            by_rank[:, i * c:(i + 1) * c] = torch.matmul(buf[i], w_t).view(p, c, -1)
         gathered = None
         if keep_gathered:  # chunk-major -> rank-major, the unchunked collective's order
             gathered = buf.view(n, p, c, k).transpose(0, 1).reshape(p * m, k)
-        return out.view(p * m, -1), gathered
+        return out, gathered
 
     def mm_rs(self, x: torch.Tensor, w_t: torch.Tensor) -> Pending:
         """reduce_scatter(x @ w_t): x holds all p*m rows; rank r gets rows r*m..(r+1)*m."""

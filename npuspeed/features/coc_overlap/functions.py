@@ -74,32 +74,30 @@ def _save(ctx, spec: LinearSpec, inp, weight):
 
 
 class ColumnLinear(torch.autograd.Function):
-    """Column-parallel linear: chunked all-gather+matmul (SP) / chunked dgrad collectives."""
+    """Column-parallel linear on 2-D [rows, k] input: chunked all-gather+matmul (SP) / chunked
+    dgrad collectives. Outputs are fresh tensors (callers reshape outside the function)."""
 
     @staticmethod
-    def forward(ctx, inp, weight, bias, spec: LinearSpec):
-        _save(ctx, spec, inp, weight)
+    def forward(ctx, x2d, weight, bias, spec: LinearSpec):
+        _save(ctx, spec, x2d, weight)
         ctx.use_bias = bias is not None
         if spec.sequence_parallel:
             STATS.calls["column_sp.forward"] += 1
-            y, _ = spec.engine.ag_mm(inp.reshape(-1, inp.shape[-1]), weight.t())
-            out = y.view(-1, *inp.shape[1:-1], weight.shape[0])
+            out, _ = spec.engine.ag_mm(x2d, weight.t())
         else:
             STATS.calls["column_ar.forward"] += 1
-            out = torch.matmul(inp, weight.t())
+            out = torch.matmul(x2d, weight.t())
         if bias is not None:
             out = out + bias
         return out
 
     @staticmethod
     def backward(ctx, grad_output):
-        inp, weight = ctx.saved_tensors
-        spec = ctx.spec
+        x2d, weight = ctx.saved_tensors
+        spec, comm = ctx.spec, ctx.spec.engine.comm
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         STATS.calls[("column_sp" if spec.sequence_parallel else "column_ar") + ".backward"] += 1
-        x2d = inp.reshape(-1, inp.shape[-1])
-        g2d = grad_output.reshape(-1, grad_output.shape[-1])
-        comm = spec.engine.comm
+        g2d = grad_output.contiguous()
         gather = None
         if need_dw and spec.sequence_parallel:  # re-gather x for dW, under the dgrad matmuls
             total = x2d.new_empty(x2d.shape[0] * comm.size, x2d.shape[1])
@@ -112,44 +110,41 @@ class ColumnLinear(torch.autograd.Function):
             total_input = gather.wait() if gather is not None else x2d
             grad_weight = weight_grad(ctx, weight, g2d, total_input)
         grad_bias = g2d.sum(dim=0) if ctx.use_bias else None
-        grad_input = dgrad.wait().view(inp.shape) if dgrad is not None else None
+        grad_input = dgrad.wait() if dgrad is not None else None
         return grad_input, grad_weight, grad_bias, None
 
 
 class RowLinear(torch.autograd.Function):
-    """Row-parallel linear and its collective: chunked matmul+reduce-scatter / +all-reduce."""
+    """Row-parallel linear and its collective on 2-D input: chunked matmul+reduce-scatter /
+    matmul+all-reduce. Outputs are fresh tensors."""
 
     @staticmethod
-    def forward(ctx, inp, weight, spec: LinearSpec):
-        _save(ctx, spec, inp, weight)
-        x2d = inp.reshape(-1, inp.shape[-1])
+    def forward(ctx, x2d, weight, spec: LinearSpec):
+        _save(ctx, spec, x2d, weight)
         if spec.sequence_parallel:
             STATS.calls["row_sp.forward"] += 1
-            y = spec.engine.mm_rs(x2d, weight.t()).wait()
-            return y.view(-1, *inp.shape[1:-1], weight.shape[0])
+            return spec.engine.mm_rs(x2d, weight.t()).wait()
         STATS.calls["row_ar.forward"] += 1
-        return spec.engine.mm_ar(x2d, weight.t()).wait().view(*inp.shape[:-1], weight.shape[0])
+        return spec.engine.mm_ar(x2d, weight.t()).wait()
 
     @staticmethod
     def backward(ctx, grad_output):
-        inp, weight = ctx.saved_tensors
+        x2d, weight = ctx.saved_tensors
         spec = ctx.spec
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        x2d = inp.reshape(-1, inp.shape[-1])
+        g2d = grad_output.contiguous()
         grad_input = grad_weight = None
         if spec.sequence_parallel:
             STATS.calls["row_sp.backward"] += 1
-            g2d = grad_output.reshape(-1, grad_output.shape[-1]).contiguous()
             if need_dx:
-                dx, g_full = spec.engine.ag_mm(g2d, weight, keep_gathered=need_dw)
-                grad_input = dx.view(inp.shape)
+                grad_input, g_full = spec.engine.ag_mm(g2d, weight, keep_gathered=need_dw)
             elif need_dw:  # frozen input: only dW needs the gathered gradient
                 g_full = g2d.new_empty(g2d.shape[0] * spec.engine.comm.size, g2d.shape[1])
                 spec.engine.comm.all_gather(g_full, g2d).wait()
         else:
             STATS.calls["row_ar.backward"] += 1
-            g_full = grad_output.reshape(-1, grad_output.shape[-1])
-            grad_input = grad_output.matmul(weight) if need_dx else None
+            g_full = g2d
+            grad_input = g2d.matmul(weight) if need_dx else None
         if need_dw:
             grad_weight = weight_grad(ctx, weight, g_full, x2d)
         return grad_input, grad_weight, None

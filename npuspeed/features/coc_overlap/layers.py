@@ -89,7 +89,8 @@ def column_forward_wrapper(settings: Settings):
             spec = LinearSpec(make_engine(group, settings), bool(self.sequence_parallel),
                               bool(self.allreduce_dgrad), bool(self.gradient_accumulation_fusion))
             bias = self.bias if not self.skip_bias_add else None
-            output = ColumnLinear.apply(input_, weight, bias, spec)
+            out2d = ColumnLinear.apply(input_.reshape(-1, input_.shape[-1]), weight, bias, spec)
+            output = out2d.view(-1, *input_.shape[1:-1], out2d.shape[-1])
             gather = self.gather_output if runtime_gather_output is None else runtime_gather_output
             if gather:
                 from megatron.core.tensor_parallel import mappings
@@ -117,7 +118,8 @@ def row_forward_wrapper(settings: Settings):
                 input_parallel = _call_mapping(mappings.scatter_to_tensor_model_parallel_region, input_, group)
             spec = LinearSpec(make_engine(group, settings), bool(self.sequence_parallel),
                               gradient_accumulation_fusion=bool(self.gradient_accumulation_fusion))
-            output_ = RowLinear.apply(input_parallel, self.weight, spec)
+            out2d = RowLinear.apply(input_parallel.reshape(-1, input_parallel.shape[-1]), self.weight, spec)
+            output_ = out2d.view(-1, *input_parallel.shape[1:-1], out2d.shape[-1])
             if self.skip_bias_add:
                 return output_, self.bias
             return (output_ + self.bias if self.bias is not None else output_), None
