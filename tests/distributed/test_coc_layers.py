@@ -142,11 +142,14 @@ def _inputs(layer: str, sp: bool, shape: str, rank: int, dtype, seed: int, h=H, 
 
 
 def _run(module, x, g):
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+
     module.zero_grad(set_to_none=True)
     x = x.clone().requires_grad_(True)
     out, out_bias = module(x)
     assert out_bias is None
-    out.add_(0.0)  # in place, as Megatron's cross entropy does to the logits: no view outputs
+    if isinstance(module, ColumnParallelLinear):  # edit in place, as Megatron's cross entropy
+        out.add_(0.0)                             # does to the logits: not allowed on view outputs
     out.backward(g)
     got = {"out": out.detach(), "dx": x.grad, "dw": module.weight.grad}
     if module.bias is not None:
