@@ -12,7 +12,8 @@ def catalog() -> list[dict]:
     rows = []
     for name, source in [("memory_tracker", "csrc/cpu/memory_tracker.cpp"),
                          ("rms_norm", "csrc/cpu/rms_norm.cpp"), ("swiglu", "csrc/cpu/swiglu.cpp"),
-                         ("rotary_pos_emb", "csrc/cpu/rope.cpp")]:
+                         ("rotary_pos_emb", "csrc/cpu/rope.cpp"),
+                         ("fp32_split", "csrc/cpu/fp32_split.cpp"), ("fp32_merge", "csrc/cpu/fp32_split.cpp")]:
         op = "memory_tracker_enable" if name == "memory_tracker" else name
         compiled = lib["compiled"] and hasattr(torch.ops.npuspeed, op)
         rows.append({

@@ -36,4 +36,7 @@ class ReuseFp32ParamFeature(Feature):
         patches.register(registry, self.name)
 
     def path(self, args, accelerator) -> str:
-        return "bf16 param + int16 residual + sparse tie list; masters rebuilt per step (pure PyTorch)"
+        from npuspeed.ops._extension import has_op
+
+        codec = "C++ npuspeed::fp32_split/fp32_merge" if has_op("fp32_split") else "pure-PyTorch codec"
+        return f"bf16 param + int16 residual + sparse tie list; masters rebuilt per step ({codec})"

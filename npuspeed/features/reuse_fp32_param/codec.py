@@ -11,9 +11,15 @@ their payload in the bf16 rounding; their full patterns are kept the same sparse
 """
 from __future__ import annotations
 
+import collections
 from dataclasses import dataclass, field
 
 import torch
+
+from npuspeed.ops._extension import has_op
+
+#: (function, implementation) -> calls, so tests can see the C++ path ran
+CALLS: collections.Counter = collections.Counter()
 
 _LOW = 0xFFFF
 _TIE = 0x8000
@@ -31,7 +37,33 @@ class Exceptions:
         return sum(t.numel() * t.element_size() for t in (self.tie_up, self.nan_index, self.nan_bits))
 
 
+def _use_cpp(*tensors: torch.Tensor) -> bool:
+    return all(t.device.type == "cpu" and t.is_contiguous() for t in tensors) and has_op("fp32_split")
+
+
 def split(master: torch.Tensor, residual: torch.Tensor) -> Exceptions:
+    """Write the low halves of `master` into `residual`; return the exceptions (C++ or reference)."""
+    if _use_cpp(master, residual):
+        CALLS[("split", "cpp")] += 1
+        flat = master.detach().reshape(-1)
+        tie_up, nan_index = torch.ops.npuspeed.fp32_split(flat, residual.view(-1))
+        return Exceptions(tie_up, nan_index, flat.view(torch.int32)[nan_index].clone())
+    CALLS[("split", "reference")] += 1
+    return split_reference(master, residual)
+
+
+def merge(bf16: torch.Tensor, residual: torch.Tensor, exceptions: Exceptions, out: torch.Tensor) -> None:
+    """Rebuild the exact fp32 values into `out` (C++ or reference)."""
+    if _use_cpp(bf16, residual, out):
+        CALLS[("merge", "cpp")] += 1
+        torch.ops.npuspeed.fp32_merge(bf16.detach().reshape(-1), residual.view(-1), exceptions.tie_up,
+                                      exceptions.nan_index, exceptions.nan_bits, out.view(-1))
+        return
+    CALLS[("merge", "reference")] += 1
+    merge_reference(bf16, residual, exceptions, out)
+
+
+def split_reference(master: torch.Tensor, residual: torch.Tensor) -> Exceptions:
     """Write the low halves of `master` (fp32) into `residual` (int16); return the exceptions.
 
     The bf16 half is not written here: it is `master.to(torch.bfloat16)`, which Megatron's
@@ -45,7 +77,8 @@ def split(master: torch.Tensor, residual: torch.Tensor) -> Exceptions:
     return Exceptions(tie_up, nan_index, bits[nan_index].clone())
 
 
-def merge(bf16: torch.Tensor, residual: torch.Tensor, exceptions: Exceptions, out: torch.Tensor) -> None:
+def merge_reference(bf16: torch.Tensor, residual: torch.Tensor, exceptions: Exceptions,
+                    out: torch.Tensor) -> None:
     """Rebuild the exact fp32 values into `out` from the bf16 tensor, residual and exceptions."""
     high = bf16.detach().reshape(-1).view(torch.int16).to(torch.int32) & _LOW
     low = residual.reshape(-1).to(torch.int32) & _LOW
