@@ -49,7 +49,7 @@ def _free_port() -> int:
 class CountingCollectives:
     """Wraps torch.distributed's collectives to record (name, async_op, rows of the input)."""
 
-    NAMES = ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce")
+    NAMES = ("all_gather_into_tensor", "all_gather", "reduce_scatter_tensor", "all_reduce")
 
     def __init__(self):
         self.calls: list = []
@@ -178,7 +178,7 @@ def _expected_collectives(c: dict) -> Counter:
         return Counter(all_reduce=nearest_divisor(full, c["n"]))
     if c["sp"]:
         n = nearest_divisor(local, c["n"])
-        return Counter(reduce_scatter_tensor=n, all_gather_into_tensor=n)
+        return Counter(reduce_scatter_tensor=n, all_gather=n)  # dY gathered rank-major, for dW
     return Counter(all_reduce=nearest_divisor(full, c["n"]))
 
 

@@ -73,6 +73,12 @@ class Collectives:
         return self._launch("all_gather", out, lambda: dist.all_gather_into_tensor(
             out, inp, group=self.group, async_op=True), keep=(inp,))
 
+    def all_gather_rows(self, outs: list, inp: torch.Tensor) -> Pending:
+        """all_gather into a list of per-rank tensors (any placement; the backend copies)."""
+        dist = torch.distributed
+        return self._launch("all_gather", outs, lambda: dist.all_gather(
+            outs, inp, group=self.group, async_op=True), keep=(inp,))
+
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor) -> Pending:
         dist = torch.distributed
         return self._launch("reduce_scatter", out, lambda: dist.reduce_scatter_tensor(
@@ -94,6 +100,17 @@ def _comm_stream(acc):
     return _COMM_STREAMS[key]
 
 
+def gather_buffer(shape, like: torch.Tensor) -> torch.Tensor:
+    """Scratch for a gathered input: Megatron's global "mpu" buffer, as its own SP all-gather
+    uses (so peak memory matches Megatron's), or a fresh tensor outside Megatron."""
+    try:
+        from megatron.core.parallel_state import get_global_memory_buffer
+
+        return get_global_memory_buffer().get_tensor(list(shape), like.dtype, "mpu")
+    except (ImportError, AssertionError, AttributeError):
+        return like.new_empty(shape)
+
+
 def _all_done(value, pendings: list[Pending]) -> Pending:
     """One Pending for several: waiting on it waits on each."""
     merged = Pending(value)
@@ -105,8 +122,10 @@ class ChunkedEngine:
     """all-gather+matmul, matmul+reduce-scatter and matmul+all-reduce in N row chunks.
 
     Shapes are 2-D: x [rows, k], w_t [k, n]. Rank r's rows are rows r*m..(r+1)*m of the
-    gathered (or pre-reduce-scatter) matrix, as in the unchunked collective. Results are
-    fresh tensors, never views (they become autograd outputs).
+    gathered (or pre-reduce-scatter) matrix, as in the unchunked collective. Each chunk's
+    matmul is one call per rank block, written straight into contiguous rows of the result
+    (no reordering copy on the compute path). Results are fresh tensors, never views (they
+    become autograd outputs).
     """
 
     name = "chunked"
@@ -120,16 +139,25 @@ class ChunkedEngine:
         n = chunk_count(m, self.n, "all-gather+matmul")
         c = m // n
         x = x.contiguous()
-        buf = x.new_empty(n, p * c, k)  # chunk i holds [rank 0 rows i, rank 1 rows i, ...]
-        pending = [self.comm.all_gather(buf[i], x[i * c:(i + 1) * c]) for i in range(n)]
-        out = x.new_empty(p * m, w_t.shape[1])  # returned as is: autograd outputs must not be views
-        by_rank = out.view(p, m, -1)
+        gathered = None
+        if keep_gathered:  # rank-major, as wgrad needs it: each chunk lands in its rows directly
+            gathered = x.new_empty(p * m, k)
+            pending = [self.comm.all_gather_rows([gathered[r * m + i * c:r * m + (i + 1) * c] for r in range(p)],
+                                                 x[i * c:(i + 1) * c]) for i in range(n)]
+
+            def src(i, r):
+                return gathered[r * m + i * c:r * m + (i + 1) * c]
+        else:  # chunk i: [rank 0 rows i, rank 1 rows i, ...] in Megatron's shared scratch
+            buf = gather_buffer((p * m, k), x).view(n, p * c, k)
+            pending = [self.comm.all_gather(buf[i], x[i * c:(i + 1) * c]) for i in range(n)]
+
+            def src(i, r):
+                return buf[i, r * c:(r + 1) * c]
+        out = x.new_empty(p * m, w_t.shape[1])
         for i in range(n):
             pending[i].wait()
-            by_rank[:, i * c:(i + 1) * c] = torch.matmul(buf[i], w_t).view(p, c, -1)
-        gathered = None
-        if keep_gathered:  # chunk-major -> rank-major, the unchunked collective's order
-            gathered = buf.view(n, p, c, k).transpose(0, 1).reshape(p * m, k)
+            for r in range(p):
+                torch.matmul(src(i, r), w_t, out=out[r * m + i * c:r * m + (i + 1) * c])
         return out, gathered
 
     def mm_rs(self, x: torch.Tensor, w_t: torch.Tensor) -> Pending:
@@ -138,12 +166,14 @@ class ChunkedEngine:
         m = x.shape[0] // p
         n = chunk_count(m, self.n, "matmul+reduce-scatter")
         c = m // n
-        xv = x.view(p, m, x.shape[1])
+        x = x.contiguous()
+        parts = x.new_empty(n, p * c, w_t.shape[1])  # the size of Megatron's unreduced output
         out = x.new_empty(m, w_t.shape[1])
         pending = []
         for i in range(n):  # chunk i: rows i*c..(i+1)*c of every rank's block
-            part = torch.matmul(xv[:, i * c:(i + 1) * c], w_t).view(p * c, -1)
-            pending.append(self.comm.reduce_scatter(out[i * c:(i + 1) * c], part))
+            for r in range(p):
+                torch.matmul(x[r * m + i * c:r * m + (i + 1) * c], w_t, out=parts[i, r * c:(r + 1) * c])
+            pending.append(self.comm.reduce_scatter(out[i * c:(i + 1) * c], parts[i]))
         return _all_done(out, pending)
 
     def mm_ar(self, x: torch.Tensor, w_t: torch.Tensor) -> Pending:

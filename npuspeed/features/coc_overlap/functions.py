@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from npuspeed.features.coc_overlap.comm import STATS
+from npuspeed.features.coc_overlap.comm import STATS, gather_buffer
 
 
 @dataclass(frozen=True)
@@ -100,7 +100,7 @@ class ColumnLinear(torch.autograd.Function):
         g2d = grad_output.contiguous()
         gather = None
         if need_dw and spec.sequence_parallel:  # re-gather x for dW, under the dgrad matmuls
-            total = x2d.new_empty(x2d.shape[0] * comm.size, x2d.shape[1])
+            total = gather_buffer((x2d.shape[0] * comm.size, x2d.shape[1]), x2d)
             gather = comm.all_gather(total, x2d.contiguous())
         dgrad = None
         if need_dx:
