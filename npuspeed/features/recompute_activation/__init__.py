@@ -56,8 +56,10 @@ class RecomputeActivationFeature(Feature):
 
         num = args.recompute_activation_function_num_layers
         which = "all layers" if num is None else f"first {num} layers of each pipeline stage"
-        return (f"megatron.core CheckpointWithoutOutput (storage resize_(0) after fc2, recompute "
-                f"from a grad hook on fc2's output); {which}; {SELECTED['count']} MLPs selected")
+        return (f"megatron.core.tensor_parallel.CheckpointWithoutOutput, reused (fp8=None; storage "
+                f"resize_(0) after fc2, recompute from a grad hook on fc2's output, early release of "
+                f"fc1's output and the recomputed copy); {which}; MLPs selected in this process: "
+                f"{SELECTED['count']}")
 
 
 __all__ = ["RecomputeActivationFeature", "FeatureError"]
