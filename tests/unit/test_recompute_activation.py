@@ -8,6 +8,7 @@ when fc2's backward reads it; the accelerator's live-byte counts show the memory
 from __future__ import annotations
 
 import gc
+import inspect
 import socket
 import types
 
@@ -115,8 +116,8 @@ def _mlp(config):
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.mlp import MLP, MLPSubmodules
 
-    return MLP(config, MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
-               ffn_hidden_size=config.ffn_hidden_size)
+    kw = {"ffn_hidden_size": config.ffn_hidden_size} if "ffn_hidden_size" in inspect.signature(MLP).parameters else {}
+    return MLP(config, MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear), **kw)
 
 
 def _run_mlp(mlp, x):
