@@ -206,3 +206,58 @@ def test_report_path_says_which_path_runs(npuspeed_runtime):
     assert "chunked" in feature.path(mc2_args, _FakeNpuAcc(()))
     assert "no MC2 kernels here" in feature.path(mc2_args, cpu)
     assert "chunked" in feature.path(args, _FakeNpuAcc(mc2.OPS))  # MC2 only when asked for
+
+
+def test_device_streams_order_the_collectives(megatron_mp, monkeypatch):  # noqa: F811
+    """Where the device has streams: the side stream waits for compute before the collective
+    is launched on it, and compute waits for the side stream before the result is used."""
+    import contextlib
+
+    import torch.distributed as dist
+
+    from npuspeed.features.coc_overlap import comm
+
+    events = []
+
+    class Stream:
+        def __init__(self, name):
+            self.name = name
+
+        def wait_stream(self, other):
+            events.append(f"{self.name} waits {other.name}")
+
+    compute, side = Stream("compute"), Stream("comm")
+
+    class Acc:
+        name = "cuda"
+
+        def current_stream(self):
+            return compute
+
+        def current_device(self):
+            return 0
+
+        def Stream(self):
+            return side
+
+        @contextlib.contextmanager
+        def stream(self, s):
+            events.append(f"enter {s.name}")
+            yield
+            events.append(f"exit {s.name}")
+
+    monkeypatch.setattr(comm, "_COMM_STREAMS", {})
+    real = dist.all_gather_into_tensor
+
+    def recorded(*args, **kwargs):
+        events.append(f"all_gather async={kwargs.get('async_op')}")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(dist, "all_gather_into_tensor", recorded)
+    collectives = comm.Collectives(dist.group.WORLD, Acc())
+    x = torch.arange(6.0).view(3, 2)
+    out = torch.empty(3, 2)
+    pending = collectives.all_gather(out, x)
+    assert events == ["comm waits compute", "enter comm", "all_gather async=True", "exit comm"]
+    assert pending.wait() is out and torch.equal(out, x)
+    assert events[-1] == "compute waits comm"

@@ -96,11 +96,11 @@ class CocFeature(Feature):
         if use_mc2(Settings(n, bool(args.use_ascend_mc2), accelerator)):
             return (f"torch_npu MC2 fused npu_all_gather_base_mm / npu_mm_reduce_scatter_base "
                     f"(chunked N={n} where a shape does not fit MC2); {target}")
-        where = ("async work handles (no streams on this device)"
-                 if accelerator.name == "cpu" else "a separate communication stream")
+        where = ("as async work handles, waited per chunk (no streams on this device)"
+                 if accelerator.name == "cpu" else "on a separate communication stream")
         mc2 = "; --use-ascend-mc2 given but no MC2 kernels here" if args.use_ascend_mc2 else ""
         return (f"chunked all-gather+matmul / matmul+reduce-scatter / matmul+all-reduce, N={n} row chunks, "
-                f"{accelerator.dist_backend} collectives on {where}{mc2}; {target}")
+                f"{accelerator.dist_backend} collectives {where}{mc2}; {target}")
 
 
 __all__ = ["CocFeature", "STATS"]
