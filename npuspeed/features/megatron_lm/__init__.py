@@ -1,9 +1,18 @@
 """Megatron-LM integration (on whenever `megatron.training` is importable).
 
-Megatron-LM's `pretrain_gpt.py` parses its own command line and rejects flags it does not
-know; its parser learns npuspeed's group so an unchanged launch script carrying
-`--use-fused-rmsnorm` etc. keeps working. Flags Megatron-LM already defines (such as
-`--use-flash-attn`) are shared, not redefined.
+With `import npuspeed.megatron_adaptor` after `import torch`, Megatron-LM's own entry
+scripts (`pretrain_gpt.py` ...) run unchanged on CPU (gloo) and NPU:
+- its parser learns npuspeed's flags, sharing the ones Megatron-LM already defines
+  (`--use-flash-attn`), so a MindSpeed-style launch script keeps working;
+- modules megatron.training imports at load time whose optional dependency is absent get a
+  stand-in (load_stubs.py: batch_invariant_kernels without triton);
+- `validate_args` picks the portable choice for what this machine lacks (validate.py);
+- megatron.training's own CUDA calls go to the accelerator (device_fixes.py,
+  tensor_cuda.py), the dataset helper is built for the running Python (build_helpers.py);
+- two upstream distributed-optimizer bugs on the path without apex/TE are fixed
+  (optimizer_fixes.py).
+The training patches are verified against Megatron-LM core_v0.16.x; for another
+checkout they are skipped and the report says so (MEGATRON_LM_RANGE).
 """
 from __future__ import annotations
 
@@ -11,6 +20,14 @@ import importlib.util
 
 from npuspeed.arguments import megatron_lm_parse_args_wrapper
 from npuspeed.features.base import Feature
+from npuspeed.features.device.module_proxy import DeviceMappedTorch
+from npuspeed.features.megatron_lm import build_helpers, device_fixes, load_stubs, optimizer_fixes, validate
+from npuspeed.features.megatron_lm.tensor_cuda import cuda_calls_on_device
+
+#: Megatron-LM versions (read from the checkout's megatron/core/package_info.py) whose
+#: megatron.training these patches were checked against.
+MEGATRON_LM_RANGE = ">=0.16,<0.17"
+MLT = "megatron.training"
 
 
 def megatron_lm_present() -> bool:
@@ -27,9 +44,39 @@ class MegatronLMFeature(Feature):
     def enabled(self, args) -> bool:
         return megatron_lm_present()
 
+    def prepare(self, args, accelerator) -> None:
+        load_stubs.install()
+
     def register_patches(self, registry, args, accelerator) -> None:
-        registry.register("megatron.training.arguments.parse_args",
-                          wrapper=megatron_lm_parse_args_wrapper, feature=self.name)
+        reg = registry.register
+        name, rng = self.name, MEGATRON_LM_RANGE
+        reg(f"{MLT}.arguments.parse_args", wrapper=megatron_lm_parse_args_wrapper, feature=name)
+        reg(f"{MLT}.arguments.validate_args", wrapper=validate.validate_args_wrapper(accelerator.name),
+            feature=name, megatron=rng)
+        reg("megatron.core.datasets.utils.compile_helpers", build_helpers.compile_helpers,
+            feature=name, megatron=rng)
+        optimizer_fixes.register(registry, name, rng)
+        if accelerator.name == "cuda":
+            return
+        reg(f"{MLT}.utils.get_device_arch_version", validate.device_arch_version, feature=name,
+            megatron=rng)
+        reg("megatron.legacy.fused_kernels.load", device_fixes.skip_fused_kernels, feature=name,
+            megatron=rng)
+        if accelerator.name != "cpu":
+            return  # NPU: transfer_to_npu maps factories and Tensor.cuda itself
+        if not registry.patches() or not any(p.target == device_fixes.DEVICE_PROPERTIES
+                                             for p in registry.patches()):
+            reg(device_fixes.DEVICE_PROPERTIES, device_fixes.no_cuda_device_properties,
+                feature=name, megatron=None)
+        for module in device_fixes.TORCH_PROXY_MODULES:
+            reg(f"{MLT}.{module}.torch", DeviceMappedTorch(accelerator.device), feature=name,
+                megatron=rng)
+        for target in device_fixes.CUDA_CALLS:
+            reg(f"{MLT}.{target}", wrapper=cuda_calls_on_device(accelerator.device), feature=name,
+                megatron=rng)
 
     def path(self, args, accelerator) -> str:
-        return "megatron.training found: its parser learns npuspeed's flags"
+        stubs = load_stubs.installed()
+        extra = f"; stand-ins: {', '.join(stubs)}" if stubs else ""
+        return (f"megatron.training found: its parser learns npuspeed's flags, validation and "
+                f"its CUDA calls mapped to {accelerator.name}{extra}")

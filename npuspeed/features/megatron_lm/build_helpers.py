@@ -1,0 +1,56 @@
+"""Megatron's dataset index helper (helpers.cpp), built for the interpreter that runs.
+
+`megatron.training.initialize._compile_dependencies` calls
+`megatron.core.datasets.utils.compile_helpers`, which runs `make` in
+`megatron/core/datasets`; its Makefile asks `python3 -m pybind11 --includes` and
+`python3-config --extension-suffix` for flags. `python3` there is whatever PATH finds in
+that directory: under pyenv, a Megatron-LM checkout's `.python-version` (3.12 at
+core_v0.16.1) picks another interpreter than the venv's, the build fails or produces a
+module the running Python cannot import, and training exits. The replacement runs the
+same Makefile with both answers taken from the running interpreter (`make` variables
+given on the command line override the Makefile's). Backend-independent.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import sysconfig
+
+log = logging.getLogger("npuspeed")
+
+
+class HelperBuildError(RuntimeError):
+    """The dataset helper cannot be built with this interpreter."""
+
+
+def make_command(directory: str) -> list[str]:
+    """The `make` call that builds helpers_cpp for sys.executable."""
+    try:
+        import pybind11
+    except ImportError as exc:
+        raise HelperBuildError(
+            "Megatron-LM builds its dataset helper (megatron/core/datasets/helpers.cpp) with "
+            "pybind11, which is not installed: `pip install pybind11` (or npuspeed[megatron-lm])"
+        ) from exc
+    includes = [pybind11.get_include(), sysconfig.get_paths()["include"]]
+    cppflags = " ".join(f"-I{path}" for path in dict.fromkeys(includes))
+    suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
+    return ["make", "-C", directory, f"CPPFLAGS={cppflags}", f"LIBEXT={suffix}"]
+
+
+def compile_helpers() -> None:
+    """Replacement for megatron.core.datasets.utils.compile_helpers (call on one rank)."""
+    import megatron.core.datasets.utils as utils
+
+    directory = os.path.abspath(os.path.dirname(utils.__file__))
+    try:
+        command = make_command(directory)
+    except HelperBuildError as exc:
+        log.error("%s", exc)
+        sys.exit(1)
+    if subprocess.run(command).returncode != 0:
+        log.error("npuspeed: failed to compile Megatron's C++ dataset helpers with %s (%s)",
+                  sys.executable, " ".join(command))
+        sys.exit(1)

@@ -1,0 +1,58 @@
+"""megatron.training's own CUDA calls, answered by the accelerator (CPU; NPU in part).
+
+megatron.core's CUDA assumptions are the device feature's; these are the ones
+megatron.training adds (file:line at core_v0.16.1):
+- literal `device='cuda'` tensor factories in `training.py` (806, 812, 1816, 2072, 2373,
+  3149, 3225, 3406), `utils.py` (117-208, the params-norm buffers), `checkpointing.py`
+  (315), `initialize.py` (475-512, the JIT warm-up): each of those modules gets the device
+  feature's mapped `torch` (factories only; nothing else changes);
+- `Tensor.cuda()` in `get_batch_on_this_tp_rank` (utils.py:534, every step), `get_model`
+  (training.py:1258) and `evaluate` (training.py:3112): mapped for the call (tensor_cuda.py);
+- `megatron.legacy.fused_kernels.load` (initialize.py:224) runs `$CUDA_HOME/bin/nvcc -V`
+  for the legacy models' CUDA softmax, which megatron.core models do not use: off CUDA it
+  is skipped, with a note;
+- `get_device_arch_version` (utils.py:448) reads CUDA device properties (validate.py).
+The rest (`torch.cuda.set_device`, `device_count`, `is_available`, RNG state in the rerun
+state machine and in checkpoints, memory statistics, `synchronize` in timers, streams)
+goes through the device feature's `torch.cuda` shim, which therefore must be installed:
+see `shim_names_needed()`, checked by the tests.
+"""
+from __future__ import annotations
+
+from npuspeed import runtime
+
+MLT = "megatron.training"
+DEVICE_PROPERTIES = "torch.cuda.get_device_properties"
+
+# Modules whose `torch` global becomes the factory-mapping proxy (CPU).
+TORCH_PROXY_MODULES = ("training", "utils", "checkpointing", "initialize")
+
+# Functions calling Tensor.cuda()/Module.cuda() directly (CPU).
+CUDA_CALLS = ("utils.get_batch_on_this_tp_rank", "training.get_model", "training.evaluate")
+
+# torch.cuda names megatron.training calls on the way of a pretrain_gpt.py run.
+SHIM_NAMES_NEEDED = ("is_available", "device_count", "set_device", "current_device",
+                     "get_rng_state", "set_rng_state", "empty_cache", "memory_allocated",
+                     "max_memory_allocated", "memory_reserved", "max_memory_reserved",
+                     "synchronize", "Stream", "current_stream", "stream")
+
+
+def shim_names_needed() -> tuple[str, ...]:
+    return SHIM_NAMES_NEEDED
+
+
+def skip_fused_kernels(args) -> None:
+    """Replacement for megatron.legacy.fused_kernels.load off CUDA."""
+    runtime.note("npuspeed: Megatron's legacy CUDA fused kernels (megatron/legacy/fused_kernels) "
+                 "are not built off CUDA; megatron.core models do not use them")
+
+
+def no_cuda_device_properties(device=None):
+    """`torch.cuda.get_device_properties` on the CPU backend: there is no CUDA device.
+
+    With the device shim, `torch.cuda.is_initialized()` answers True and `current_device()`
+    a CPU torch.device, so torch's own `get_device_properties` skips its lazy init and
+    raises ValueError, which torch inductor does not expect: every torch.compile (Megatron's
+    `jit_fuser` fusions, compiled at start-up by megatron.training) then fails. A CPU build
+    of torch answers with an error inductor catches (RuntimeError); so does this."""
+    raise RuntimeError("torch.cuda.get_device_properties: no CUDA device (npuspeed runs on the CPU)")
