@@ -136,8 +136,10 @@ def init_wrapper(kind: str):
         @functools.wraps(original)
         def __init__(self, *args, **kwargs):
             original(self, *args, **kwargs)
-            if getattr(self, "explicit_expert_comm", False):
-                return  # experts communicate outside the linear: nothing to chunk
+            if getattr(self, "explicit_expert_comm", False):  # nothing to chunk in the linear
+                _note(f"--use-coc: MoE expert {kind}s communicate outside the linear (token "
+                      "dispatcher); they run Megatron's own forward")
+                return
             if tp_group(self).size() == 1:
                 raise FeatureError(
                     f"{FLAG} overlaps tensor-parallel communication, but this {kind} has "
@@ -151,6 +153,12 @@ def init_wrapper(kind: str):
         return __init__
 
     return wrapper
+
+
+def _note(message: str) -> None:
+    from npuspeed import runtime
+
+    runtime.note(message)
 
 
 def check_linear_class(cls) -> None:
