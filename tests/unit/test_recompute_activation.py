@@ -273,7 +273,7 @@ def test_first_n_layers_of_each_stage_interleaved_across_virtual_chunks(megatron
             select(_fake_block(8, 2, pp=2, vpp=2, vp_stage=0), 5)
 
 
-def test_full_recompute_wins_and_says_so(megatron_mp, with_features):
+def test_full_recompute_wins_offloading_excludes_and_both_say_so(megatron_mp, with_features):
     from npuspeed import runtime
     from npuspeed.features.recompute_activation.layers import select
 
@@ -287,7 +287,11 @@ def test_full_recompute_wins_and_says_so(megatron_mp, with_features):
         block = _fake_block(4, 4, recompute_granularity="selective")
         select(block, None)
         assert _selected(block) == [True] * 4
+        block = _fake_block(4, 4, cpu_offloading=True)
+        select(block, None)
+        assert _selected(block) == [False] * 4
     assert any("full recompute wins" in n for n in runtime.state().notes)
+    assert any("offloaded to the host" in n for n in runtime.state().notes)
 
 
 # -- a whole GPT -------------------------------------------------------------------------------

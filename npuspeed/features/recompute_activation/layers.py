@@ -10,7 +10,10 @@ Skipped, and said once in the log and the report:
   'uniform', the first recompute_num_layers with 'block'): the whole layer is recomputed
   anyway, so full wins; likewise an MLP recomputed whole by selective `recompute_modules=['mlp']`;
 * MoE layers: expert MLPs scale by per-token router probabilities and see variable token
-  counts; Megatron-Core's own `recompute_modules=['moe_act']` covers their activation.
+  counts; Megatron-Core's own `recompute_modules=['moe_act']` covers their activation;
+* everything when activations are offloaded to the host (`cpu_offloading`,
+  `fine_grained_activation_offloading`): the offload hooks may still read the tensor whose
+  storage we would release.
 """
 from __future__ import annotations
 
@@ -65,6 +68,10 @@ def select(block, num_layers: int | None) -> None:
 
     config = block.config
     check_num_layers(num_layers, config)
+    if getattr(config, "cpu_offloading", False) or getattr(config, "fine_grained_activation_offloading", False):
+        runtime.note("--recompute-activation-function: off where activations are offloaded to the host "
+                     "(cpu_offloading / fine_grained_activation_offloading): the offload hooks read them")
+        return
     vpp = config.virtual_pipeline_model_parallel_size or 1
     stage = _vp_stage(block)
     for index, layer in enumerate(getattr(block, "layers", ())):
