@@ -1,4 +1,5 @@
-"""The `npuspeed` command: `npuspeed report [--json] [feature flags ...]`."""
+"""The `npuspeed` command: `npuspeed report [--json] [feature flags ...]` and
+`npuspeed patch-source DIR [--dry-run]` (prepare a Megatron-LM checkout)."""
 from __future__ import annotations
 
 import argparse
@@ -11,7 +12,17 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     rep = sub.add_parser("report", help="device, features, patches and ops that apply here")
     rep.add_argument("--json", action="store_true", help="machine-readable output")
+    src = sub.add_parser("patch-source", help="add the npuspeed import line to a Megatron-LM "
+                         "checkout's entry scripts and apply its source patches (idempotent)")
+    src.add_argument("dir", help="the Megatron-LM checkout (its root, holding pretrain_gpt.py)")
+    src.add_argument("--dry-run", action="store_true", help="say what would change, change nothing")
+    src.add_argument("--patches-dir", default=None, help="where <tag>/*.patch live (default: "
+                     "the patches/ folder next to the npuspeed package)")
     args, rest = parser.parse_known_args(argv)
+    if args.command == "patch-source":
+        if rest:
+            parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        return _patch_source(args)
     if args.command == "report":
         from npuspeed import runtime
         from npuspeed.report import collect, render
@@ -21,6 +32,18 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(data, indent=2, default=str) if args.json else render(data))
         return 0
     return 2
+
+
+def _patch_source(args) -> int:
+    from npuspeed.features.megatron_lm.source_patch import PatchSourceError, patch_source
+
+    try:
+        result = patch_source(args.dir, args.patches_dir, dry_run=args.dry_run)
+    except PatchSourceError as exc:
+        print(f"npuspeed patch-source: {exc}", file=sys.stderr)
+        return 2
+    print("\n".join(result.lines()))
+    return 0
 
 
 if __name__ == "__main__":
