@@ -11,6 +11,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
+from launch import free_port  # noqa: E402
+
 
 @pytest.fixture(scope="session")
 def npuspeed_runtime():
@@ -41,6 +43,26 @@ def features_enabled(argv: list[str]):
     finally:
         for feature in active:
             registry.remove(feature.name)
+
+
+@pytest.fixture(scope="module")
+def megatron_mp(npuspeed_runtime):
+    """A 1-rank gloo group with Megatron's model-parallel state (TP=PP=1) and its RNG tracker."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state, tensor_parallel
+
+    own_pg = not dist.is_initialized()
+    if own_pg:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    own_mp = not parallel_state.model_parallel_is_initialized()
+    if own_mp:
+        parallel_state.initialize_model_parallel(1, 1)
+    tensor_parallel.model_parallel_cuda_manual_seed(1234)
+    yield npuspeed_runtime
+    if own_mp:
+        parallel_state.destroy_model_parallel()
+    if own_pg:
+        dist.destroy_process_group()
 
 
 @pytest.fixture

@@ -8,38 +8,11 @@ Megatron's code could not pass). Also: the memory claim, the report text, and th
 from __future__ import annotations
 
 import contextlib
-import socket
 
 import pytest
 import torch
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def megatron_mp(npuspeed_runtime):
-    """A 1-rank gloo group with Megatron's model-parallel state (TP=PP=1) and its RNG tracker."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state, tensor_parallel
-
-    own_pg = not dist.is_initialized()
-    if own_pg:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
-    own_mp = not parallel_state.model_parallel_is_initialized()
-    if own_mp:
-        parallel_state.initialize_model_parallel(1, 1)
-    tensor_parallel.model_parallel_cuda_manual_seed(1234)
-    yield npuspeed_runtime
-    if own_mp:
-        parallel_state.destroy_model_parallel()
-    if own_pg:
-        dist.destroy_process_group()
 
 
 def make_attention(heads=4, groups=None, d=16, dtype=torch.float32, mask_type="causal", layer_number=1,

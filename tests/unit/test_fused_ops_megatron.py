@@ -3,7 +3,6 @@ gloo rank. Same weights and inputs with and without the flag; fp32 outputs and g
 must agree (<= 1e-5; RoPE bit for bit) and the call tally must show the C++ kernels ran."""
 from __future__ import annotations
 
-import socket
 
 import pytest
 import torch
@@ -14,32 +13,6 @@ from npuspeed.ops._extension import has_op
 
 pytestmark = pytest.mark.skipif(not has_op("rms_norm"), reason="C++ op library not built")
 FLAGS = ["--use-fused-rmsnorm", "--use-fused-swiglu", "--use-fused-rotary-pos-emb"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def megatron_mp(npuspeed_runtime):
-    """A 1-rank gloo group with Megatron's model-parallel state (TP=PP=1) and its RNG tracker."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state, tensor_parallel
-
-    own_pg = not dist.is_initialized()
-    if own_pg:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
-    own_mp = not parallel_state.model_parallel_is_initialized()
-    if own_mp:
-        parallel_state.initialize_model_parallel(1, 1)
-    tensor_parallel.model_parallel_cuda_manual_seed(1234)
-    yield npuspeed_runtime
-    if own_mp:
-        parallel_state.destroy_model_parallel()
-    if own_pg:
-        dist.destroy_process_group()
 
 
 @pytest.fixture(autouse=True)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import gc
 import inspect
-import socket
 import types
 
 import pytest
@@ -20,32 +19,6 @@ from npuspeed.features.base import FeatureError
 
 FLAG = "--recompute-activation-function"
 NUM = "--recompute-activation-function-num-layers"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def megatron_mp(npuspeed_runtime):
-    """A 1-rank gloo group with Megatron's model-parallel state (TP=PP=1) and its RNG tracker."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state, tensor_parallel
-
-    own_pg = not dist.is_initialized()
-    if own_pg:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
-    own_mp = not parallel_state.model_parallel_is_initialized()
-    if own_mp:
-        parallel_state.initialize_model_parallel(1, 1)
-    tensor_parallel.model_parallel_cuda_manual_seed(1234)
-    yield npuspeed_runtime
-    if own_mp:
-        parallel_state.destroy_model_parallel()
-    if own_pg:
-        dist.destroy_process_group()
 
 
 def _stats():
