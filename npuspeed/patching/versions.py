@@ -1,7 +1,19 @@
-"""Which megatron-core is installed, and whether a patch's version range admits it."""
+"""Which megatron-core is installed, and whether a patch's version range admits it.
+
+The version is read from `megatron/core/package_info.py` of the megatron.core that
+`import` picks, not from the installed distribution's metadata: with a Megatron-LM
+checkout (or another megatron-core) on PYTHONPATH, the metadata names the pip-installed
+one while the code that runs, and that the patches must match, is the checkout's. The
+file is read rather than imported, since megatron.core must not be imported before the
+device feature's apex guard. Metadata is the fallback.
+"""
 from __future__ import annotations
 
 import functools
+import importlib.util
+import os
+import runpy
+import sys
 from importlib import metadata
 
 from packaging.specifiers import SpecifierSet
@@ -16,17 +28,32 @@ class UnsupportedMegatronError(RuntimeError):
 
 @functools.lru_cache(maxsize=None)
 def megatron_version() -> Version | None:
-    """The installed megatron-core version, or None when it is absent."""
+    """The version of the megatron-core that imports, or None when it is absent."""
+    version = _package_info_version()
+    if version is not None:
+        return Version(version)
     try:
         return Version(metadata.version("megatron-core"))
     except metadata.PackageNotFoundError:
-        pass
-    try:
-        from megatron.core import package_info
-
-        return Version(package_info.__version__)
-    except Exception:
         return None
+
+
+def _package_info_version() -> str | None:
+    loaded = sys.modules.get("megatron.core.package_info")
+    if loaded is not None:
+        return getattr(loaded, "__version__", None)
+    try:
+        spec = importlib.util.find_spec("megatron.core")  # imports only the `megatron` namespace
+    except (ImportError, ValueError):
+        return None
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        path = os.path.join(root, "package_info.py")
+        if os.path.isfile(path):
+            try:
+                return str(runpy.run_path(path)["__version__"])
+            except Exception:  # an unreadable file: fall back to the metadata
+                return None
+    return None
 
 
 def in_range(spec: str | None, version: Version | None = None) -> bool:

@@ -11,7 +11,7 @@ import argparse
 import logging
 
 from npuspeed.features.base import Feature
-from npuspeed.features.device import cuda_shim, dist_backend, megatron_fixes, rng
+from npuspeed.features.device import cuda_shim, dist_backend, megatron_compat, megatron_fixes, rng
 from npuspeed.features.device.apex_guard import guard_apex
 
 log = logging.getLogger("npuspeed")
@@ -48,6 +48,7 @@ class DeviceFeature(Feature):
             "megatron.core.transformer.moe.moe_utils.te_general_gemm", None, feature=self.name,
             if_missing=True,
         )
+        megatron_compat.register(registry, self.name)  # older releases' own bugs (0.12)
         if accelerator.name == "cuda":
             return
         registry.register(

@@ -58,6 +58,10 @@ SCHEDULES = [
     "pipeline_parallel.schedules.forward_backward_pipelining_with_interleaving",
 ]
 
+# Before 0.14 the pipelined schedules made that tensor with `torch.tensor(0).cuda()`, which
+# the module's `torch` cannot see: there they also run under the redirect mode.
+SCHEDULES_CUDA_CALL = SCHEDULES[1:]
+
 
 def norm_with_sequence_parallel(new):
     """WrappedTorchNorm refuses sequence parallelism only because it cannot mark its
@@ -99,5 +103,8 @@ def register(registry, accelerator, feature: str) -> None:
                           megatron=MEGATRON_RANGES.get(target, ">=0.12"))
     for target in SCHEDULES:
         registry.register(f"{_MC}.{target}", wrapper=in_device_rng_scope, feature=feature)
+    for target in SCHEDULES_CUDA_CALL:
+        registry.register(f"{_MC}.{target}", wrapper=on_device(device_fn), feature=feature,
+                          megatron="<0.14")
     registry.register(f"{_MC}.pipeline_parallel.schedules.torch", DeviceMappedTorch(device_fn),
                       feature=feature)

@@ -1,0 +1,55 @@
+"""Fixes for older megatron-core releases that break on any backend, not only off CUDA.
+
+Each one is version-ranged to the releases that have the bug, so newer Megatron runs its
+own code untouched (see `npuspeed report`):
+
+- 0.12's `quantize_param_shard` raises "Invalid Transformer Engine version" whenever
+  Transformer Engine is absent, even with no FP8 parameter to quantize, so the
+  distributed optimizer's step fails; 0.13 returns early for an empty list, as here.
+- 0.12's async checkpoint writer calls torch's private `_write_item` without the
+  `serialization_format` argument that newer torch requires; 0.13 passes TORCH_SAVE
+  when the signature asks for it, as here.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+
+_MC = "megatron.core"
+
+
+def quantize_param_shard_without_fp8(fn):
+    """Nothing to quantize is not an error, with or without Transformer Engine."""
+
+    @functools.wraps(fn)
+    def quantize_param_shard(model_params, *args, **kwargs):
+        if len(model_params) == 0:
+            return None
+        return fn(model_params, *args, **kwargs)
+
+    return quantize_param_shard
+
+
+def write_item_with_format(fn):
+    """Supply torch's `serialization_format` (TORCH_SAVE, what older torch always wrote)."""
+    params = list(inspect.signature(fn).parameters)
+    if "serialization_format" not in params:
+        return fn
+    from torch.distributed.checkpoint.filesystem import SerializationFormat
+
+    position = params.index("serialization_format")
+
+    @functools.wraps(fn)
+    def _write_item(*args, **kwargs):
+        if len(args) <= position:
+            kwargs.setdefault("serialization_format", SerializationFormat.TORCH_SAVE)
+        return fn(*args, **kwargs)
+
+    return _write_item
+
+
+def register(registry, feature: str) -> None:
+    registry.register(f"{_MC}.fp8_utils.quantize_param_shard",
+                      wrapper=quantize_param_shard_without_fp8, feature=feature, megatron="<0.13")
+    registry.register(f"{_MC}.dist_checkpointing.strategies.filesystem_async._write_item",
+                      wrapper=write_item_with_format, feature=feature, megatron="<0.13")
