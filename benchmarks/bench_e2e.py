@@ -1,0 +1,111 @@
+"""All features together: the end-to-end benchmark (issue 9).
+
+A Llama-style model (8 layers, hidden 512, SwiGLU ffn 1408, 8 heads in 2 query groups,
+sequence 2048, bf16) at TP2 + SP on 2 ranks, through examples/pretrain_gpt.py: all features
+off, all on, then each alone. Prints a table, appends rows to benchmarks/results/<device>.csv
+(baseline = all off) and draws benchmarks/results/e2e_<device>.png: speed and peak memory per
+configuration, and the all-off / all-on loss curves.
+    python benchmarks/bench_e2e.py [--iters 5] [--seq 2048] [--layers 8]
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "tests"))
+
+from harness import Bench  # noqa: E402
+from launch import run_example  # noqa: E402
+
+FEATURES = {
+    "flash-attn": ["--use-flash-attn"],
+    "fused-rmsnorm": ["--use-fused-rmsnorm"],
+    "fused-swiglu": ["--use-fused-swiglu"],
+    "fused-rope": ["--use-fused-rotary-pos-emb"],
+    "reuse-fp32-param": ["--reuse-fp32-param"],
+    "recompute-activation": ["--recompute-activation-function"],
+    "coc": ["--use-coc", "--coc-parallel-num", "2"],
+}
+
+
+def model_args(opts) -> list[str]:
+    return ["--num-layers", str(opts.layers), "--hidden-size", "512", "--ffn-hidden-size", "1408",
+            "--num-attention-heads", "8", "--group-query-attention", "--num-query-groups", "2",
+            "--seq-length", str(opts.seq), "--max-position-embeddings", str(opts.seq),
+            "--normalization", "RMSNorm", "--swiglu", "--position-embedding-type", "rope",
+            "--disable-bias-linear", "--untie-embeddings-and-output-weights", "--bf16",
+            "--micro-batch-size", "1", "--global-batch-size", "2", "--train-iters", str(opts.iters),
+            "--tensor-model-parallel-size", "2", "--sequence-parallel", "--use-cpu-initialization",
+            "--hidden-dropout", "0", "--attention-dropout", "0", "--log-interval", "1"]
+
+
+def plot(runs: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(runs)
+    fig, (ax_s, ax_m, ax_l) = plt.subplots(1, 3, figsize=(17, 4.8))
+    ax_s.bar(names, [runs[n]["tokens_per_s"] for n in names], color="tab:blue")
+    ax_s.set_ylabel("tokens / s")
+    ax_m.bar(names, [runs[n]["peak_mem_bytes"] / 2**20 for n in names], color="tab:orange")
+    ax_m.set_ylabel("peak memory per rank (MiB)")
+    for ax in (ax_s, ax_m):
+        ax.tick_params(axis="x", rotation=60, labelsize=8)
+    for name in ("all off", "all on"):
+        losses = runs[name]["losses"]
+        ax_l.plot(range(1, len(losses) + 1), losses, marker="o", label=name)
+    ax_l.set_xlabel("iteration")
+    ax_l.set_ylabel("lm loss (bf16)")
+    ax_l.legend()
+    fig.suptitle("npuspeed end to end: Llama-style, TP2+SP, 2 CPU ranks")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--iters", type=int, default=5, help="iterations per run; the first is warm-up")
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--only", nargs="*", default=None, help="subset of configurations")
+    opts = parser.parse_args()
+    configs = {"all off": [], "all on": [f for flags in FEATURES.values() for f in flags]}
+    configs.update({name: flags for name, flags in FEATURES.items()})
+    if opts.only:
+        configs = {k: v for k, v in configs.items() if k in opts.only or k in ("all off", "all on")}
+    bench = Bench("e2e")
+    runs = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, flags in configs.items():
+            runs[name] = run_example(model_args(opts) + flags, Path(tmp), nproc=2, name=name.replace(" ", "_"),
+                                     timeout=3600)
+            print(f"[e2e] {name}: {runs[name]['tokens_per_s']:.1f} tokens/s, peak "
+                  f"{runs[name]['peak_mem_bytes'] / 2**20:.1f} MiB/rank, weights "
+                  f"{runs[name]['weight_bytes'] / 2**20:.1f} MiB/rank", flush=True)
+    base = runs["all off"]
+    for name, run in runs.items():
+        diff = max(abs(a - b) for a, b in zip(run["losses"], base["losses"]))
+        bench.add(name, "bf16", baseline_ms=base["mean_step_ms"], feature_ms=run["mean_step_ms"],
+                  baseline_peak_bytes=base["peak_mem_bytes"], feature_peak_bytes=run["peak_mem_bytes"],
+                  extra={"tokens_per_s": round(run["tokens_per_s"], 2),
+                         "weight_bytes": run["weight_bytes"], "max_loss_diff_vs_off": diff,
+                         "seq": opts.seq, "layers": opts.layers, "iters": opts.iters})
+    csv_path = bench.finish()
+    png = csv_path.parent / f"e2e_{bench.acc.name}.png"
+    plot(runs, png)
+    on = runs.get("all on")
+    if on:
+        print(f"all on vs all off: {on['tokens_per_s'] / base['tokens_per_s']:.2f}x tokens/s, "
+              f"{on['peak_mem_bytes'] / base['peak_mem_bytes']:.2f}x peak memory, "
+              f"{on['weight_bytes'] / base['weight_bytes']:.2f}x weight bytes, max loss diff "
+              f"{max(abs(a - b) for a, b in zip(on['losses'], base['losses'])):.2e}; plot {png}")
+
+
+if __name__ == "__main__":
+    main()
