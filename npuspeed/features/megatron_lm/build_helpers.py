@@ -44,7 +44,11 @@ def compile_helpers() -> None:
     """Replacement for megatron.core.datasets.utils.compile_helpers (call on one rank)."""
     import megatron.core.datasets.utils as utils
 
-    directory = os.path.abspath(os.path.dirname(utils.__file__))
+    build_in(os.path.abspath(os.path.dirname(utils.__file__)))
+
+
+def build_in(directory: str) -> None:
+    """Run the Makefile in `directory` for this interpreter; exit like upstream on failure."""
     try:
         command = make_command(directory)
     except HelperBuildError as exc:

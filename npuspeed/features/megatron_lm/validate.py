@@ -6,7 +6,7 @@ a CPU build) and then asserts `CUDA_DEVICE_MAX_CONNECTIONS=1` for TP/CP; its def
 (`--transformer-impl transformer_engine`, gradient-accumulation fusion on) need Transformer
 Engine and apex's `fused_weight_gradient_mlp_cuda`, and fail later, far from the flag
 (`NameError: TESpecProvider`, a RuntimeError at the first linear layer, torch LayerNorm's
-assertion against `persist_layer_norm`).
+assertion against `persist_layer_norm`, "apply_rope_fusion is not available" with RoPE).
 
 The wrapper below turns each of those defaults into the portable choice before upstream
 validates, and says so in the log and in `npuspeed report` (runtime.note). An explicit
@@ -48,6 +48,19 @@ def have_persist_layer_norm() -> bool:
     return bool(getattr(fused_layer_norm, "HAVE_PERSIST_LAYER_NORM", False))
 
 
+def have_fused_rope() -> bool:
+    """Whether megatron.core found Transformer Engine's fused RoPE (what the config checks)."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    return getattr(rope_utils, "fused_apply_rotary_pos_emb", None) is not None or \
+        getattr(rope_utils, "fused_apply_rotary_pos_emb_thd", None) is not None
+
+
+def _uses_rope(args) -> bool:
+    return getattr(args, "use_rotary_position_embeddings", False) or \
+        args.position_embedding_type in ("rope", "mrope", "yarn")
+
+
 def portable_defaults(args, accelerator_name: str) -> list[str]:
     """Switch the settings this machine cannot run; returns the notes given (also recorded)."""
     notes = []
@@ -64,6 +77,12 @@ def portable_defaults(args, accelerator_name: str) -> list[str]:
         args.no_persist_layer_norm = True
         notes.append("npuspeed: apex's persistent LayerNorm kernel is not installed: using "
                      "--no-persist-layer-norm (torch's LayerNorm refuses persist_layer_norm)")
+    if args.apply_rope_fusion and not have_fused_rope():
+        args.apply_rope_fusion = False  # without rope upstream turns it off anyway: no note
+        if _uses_rope(args):
+            notes.append("npuspeed: Transformer Engine's fused RoPE is not installed: using "
+                         "--no-rope-fusion (Megatron's own RoPE; --use-fused-rotary-pos-emb "
+                         "runs npuspeed's fused kernel there)")
     needs_connections = (args.tensor_model_parallel_size > 1 or args.context_parallel_size > 1) \
         and not (args.use_torch_fsdp2 or args.use_megatron_fsdp) \
         and not getattr(args, "overlap_moe_expert_parallel_comm", False)
