@@ -17,8 +17,11 @@ EXTRAS = {
     "npu": ["torch_npu"],
     "test": ["pytest>=7", "hypothesis>=6", "pytest-timeout"],
     "bench": ["matplotlib"],
-    "megatron-lm": ["regex", "triton; platform_system=='Linux'", "pydantic", "psutil", "six", "pyyaml",
-                    "sentencepiece", "tiktoken"],
+    # What megatron.training (Megatron-LM core_v0.16) imports at load, plus pybind11 for the
+    # dataset helper it builds at start-up. Not triton: a GPU compiler that npuspeed stands in
+    # for where absent (megatron_lm/load_stubs.py). Tokenizer packages (sentencepiece,
+    # tiktoken) only as the chosen --tokenizer-type needs them.
+    "megatron-lm": ["regex", "pydantic", "six", "pyyaml", "psutil", "pybind11"],
 }
 
 

@@ -66,21 +66,23 @@ def megatron_lm_args(**overrides):
     values = dict(transformer_impl="transformer_engine", gradient_accumulation_fusion=True,
                   no_persist_layer_norm=False, apply_rope_fusion=True, position_embedding_type="learned_absolute",
                   use_rotary_position_embeddings=False, tensor_model_parallel_size=1, context_parallel_size=1,
-                  use_torch_fsdp2=False, use_megatron_fsdp=False, overlap_moe_expert_parallel_comm=False)
+                  use_torch_fsdp2=False, use_megatron_fsdp=False, overlap_moe_expert_parallel_comm=False,
+                  masked_softmax_fusion=True, bf16=False, fp16=False)
     values.update(overrides)
     return argparse.Namespace(**values)
 
 
 def test_portable_defaults_where_te_and_apex_are_absent(monkeypatch):
     monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
-    args = megatron_lm_args(position_embedding_type="rope", tensor_model_parallel_size=2)
+    args = megatron_lm_args(position_embedding_type="rope", tensor_model_parallel_size=2, bf16=True)
     notes = validate.portable_defaults(args, "cpu")
     assert args.transformer_impl == "local" and args.gradient_accumulation_fusion is False
     assert args.no_persist_layer_norm is True and args.apply_rope_fusion is False
+    assert args.masked_softmax_fusion is False
     assert os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
     joined = "\n".join(notes)
     for flag in ("--transformer-impl local", "--no-gradient-accumulation-fusion", "--no-persist-layer-norm",
-                 "--no-rope-fusion", "CUDA_DEVICE_MAX_CONNECTIONS=1"):
+                 "--no-rope-fusion", "--no-masked-softmax-fusion", "CUDA_DEVICE_MAX_CONNECTIONS=1"):
         assert flag in joined
 
 
@@ -88,11 +90,12 @@ def test_portable_defaults_keep_what_the_machine_has(monkeypatch):
     monkeypatch.setattr(validate, "have_transformer_engine", lambda: True)
     monkeypatch.setattr(validate, "have_persist_layer_norm", lambda: True)
     monkeypatch.setattr(validate, "have_fused_rope", lambda: True)
+    monkeypatch.setattr(validate, "have_fused_softmax", lambda: True)
     monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
-    args = megatron_lm_args(tensor_model_parallel_size=2)
+    args = megatron_lm_args(tensor_model_parallel_size=2, bf16=True)
     assert validate.portable_defaults(args, "cuda") == []
     assert args.transformer_impl == "transformer_engine" and args.gradient_accumulation_fusion
-    assert not args.no_persist_layer_norm and args.apply_rope_fusion
+    assert not args.no_persist_layer_norm and args.apply_rope_fusion and args.masked_softmax_fusion
     assert "CUDA_DEVICE_MAX_CONNECTIONS" not in os.environ  # a GPU user sets it, as upstream asks
 
 
@@ -103,10 +106,11 @@ def test_connections_left_alone_for_fsdp_and_tp1(monkeypatch):
     assert "CUDA_DEVICE_MAX_CONNECTIONS" not in os.environ  # FSDP asserts it is NOT 1
 
 
-def test_rope_fusion_off_silently_without_rope(monkeypatch):
+def test_rope_and_softmax_fusion_off_silently_where_unused(monkeypatch):
     args = megatron_lm_args(gradient_accumulation_fusion=False, no_persist_layer_norm=True,
-                            transformer_impl="local")
-    assert validate.portable_defaults(args, "cpu") == [] and args.apply_rope_fusion is False
+                            transformer_impl="local")  # no rope, fp32
+    assert validate.portable_defaults(args, "cpu") == []
+    assert args.apply_rope_fusion is False and args.masked_softmax_fusion is False
 
 
 def test_validate_args_wrapper_applies_defaults_first():

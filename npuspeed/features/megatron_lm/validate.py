@@ -6,7 +6,8 @@ a CPU build) and then asserts `CUDA_DEVICE_MAX_CONNECTIONS=1` for TP/CP; its def
 (`--transformer-impl transformer_engine`, gradient-accumulation fusion on) need Transformer
 Engine and apex's `fused_weight_gradient_mlp_cuda`, and fail later, far from the flag
 (`NameError: TESpecProvider`, a RuntimeError at the first linear layer, torch LayerNorm's
-assertion against `persist_layer_norm`, "apply_rope_fusion is not available" with RoPE).
+assertion against `persist_layer_norm`, "apply_rope_fusion is not available" with RoPE, `import scaled_masked_softmax_cuda` failing
+in bf16/fp16 attention).
 
 The wrapper below turns each of those defaults into the portable choice before upstream
 validates, and says so in the log and in `npuspeed report` (runtime.note). An explicit
@@ -48,6 +49,15 @@ def have_persist_layer_norm() -> bool:
     return bool(getattr(fused_layer_norm, "HAVE_PERSIST_LAYER_NORM", False))
 
 
+_SOFTMAX_KERNELS = ("scaled_masked_softmax_cuda", "scaled_upper_triang_masked_softmax_cuda",
+                    "scaled_softmax_cuda")
+
+
+def have_fused_softmax() -> bool:
+    """Whether Megatron's CUDA softmax kernels import (FusedScaleMaskSoftmax needs all three)."""
+    return all(_have(name) for name in _SOFTMAX_KERNELS)
+
+
 def have_fused_rope() -> bool:
     """Whether megatron.core found Transformer Engine's fused RoPE (what the config checks)."""
     from megatron.core.models.common.embeddings import rope_utils
@@ -83,6 +93,12 @@ def portable_defaults(args, accelerator_name: str) -> list[str]:
             notes.append("npuspeed: Transformer Engine's fused RoPE is not installed: using "
                          "--no-rope-fusion (Megatron's own RoPE; --use-fused-rotary-pos-emb "
                          "runs npuspeed's fused kernel there)")
+    if args.masked_softmax_fusion and not have_fused_softmax():
+        args.masked_softmax_fusion = False
+        if args.fp16 or args.bf16:  # the kernels are tried only for 16-bit inputs
+            notes.append("npuspeed: Megatron's fused softmax CUDA kernels are not installed: using "
+                         "--no-masked-softmax-fusion (torch softmax; --use-flash-attn replaces "
+                         "the whole core attention instead)")
     needs_connections = (args.tensor_model_parallel_size > 1 or args.context_parallel_size > 1) \
         and not (args.use_torch_fsdp2 or args.use_megatron_fsdp) \
         and not getattr(args, "overlap_moe_expert_parallel_comm", False)
