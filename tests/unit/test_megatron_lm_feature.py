@@ -302,3 +302,86 @@ def test_distributed_optimizer_resume_through_dist_checkpointing():
     assert fixed["rc"] == 0, fixed["out"][-3000:]
     assert set(fixed["steps_after_load"]) == {2.0} and fixed["distinct_step_tensors"] == fixed["params"]
     assert fixed["resumed"] == fixed["reference"]
+
+
+# -- what the feature registers, per backend ----------------------------------------------------
+class RecordingRegistry:
+    def __init__(self):
+        self.calls = []
+
+    def register(self, target, replacement=None, *, wrapper=None, feature, megatron=">=0.12", **kw):
+        self.calls.append((target, "wrap" if wrapper else "replace", megatron))
+
+    def patches(self, feature=None):
+        return []
+
+
+def _registered(accelerator_name: str) -> dict:
+    from npuspeed.features.megatron_lm import MegatronLMFeature
+
+    registry = RecordingRegistry()
+    acc = types.SimpleNamespace(name=accelerator_name, device=lambda index=None: CPU)
+    MegatronLMFeature().register_patches(registry, argparse.Namespace(), acc)
+    return {target: (kind, rng) for target, kind, rng in registry.calls}
+
+
+def test_registered_patches_per_backend():
+    from npuspeed.features.megatron_lm import MEGATRON_LM_RANGE
+
+    cpu, npu, cuda = _registered("cpu"), _registered("npu"), _registered("cuda")
+    common = {"megatron.training.arguments.parse_args", "megatron.training.arguments.validate_args",
+              "megatron.core.datasets.utils.compile_helpers",
+              "megatron.core.optimizer.distrib_optimizer.DistributedOptimizer.state_dict",
+              "megatron.core.optimizer.distrib_optimizer.DistributedOptimizer.load_state_dict"}
+    assert common <= set(cuda) and common <= set(npu) and common <= set(cpu)
+    off_cuda = {"megatron.training.utils.get_device_arch_version", "megatron.legacy.fused_kernels.load"}
+    assert not off_cuda & set(cuda) and off_cuda <= set(npu) and off_cuda <= set(cpu)
+    cpu_only = {"megatron.training.training.torch", "megatron.training.utils.get_batch_on_this_tp_rank",
+                "megatron.training.training.get_model", "torch.cuda.get_device_properties"}
+    assert cpu_only <= set(cpu) and not cpu_only & set(npu)
+    # Megatron-LM's targets are versioned by the range they were checked against.
+    assert all(rng == MEGATRON_LM_RANGE for t, (kind, rng) in cpu.items()
+               if t.startswith("megatron.") and not t.endswith("parse_args"))
+
+
+def test_the_cuda_names_megatron_training_calls_are_shimmed_on_cpu():
+    from npuspeed.features.device.cuda_shim import shim_names
+    from npuspeed.features.megatron_lm.device_fixes import shim_names_needed
+
+    assert set(shim_names_needed()) <= set(shim_names())
+
+
+def test_no_cuda_device_properties_is_what_inductor_expects():
+    from npuspeed.features.megatron_lm.device_fixes import no_cuda_device_properties
+
+    with pytest.raises(RuntimeError, match="no CUDA device"):
+        no_cuda_device_properties(0)
+
+
+COMPILE = """
+import sys, torch
+import npuspeed.megatron_adaptor
+if sys.argv[1] == "fixed":
+    from npuspeed.features.megatron_lm import device_fixes
+    from npuspeed.patching import registry
+    registry.register(device_fixes.DEVICE_PROPERTIES, device_fixes.no_cuda_device_properties,
+                      feature="megatron_lm", megatron=None)
+    registry.apply()
+fused = torch.compile(lambda x, b: torch.nn.functional.gelu(x + b))  # a Megatron jit_fuser shape
+print("RESULT", float(fused(torch.ones(4), torch.ones(4)).sum()))
+"""
+
+
+@pytest.mark.parametrize("mode", ["plain", "fixed"])
+def test_torch_compile_under_the_cuda_shim(mode, tmp_path):
+    """megatron.training compiles its jit_fuser functions at start-up; with the device shim alone
+    torch inductor fails on CPU, with the megatron_lm feature's answer it compiles."""
+    if mode == "fixed" and (shutil.which("c++") is None and shutil.which("g++") is None):
+        pytest.skip("inductor needs a C++ compiler")
+    proc = subprocess.run([sys.executable, "-c", COMPILE, mode], capture_output=True, text=True,
+                          timeout=600, cwd=tmp_path, env=dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path)))
+    if mode == "plain":
+        assert proc.returncode != 0 and "Expected a cuda device" in proc.stderr
+    else:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert "RESULT 7.8" in proc.stdout  # 4 * gelu(2) = 7.818...
