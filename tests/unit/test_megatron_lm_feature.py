@@ -385,3 +385,25 @@ def test_torch_compile_under_the_cuda_shim(mode, tmp_path):
     else:
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert "RESULT 7.8" in proc.stdout  # 4 * gelu(2) = 7.818...
+
+
+def test_missing_load_time_imports_name_the_extra(monkeypatch):
+    from npuspeed.features import megatron_lm
+    from npuspeed.features.base import FeatureError
+
+    monkeypatch.setattr(megatron_lm, "_importable", lambda module: module != "pydantic")
+    with pytest.raises(FeatureError, match=r"imports pydantic at load.*npuspeed\[megatron-lm\]"):
+        megatron_lm.MegatronLMFeature().validate(argparse.Namespace(), None)
+    monkeypatch.setattr(megatron_lm, "_importable", lambda module: True)
+    megatron_lm.MegatronLMFeature().validate(argparse.Namespace(), None)
+    assert set(megatron_lm.LOAD_TIME_IMPORTS.values()) <= set(_extra("megatron-lm"))
+
+
+def _extra(name: str) -> list[str]:
+    import ast
+
+    tree = ast.parse((HERE.parents[1] / "setup.py").read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "EXTRAS":
+            return ast.literal_eval(node.value)[name]
+    raise AssertionError("EXTRAS not found in setup.py")

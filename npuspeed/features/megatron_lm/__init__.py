@@ -19,7 +19,7 @@ from __future__ import annotations
 import importlib.util
 
 from npuspeed.arguments import megatron_lm_parse_args_wrapper
-from npuspeed.features.base import Feature
+from npuspeed.features.base import Feature, FeatureError
 from npuspeed.features.device.module_proxy import DeviceMappedTorch
 from npuspeed.features.megatron_lm import build_helpers, device_fixes, load_stubs, optimizer_fixes, validate
 from npuspeed.features.megatron_lm.tensor_cuda import cuda_calls_on_device
@@ -28,6 +28,15 @@ from npuspeed.features.megatron_lm.tensor_cuda import cuda_calls_on_device
 #: megatron.training these patches were checked against.
 MEGATRON_LM_RANGE = ">=0.16,<0.17"
 MLT = "megatron.training"
+#: Modules megatron.training imports at load (import name -> pip name): the megatron-lm extra.
+LOAD_TIME_IMPORTS = {"regex": "regex", "pydantic": "pydantic", "six": "six", "yaml": "pyyaml"}
+
+
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
 
 
 def megatron_lm_present() -> bool:
@@ -43,6 +52,14 @@ class MegatronLMFeature(Feature):
 
     def enabled(self, args) -> bool:
         return megatron_lm_present()
+
+    def validate(self, args, accelerator) -> None:
+        missing = [pip for module, pip in LOAD_TIME_IMPORTS.items() if not _importable(module)]
+        if missing:
+            raise FeatureError(
+                f"megatron.training (Megatron-LM) is on the path but imports {', '.join(missing)} at "
+                f"load, which {'is' if len(missing) == 1 else 'are'} not installed: "
+                "`pip install 'npuspeed[megatron-lm]'` (or `pip install " + " ".join(missing) + "`)")
 
     def prepare(self, args, accelerator) -> None:
         load_stubs.install()
