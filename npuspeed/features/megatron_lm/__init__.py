@@ -9,8 +9,8 @@ scripts (`pretrain_gpt.py` ...) run unchanged on CPU (gloo) and NPU:
 - `validate_args` picks the portable choice for what this machine lacks (validate.py);
 - megatron.training's own CUDA calls go to the accelerator (device_fixes.py,
   tensor_cuda.py), the dataset helper is built for the running Python (build_helpers.py);
-- two upstream distributed-optimizer bugs on the path without apex/TE are fixed
-  (optimizer_fixes.py).
+- three upstream DistributedOptimizer bugs on the path without apex/TE, which `--load`
+  meets, are fixed (optimizer_fixes.py).
 The training patches are verified against Megatron-LM core_v0.16.x; for another
 checkout they are skipped and the report says so (MEGATRON_LM_RANGE).
 """
@@ -81,8 +81,8 @@ class MegatronLMFeature(Feature):
             megatron=rng)
         if accelerator.name != "cpu":
             return  # NPU: transfer_to_npu maps factories and Tensor.cuda itself
-        if not registry.patches() or not any(p.target == device_fixes.DEVICE_PROPERTIES
-                                             for p in registry.patches()):
+        # Belongs with the device feature's shim; registered here only while it has none.
+        if not any(p.target == device_fixes.DEVICE_PROPERTIES for p in registry.patches()):
             reg(device_fixes.DEVICE_PROPERTIES, device_fixes.no_cuda_device_properties,
                 feature=name, megatron=None)
         for module in device_fixes.TORCH_PROXY_MODULES:
