@@ -11,7 +11,6 @@ from hypothesis import given, strategies as st
 
 from npuspeed.features import FeatureError
 from npuspeed.features.coc_overlap import CocFeature, chunking, layers, mc2
-from test_fused_attention import megatron_mp  # noqa: F401 (fixture: 1-rank gloo, TP=1)
 
 
 def _args(*argv):

@@ -17,9 +17,7 @@ import pytest
 import torch
 
 from npu_fusion_attention_emulator import npu_fusion_attention as emulator
-from test_fused_attention import (  # noqa: F401 (megatron_mp is a fixture)
-    band_mask, make_attention, make_inputs, make_windowed, megatron_mp, run,
-)
+from test_fused_attention import band_mask, make_attention, make_inputs, make_windowed, run
 
 
 def naive(q, k, v, scale, allowed):
