@@ -58,14 +58,16 @@ probe(ColumnLinear, "forward", "coc_column")
 probe(RowLinear, "forward", "coc_row")
 script = os.path.abspath(sys.argv[1])
 sys.argv = [script] + sys.argv[2:]
-runpy.run_path(script, run_name="__main__")
-from npuspeed.ops import _dispatch
-from npuspeed.report import collect
-data = collect()
-data["calls"] = {f"{op}:{impl}": n for (op, impl), n in _dispatch.CALLS.items()}
-data["probes"] = dict(PROBES)
-with open(os.environ["REPORT"] + ".rank" + os.environ["RANK"], "w") as fh:
-    json.dump(data, fh, default=str)
+try:
+    runpy.run_path(script, run_name="__main__")
+finally:  # also after Megatron's sys.exit at --exit-interval
+    from npuspeed.ops import _dispatch
+    from npuspeed.report import collect
+    data = collect()
+    data["calls"] = {f"{op}:{impl}": n for (op, impl), n in _dispatch.CALLS.items()}
+    data["probes"] = dict(PROBES)
+    with open(os.environ["REPORT"] + ".rank" + os.environ["RANK"], "w") as fh:
+        json.dump(data, fh, default=str)
 '''
 
 
