@@ -8,19 +8,22 @@ TORCH_VERSION ?= 2.13.0
 CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 NPROC ?= 2
 
-.PHONY: install install-test example test bench clean
+.PHONY: torch install install-test example test bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
 
-install: $(PY)
+torch: $(PY)
 	@$(PY) -c "import torch" 2>/dev/null || \
 	  $(PY) -m pip install -q "torch==$(TORCH_VERSION)+cpu" || \
 	  $(PY) -m pip install -q "torch==$(TORCH_VERSION)+cpu" --extra-index-url $(CPU_INDEX)
+
+# One pip install each (it compiles csrc/ every time it runs).
+install: torch
 	$(PY) -m pip install -q --no-build-isolation -e .
 
-install-test: install
+install-test: torch
 	$(PY) -m pip install -q --no-build-isolation -e ".[test,bench]"
 
 example: install
