@@ -65,7 +65,10 @@ def _sharded(model, optimizer, scheduler, iteration, *, loading: bool, with_opti
     for part in state.values():
         merged.update(part)
     if with_optim:
-        state["optimizer"] = optimizer.sharded_state_dict(merged, is_loading=loading)
+        # As Megatron-LM: the distributed optimizer's state is saved per DP rank (dp_reshardable);
+        # its default needs flattened-range ShardedTensors that torch_dist no longer supports.
+        metadata = {"distrib_optim_sharding_type": "dp_reshardable"}
+        state["optimizer"] = optimizer.sharded_state_dict(merged, is_loading=loading, metadata=metadata)
         state["scheduler"] = scheduler.state_dict()
     if with_rng:
         state["rng_state"] = _rng_object(None if loading else _rng_state())

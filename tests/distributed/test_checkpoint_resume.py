@@ -12,6 +12,7 @@ LAYOUTS = {
     "tp1": (1, []),
     "tp2-sp": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
     "dp2": (2, []),
+    "dp2-distopt": (2, ["--use-distributed-optimizer"]),
 }
 
 

@@ -10,20 +10,21 @@ import tempfile
 
 import torch
 
-import npuspeed.megatron_adaptor  # noqa: F401  (the device feature: megatron.core on CPU)
-
 
 def register(which: str) -> None:
-    from npuspeed.features.megatron_lm import MEGATRON_LM_RANGE, optimizer_fixes as fixes
+    """The device feature applies all three fixes; 'none' and 'no-step' hold them back."""
+    from npuspeed import runtime
+    from npuspeed.features.device import distopt_fixes as fixes
     from npuspeed.patching import registry
 
     cls = f"{fixes.DISTRIB}.DistributedOptimizer"
-    if which == "all":
-        fixes.register(registry, "megatron_lm", MEGATRON_LM_RANGE)
-    elif which == "no-step":
-        registry.register(f"{cls}.state_dict", wrapper=fixes.state_dict_before_first_step, feature="megatron_lm")
+    if which != "all":
+        fixes.register = lambda *args, **kwargs: None
+    runtime.initialize([])  # what `import npuspeed.megatron_adaptor` does
+    if which == "no-step":
+        registry.register(f"{cls}.state_dict", wrapper=fixes.state_dict_before_first_step, feature="test")
         registry.register(f"{cls}.load_parameter_state_from_dp_reshardable", wrapper=fixes.under_no_grad,
-                          feature="megatron_lm")
+                          feature="test")
     registry.apply()
 
 

@@ -11,7 +11,9 @@ import argparse
 import logging
 
 from npuspeed.features.base import Feature
-from npuspeed.features.device import cuda_shim, dist_backend, megatron_compat, megatron_fixes, rng
+from npuspeed.features.device import (
+    cuda_shim, dist_backend, distopt_fixes, megatron_compat, megatron_fixes, rng,
+)
 from npuspeed.features.device.apex_guard import guard_apex
 
 log = logging.getLogger("npuspeed")
@@ -49,6 +51,8 @@ class DeviceFeature(Feature):
             if_missing=True,
         )
         megatron_compat.register(registry, self.name)  # older releases' own bugs (0.12)
+        # DistributedOptimizer with torch's Adam (no apex/TE): checkpoint save/load bugs.
+        distopt_fixes.register(registry, self.name, ">=0.16,<0.17")
         if accelerator.name == "cuda":
             return
         registry.register(

@@ -36,6 +36,9 @@ _SHIMS: dict[str, Callable[[Accelerator], Callable]] = {
     "memory_stats": lambda a: (lambda device=None: a.memory_stats(device)),
     "empty_cache": lambda a: (lambda: a.empty_cache()),
     "get_device_name": lambda a: (lambda device=None: a.device_name()),
+    # There is no CUDA device: answer as a CPU build of torch does (RuntimeError, which
+    # inductor catches); torch's own would raise ValueError past the shim's is_initialized.
+    "get_device_properties": lambda a: _no_device_properties,
     # Classes, so isinstance checks keep working.
     "Stream": lambda a: type("Stream", (type(a.Stream()),), {}),
     "Event": lambda a: type("Event", (type(a.Event()),), {}),
@@ -45,6 +48,10 @@ _SHIMS: dict[str, Callable[[Accelerator], Callable]] = {
     "nvtx.range_push": lambda a: (lambda msg: 0),
     "nvtx.range_pop": lambda a: (lambda: 0),
 }
+
+
+def _no_device_properties(device=None):
+    raise RuntimeError("torch.cuda.get_device_properties: no CUDA device (npuspeed runs on the CPU)")
 
 
 def shim_names() -> list[str]:

@@ -10,7 +10,8 @@ scripts (`pretrain_gpt.py` ...) run unchanged on CPU (gloo) and NPU:
 - megatron.training's own CUDA calls go to the accelerator (device_fixes.py,
   tensor_cuda.py), the dataset helper is built for the running Python (build_helpers.py);
 - three upstream DistributedOptimizer bugs on the path without apex/TE, which `--load`
-  meets, are fixed (optimizer_fixes.py).
+  meets, are fixed by the device feature (device/distopt_fixes.py), since megatron.core
+  alone meets them too.
 The training patches are verified against Megatron-LM core_v0.16.x; for another
 checkout they are skipped and the report says so (MEGATRON_LM_RANGE).
 """
@@ -21,7 +22,7 @@ import importlib.util
 from npuspeed.arguments import megatron_lm_parse_args_wrapper
 from npuspeed.features.base import Feature, FeatureError
 from npuspeed.features.device.module_proxy import DeviceMappedTorch
-from npuspeed.features.megatron_lm import build_helpers, device_fixes, load_stubs, optimizer_fixes, validate
+from npuspeed.features.megatron_lm import build_helpers, device_fixes, load_stubs, validate
 from npuspeed.features.megatron_lm.tensor_cuda import cuda_calls_on_device
 
 #: Megatron-LM versions (read from the checkout's megatron/core/package_info.py) whose
@@ -72,7 +73,6 @@ class MegatronLMFeature(Feature):
             feature=name, megatron=rng)
         reg("megatron.core.datasets.utils.compile_helpers", build_helpers.compile_helpers,
             feature=name, megatron=rng)
-        optimizer_fixes.register(registry, name, rng)
         if accelerator.name == "cuda":
             return
         reg(f"{MLT}.utils.get_device_arch_version", validate.device_arch_version, feature=name,
@@ -81,10 +81,6 @@ class MegatronLMFeature(Feature):
             megatron=rng)
         if accelerator.name != "cpu":
             return  # NPU: transfer_to_npu maps factories and Tensor.cuda itself
-        # Belongs with the device feature's shim; registered here only while it has none.
-        if not any(p.target == device_fixes.DEVICE_PROPERTIES for p in registry.patches()):
-            reg(device_fixes.DEVICE_PROPERTIES, device_fixes.no_cuda_device_properties,
-                feature=name, megatron=None)
         for module in device_fixes.TORCH_PROXY_MODULES:
             reg(f"{MLT}.{module}.torch", DeviceMappedTorch(accelerator.device), feature=name,
                 megatron=rng)

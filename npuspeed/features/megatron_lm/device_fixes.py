@@ -22,7 +22,6 @@ from __future__ import annotations
 from npuspeed import runtime
 
 MLT = "megatron.training"
-DEVICE_PROPERTIES = "torch.cuda.get_device_properties"
 
 # Modules whose `torch` global becomes the factory-mapping proxy (CPU).
 TORCH_PROXY_MODULES = ("training", "utils", "checkpointing", "initialize")
@@ -45,14 +44,3 @@ def skip_fused_kernels(args) -> None:
     """Replacement for megatron.legacy.fused_kernels.load off CUDA."""
     runtime.note("npuspeed: Megatron's legacy CUDA fused kernels (megatron/legacy/fused_kernels) "
                  "are not built off CUDA; megatron.core models do not use them")
-
-
-def no_cuda_device_properties(device=None):
-    """`torch.cuda.get_device_properties` on the CPU backend: there is no CUDA device.
-
-    With the device shim, `torch.cuda.is_initialized()` answers True and `current_device()`
-    a CPU torch.device, so torch's own `get_device_properties` skips its lazy init and
-    raises ValueError, which torch inductor does not expect: every torch.compile (Megatron's
-    `jit_fuser` fusions, compiled at start-up by megatron.training) then fails. A CPU build
-    of torch answers with an error inductor catches (RuntimeError); so does this."""
-    raise RuntimeError("torch.cuda.get_device_properties: no CUDA device (npuspeed runs on the CPU)")

@@ -1,7 +1,7 @@
 """Three bugs of megatron.core's DistributedOptimizer on the path without apex/TE (0.16).
 
-They hit GPUs as much as CPUs and NPUs (any run with torch's own Adam); Megatron-LM's
-`--load` reaches both. Each fix is a wrapper, so upstream's code still does the work.
+They hit GPUs as much as CPUs and NPUs (any run with torch's own Adam), with megatron.core
+alone (the example's `--load`) as with Megatron-LM, so the device feature applies them. Each fix is a wrapper, so upstream's code still does the work.
 
 1. `DistributedOptimizer.state_dict` (distrib_optimizer.py:640) takes the step count from
    torch Adam's per-parameter state and asserts there is exactly one value. While building
