@@ -54,7 +54,9 @@ def _compare(names, layout: str, tmp_path, bf16: bool):
 ALL_FP32 = [n for n in FEATURES if n != "reuse"]
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+# TP2+SP (every feature applies) runs in CI; PP2 and DP2 run with `make bench` (-m slow).
+@pytest.mark.parametrize("layout", [pytest.param(name, marks=() if name == "tp2-sp" else pytest.mark.slow)
+                                    for name in LAYOUTS])
 def test_all_features_on_match_all_off(layout, tmp_path):
     names = [n for n in FEATURES if _allowed([n], layout) and (n != "reuse")]
     _compare(names, layout, tmp_path, bf16=False)

@@ -20,7 +20,13 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+# CI keeps the suite short: PP2 and the distributed optimizer without overlap run with
+# `make bench` (-m slow); the overlapped distributed optimizer covers its code path in CI.
+SLOW = ("pp2", "dp2-distopt")
+
+
+@pytest.mark.parametrize("layout", [pytest.param(name, marks=pytest.mark.slow if name in SLOW else ())
+                                    for name in LAYOUTS])
 def test_bitwise_losses_and_weight_bytes(layout, tmp_path):
     nproc, extra = LAYOUTS[layout]
     base = run_example(BF16 + extra, tmp_path, nproc=nproc, name="base")
