@@ -83,6 +83,8 @@ def _training(p):
     g.add_argument("--save", default=None)
     g.add_argument("--load", default=None)
     g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--ckpt-step", type=int, default=None,
+                   help="load this iteration's checkpoint instead of the latest")
     g.add_argument("--no-load-optim", action="store_true")
     g.add_argument("--no-load-rng", action="store_true")
     g.add_argument("--exit-interval", type=int, default=None,

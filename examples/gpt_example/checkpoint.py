@@ -99,9 +99,10 @@ def latest_iteration(root: str) -> int | None:
         return int(f.read().strip())
 
 
-def load(root: str, model, optimizer, scheduler, *, load_optim: bool = True, load_rng: bool = True) -> int:
-    """Restore the latest checkpoint under `root`; return its iteration (0 when none)."""
-    iteration = latest_iteration(root)
+def load(root: str, model, optimizer, scheduler, *, load_optim: bool = True, load_rng: bool = True,
+         step: int | None = None) -> int:
+    """Restore checkpoint `step` (default: the latest) under `root`; return its iteration (0: none)."""
+    iteration = step if step is not None else latest_iteration(root)
     if iteration is None:
         return 0
     template = _sharded(model, optimizer, scheduler, iteration, loading=True,

@@ -172,7 +172,8 @@ def main(args) -> dict:
     iteration = 0
     if args.load:
         iteration = checkpoint.load(args.load, model, optimizer, scheduler,
-                                    load_optim=not args.no_load_optim, load_rng=not args.no_load_rng)
+                                    load_optim=not args.no_load_optim, load_rng=not args.no_load_rng,
+                                    step=args.ckpt_step)
     iterators = [
         data.build_train_iterator(args, tokenizer, iteration * args.global_batch_size,
                                   mpu.get_data_parallel_rank(), dp)

@@ -20,11 +20,12 @@ LAYOUTS = {
 def test_resume_is_bitwise(layout, tmp_path):
     nproc, extra = LAYOUTS[layout]
     args = TINY + extra + ["--train-iters", "10", "--hidden-dropout", "0.2", "--attention-dropout", "0.2"]
-    full = run_example(args, tmp_path, nproc=nproc, name="full")
     ckpt = tmp_path / "ckpt"
-    first = run_example(args + ["--save", str(ckpt), "--exit-interval", "6"], tmp_path, nproc=nproc,
-                        name="first")
-    assert first["losses"] == full["losses"][:6]
-    resumed = run_example(args + ["--load", str(ckpt)], tmp_path, nproc=nproc, name="resumed")
+    # One uninterrupted run to 10 that saves at 6 (and at 10), then a resume from 6.
+    full = run_example(args + ["--save", str(ckpt), "--save-interval", "6"], tmp_path, nproc=nproc,
+                       name="full")
+    assert (ckpt / "iter_0000006").is_dir()
+    resumed = run_example(args + ["--load", str(ckpt), "--ckpt-step", "6"], tmp_path, nproc=nproc,
+                          name="resumed")
     assert resumed["first_iteration"] == 7
     assert resumed["losses"] == full["losses"][6:]
