@@ -11,30 +11,17 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 
 import torch
 
-from harness import Bench
+from harness import Bench, init_single_rank_megatron
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 TARGET = "megatron.core.transformer.dot_product_attention.DotProductAttention.forward"
 
 
 def _init_megatron():
-    from npuspeed import runtime
-
-    state = runtime.initialize(["--use-flash-attn"])  # before megatron.core, as the adaptor does
-    import torch.distributed as dist
-    from megatron.core import parallel_state, tensor_parallel
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    parallel_state.initialize_model_parallel(1, 1)
-    tensor_parallel.model_parallel_cuda_manual_seed(1234)
-    return state
+    return init_single_rank_megatron(["--use-flash-attn"])
 
 
 def _layer(heads: int, d: int, dtype: torch.dtype):

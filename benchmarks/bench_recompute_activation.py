@@ -14,12 +14,11 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import socket
 
 import torch
 import torch.nn.functional as F
 
-from harness import Bench
+from harness import Bench, init_single_rank_megatron
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 ACTIVATIONS = {"gelu+bias": dict(gated_linear_unit=False, activation_func=F.gelu, add_bias_linear=True),
@@ -27,19 +26,7 @@ ACTIVATIONS = {"gelu+bias": dict(gated_linear_unit=False, activation_func=F.gelu
 
 
 def _init_megatron():
-    from npuspeed import runtime
-
-    state = runtime.initialize(["--recompute-activation-function"])  # before megatron.core
-    import torch.distributed as dist
-    from megatron.core import parallel_state, tensor_parallel
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    parallel_state.initialize_model_parallel(1, 1)
-    tensor_parallel.model_parallel_cuda_manual_seed(1234)
-    return state
+    return init_single_rank_megatron(["--recompute-activation-function"])
 
 
 def _gpt(args, dtype, activation):

@@ -64,6 +64,26 @@ class Row:
         return self.feature_peak_bytes / self.baseline_peak_bytes
 
 
+def init_single_rank_megatron(npuspeed_flags: list[str]):
+    """npuspeed with `npuspeed_flags` (before megatron.core, as the adaptor does), then a 1-rank
+    gloo group with Megatron's model-parallel state (TP=PP=1) and its RNG tracker."""
+    import socket
+
+    from npuspeed import runtime
+
+    state = runtime.initialize(list(npuspeed_flags))
+    import torch.distributed as dist
+    from megatron.core import parallel_state, tensor_parallel
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    parallel_state.initialize_model_parallel(1, 1)
+    tensor_parallel.model_parallel_cuda_manual_seed(1234)
+    return state
+
+
 def _accelerator():
     from npuspeed.accelerator import get_accelerator
 
