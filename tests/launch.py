@@ -45,6 +45,22 @@ def run_example(args: list[str], tmp_path: Path, nproc: int = 1, name: str = "ru
     return result
 
 
+def run_then_dump(option: str, collect) -> None:
+    """Body of a runner script: run the example unchanged with this process's argv minus
+    `option PATH`, then write `collect()` as JSON to `PATH.rank<RANK>` (counters that prove a
+    feature's path ran, read by the test that launched it through `run_example`)."""
+    import runpy
+
+    argv = sys.argv[1:]
+    i = argv.index(option)
+    out = argv[i + 1]
+    del argv[i:i + 2]
+    sys.argv = [str(EXAMPLE), *argv]
+    runpy.run_path(str(EXAMPLE), run_name="__main__")
+    with open(f"{out}.rank{os.environ.get('RANK', '0')}", "w") as fh:
+        json.dump(collect(), fh)
+
+
 def max_abs_diff(a: list[float], b: list[float]) -> float:
     assert len(a) == len(b), (len(a), len(b))
     return max(abs(x - y) for x, y in zip(a, b))

@@ -10,11 +10,8 @@ from __future__ import annotations
 
 import json
 import os
-import runpy
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-EXAMPLE = os.path.join(ROOT, "examples", "pretrain_gpt.py")
 COC = ["--use-coc", "--coc-parallel-num", "2"]
 FUSED = ["--use-flash-attn", "--use-fused-rmsnorm", "--use-fused-swiglu", "--use-fused-rotary-pos-emb"]
 
@@ -62,14 +59,14 @@ def test_tp2_sp_coc_matches_llama_flash_attn_fused_ops(monkeypatch, tmp_path):
     _check(base, base_stats, coc, coc_stats, log)
 
 
-if __name__ == "__main__":
-    argv = sys.argv[1:]
-    i = argv.index("--coc-stats")
-    out = argv[i + 1]
-    del argv[i:i + 2]
-    sys.argv = [EXAMPLE, *argv]
-    runpy.run_path(EXAMPLE, run_name="__main__")
+def _coc_stats() -> dict:
     from npuspeed.features.coc_overlap import STATS
 
-    with open(f"{out}.rank{os.environ.get('RANK', '0')}", "w") as fh:
-        json.dump({"collectives": dict(STATS.collectives), "calls": dict(STATS.calls)}, fh)
+    return {"collectives": dict(STATS.collectives), "calls": dict(STATS.calls)}
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from launch import run_then_dump
+
+    run_then_dump("--coc-stats", _coc_stats)
