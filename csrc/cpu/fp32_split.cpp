@@ -13,7 +13,7 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
-#include <atomic>
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
@@ -30,7 +30,7 @@ void check_flat(const at::Tensor& t, at::ScalarType dtype, const char* name) {
   TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
 }
 
-// Returns [tie_up_indices, nan_indices] (int64).
+// Returns [tie_up_indices, nan_indices] (int64), both ascending.
 std::vector<at::Tensor> fp32_split(const at::Tensor& master, at::Tensor& residual) {
   check_flat(master, at::kFloat, "master");
   check_flat(residual, at::kShort, "residual");
@@ -38,33 +38,46 @@ std::vector<at::Tensor> fp32_split(const at::Tensor& master, at::Tensor& residua
   TORCH_CHECK(residual.numel() == n, "residual has ", residual.numel(), " elements, master ", n);
   const uint32_t* in = reinterpret_cast<const uint32_t*>(master.data_ptr<float>());
   uint16_t* low = reinterpret_cast<uint16_t*>(residual.data_ptr<int16_t>());
-  std::atomic<int64_t> special{0};
-  at::parallel_for(0, n, 1 << 16, [&](int64_t begin, int64_t end) {
-    int64_t local = 0;
-    for (int64_t i = begin; i < end; ++i) {
-      const uint32_t w = in[i];
-      low[i] = static_cast<uint16_t>(w & 0xFFFFu);
-      local += ((w & 0xFFFFu) == kTie) | is_nan_bits(w);
-    }
-    special += local;
-  });
-  std::vector<int64_t> ties, nans;
-  if (special.load() > 0) {  // rare: collect serially
-    for (int64_t i = 0; i < n; ++i) {
-      const uint32_t w = in[i];
-      if (is_nan_bits(w)) {
-        nans.push_back(i);
-      } else if ((w & 0xFFFFu) == kTie && ((w >> 16) & 1u)) {
-        ties.push_back(i);
+  // Blocks in parallel, each collecting its own exceptions (concatenated in block order);
+  // inside a block, a branch-free pass per sub-block and a second look only where one is special.
+  constexpr int64_t kBlock = 1 << 16, kSub = 1 << 10;
+  const int64_t blocks = (n + kBlock - 1) / kBlock;
+  std::vector<std::vector<int64_t>> ties(blocks), nans(blocks);
+  at::parallel_for(0, blocks, 1, [&](int64_t first, int64_t last) {
+    for (int64_t b = first; b < last; ++b) {
+      const int64_t block_end = std::min(n, (b + 1) * kBlock);
+      for (int64_t start = b * kBlock; start < block_end; start += kSub) {
+        const int64_t end = std::min(block_end, start + kSub);
+        uint32_t special = 0;  // a branch-free (vectorised) pass over the sub-block first
+        for (int64_t i = start; i < end; ++i) {
+          const uint32_t w = in[i];
+          low[i] = static_cast<uint16_t>(w & 0xFFFFu);
+          special |= ((w & 0xFFFFu) == kTie) | ((w & 0x7F800000u) == 0x7F800000u);
+        }
+        if (special == 0) continue;  // rare: look again at this sub-block only
+        for (int64_t i = start; i < end; ++i) {
+          const uint32_t w = in[i];
+          if (is_nan_bits(w)) {
+            nans[b].push_back(i);
+          } else if ((w & 0xFFFFu) == kTie && ((w >> 16) & 1u)) {
+            ties[b].push_back(i);
+          }
+        }
       }
     }
-  }
-  auto to_tensor = [](const std::vector<int64_t>& v) {
-    at::Tensor t = at::empty({static_cast<int64_t>(v.size())}, at::kLong);
-    if (!v.empty()) std::memcpy(t.data_ptr<int64_t>(), v.data(), v.size() * sizeof(int64_t));
+  });
+  auto concat = [](const std::vector<std::vector<int64_t>>& parts) {
+    int64_t total = 0;
+    for (const auto& p : parts) total += static_cast<int64_t>(p.size());
+    at::Tensor t = at::empty({total}, at::kLong);
+    int64_t* out = t.data_ptr<int64_t>();
+    for (const auto& p : parts) {
+      if (!p.empty()) std::memcpy(out, p.data(), p.size() * sizeof(int64_t));
+      out += p.size();
+    }
     return t;
   };
-  return {to_tensor(ties), to_tensor(nans)};
+  return {concat(ties), concat(nans)};
 }
 
 void fp32_merge(const at::Tensor& bf16, const at::Tensor& residual, const at::Tensor& tie_up,

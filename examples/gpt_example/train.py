@@ -5,6 +5,7 @@ import datetime
 import json
 import os
 import random
+import statistics
 import time
 from functools import partial
 
@@ -232,6 +233,10 @@ def main(args) -> dict:
         "weight_bytes": int(_max_over_ranks(weight_bytes(model, optimizer))),
         "device": acc.name,
         "iterations": iteration,
+        # per-iteration times (rank 0) and their median without the first: steadier than the
+        # mean on a shared machine, where a burst of other work lands on a few steps
+        "step_ms": step_times,
+        "median_step_ms": statistics.median(measured) if measured else 0.0,
     }
     if rank0 and args.summary_json:
         with open(args.summary_json, "w") as f:

@@ -162,6 +162,10 @@ class Accelerator(ABC):
         """How the memory numbers are obtained, for `npuspeed report`."""
         return "device allocator"
 
+    def host_cache(self) -> str:
+        """The CPU tensor block cache, for `npuspeed report` (only the CPU backend has one)."""
+        return "n/a (the device's own caching allocator)"
+
     # -- capabilities -------------------------------------------------------------------------
     def has_fused_attention(self) -> bool:
         return False
@@ -183,4 +187,5 @@ class Accelerator(ABC):
             "fused_attention": self.has_fused_attention(),
             "mc2": self.has_mc2(),
             "memory_tracking": self.memory_tracking(),
+            "host_cache": self.host_cache(),
         }

@@ -2,7 +2,9 @@
 
 Memory statistics come from a tracking CPU allocator (csrc/cpu/memory_tracker.cpp) that
 counts live storage bytes, including storages resized in place; process RSS would hide
-frees that the C allocator keeps mapped and includes Python's own heap.
+frees that the C allocator keeps mapped and includes Python's own heap. The same allocator
+keeps large freed blocks for reuse, as a device's caching allocator does (reserved = live +
+cached), so a storage freed and grown again between steps does not fault its pages in again.
 """
 from __future__ import annotations
 
@@ -13,6 +15,9 @@ import torch
 
 from npuspeed.accelerator.base import Accelerator, NullEvent, NullStream
 from npuspeed.accelerator.device_rng import DeviceRNG
+
+
+CACHE_ENV = "NPUSPEED_CPU_CACHE_MB"
 
 
 class CpuAccelerator(Accelerator):
@@ -96,6 +101,35 @@ class CpuAccelerator(Accelerator):
 
     def memory_tracking(self) -> str:
         return self._tracker().describe()
+
+    def memory_reserved(self, device=None) -> int:
+        return self._tracker().allocated() + self._tracker().cached()
+
+    def empty_cache(self) -> None:
+        self._tracker().empty_cache()
+
+    def configure_host_cache(self) -> str:
+        """Cache large freed blocks (`NPUSPEED_CPU_CACHE_MB`, default 2048; 0 turns it off)."""
+        raw = os.environ.get(CACHE_ENV, "2048")
+        try:
+            mib = int(raw)
+        except ValueError:
+            from npuspeed.accelerator import AcceleratorError
+
+            raise AcceleratorError(f"{CACHE_ENV}={raw!r} is not a number of MiB; give e.g. 2048, "
+                                   "or 0 to turn the CPU block cache off") from None
+        tracker = self._tracker()
+        if not tracker.enabled():
+            self._host_cache = f"off: {tracker.describe()}"
+        elif not tracker.set_cache_limit(max(mib, 0) << 20):
+            self._host_cache = "off: the op library is missing"
+        else:
+            self._host_cache = (f"freed blocks >= 1 MiB kept for reuse, up to {mib} MiB ({CACHE_ENV})" if mib > 0
+                                else f"off ({CACHE_ENV}=0)")
+        return self._host_cache
+
+    def host_cache(self) -> str:
+        return getattr(self, "_host_cache", "off: not configured")
 
     def is_bf16_supported(self) -> bool:
         return True

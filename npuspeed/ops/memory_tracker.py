@@ -1,4 +1,5 @@
-"""Live-byte counts for CPU tensors, from the tracking allocator in csrc/cpu/memory_tracker.cpp.
+"""Live-byte counts for CPU tensors, and the cache of large freed blocks, from the tracking
+allocator in csrc/cpu/memory_tracker.cpp.
 
 Only storages allocated after `enable()` are counted; the adaptor enables it at import, before
 any model exists. Without the op library the numbers are zero and `describe()` says why.
@@ -21,7 +22,7 @@ def enable() -> bool:
 
 def _stats() -> list[int]:
     ops = _ops()
-    return list(ops.memory_tracker_stats()) if ops is not None else [0, 0, 0, 0]
+    return list(ops.memory_tracker_stats()) if ops is not None else [0] * 7
 
 
 def enabled() -> bool:
@@ -38,6 +39,37 @@ def peak() -> int:
 
 def num_allocations() -> int:
     return _stats()[2]
+
+
+def cached() -> int:
+    """Bytes in freed blocks kept for reuse."""
+    return _stats()[4]
+
+
+def cache_hits() -> int:
+    """Allocations served from the cache so far."""
+    return _stats()[5]
+
+
+def cache_limit() -> int:
+    return _stats()[6]
+
+
+def set_cache_limit(nbytes: int) -> bool:
+    """Keep freed blocks of >= 1 MiB up to `nbytes` in all (0: no cache); False without the library."""
+    ops = _ops()
+    if ops is None:
+        return False
+    ops.memory_tracker_set_cache_limit(int(nbytes))
+    if nbytes <= 0:
+        ops.memory_tracker_empty_cache()
+    return True
+
+
+def empty_cache() -> None:
+    ops = _ops()
+    if ops is not None:
+        ops.memory_tracker_empty_cache()
 
 
 def reset_peak() -> None:

@@ -19,6 +19,7 @@ def test_readme_example_trains(tmp_path):
     assert losses[-1] < losses[0] - 0.5, losses
     assert run["world_size"] == 2 and run["peak_mem_bytes"] > 0
     assert run["tokens_per_s"] > 0 and run["mean_step_ms"] > 0
+    assert len(run["step_ms"]) == 10 and min(run["step_ms"][1:]) <= run["median_step_ms"] <= max(run["step_ms"][1:])
     assert "elapsed time per iteration (ms)" in run["log"] and "lm loss" in run["log"]
 
 

@@ -72,3 +72,21 @@ def test_exceptions_are_sparse_for_ordinary_weights():
     exceptions = codec.split(x, torch.empty(x.numel(), dtype=torch.int16))
     assert exceptions.nan_index.numel() == 0
     assert exceptions.tie_up.numel() <= 8  # ~1 exact tie in 65536, half of them round up
+
+
+def test_cpp_exceptions_match_reference_across_blocks():
+    # The C++ split collects ties and NaNs per block in parallel: the lists must still be the
+    # reference's, in ascending order, with specials in many blocks and at block edges.
+    torch.manual_seed(0)
+    n = 5 * (1 << 16) + 123
+    bits = (torch.randn(n) * 0.02).view(torch.int32)
+    where = torch.cat([torch.randint(0, n, (300,)), torch.tensor([0, 1023, 1024, 65535, 65536, n - 1])])
+    bits[where] = (bits[where] & ~0xFFFF) | 0x8000  # ties, both parities of the high half
+    bits[where[::7]] = 0x7FC00001  # NaN with a payload
+    x = bits.view(torch.float32)
+    got = codec.split(x, torch.empty(n, dtype=torch.int16))
+    want = codec.split_reference(x, torch.empty(n, dtype=torch.int16))
+    assert codec.CALLS[("split", "cpp")] > 0
+    for name in ("tie_up", "nan_index", "nan_bits"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    assert got.tie_up.numel() > 100 and got.nan_index.numel() > 40

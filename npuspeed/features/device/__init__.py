@@ -2,8 +2,8 @@
 
 CPU: the narrow `torch.cuda` shim, the RNG tracker on the device's own state, targeted
 patches of the Megatron functions that assume CUDA, gloo for NCCL, a tracking allocator
-for memory statistics. NPU: torch_npu's `transfer_to_npu`, HCCL for NCCL, plus the
-points it misses. CUDA: only the backend-independent fixes.
+for memory statistics that also caches freed blocks. NPU: torch_npu's `transfer_to_npu`,
+HCCL for NCCL, plus the points it misses. CUDA: only the backend-independent fixes.
 """
 from __future__ import annotations
 
@@ -32,12 +32,13 @@ class DeviceFeature(Feature):
 
     def prepare(self, args: argparse.Namespace, accelerator) -> None:
         """Side effects that must precede patching: the apex guard, NPU's own remapping,
-        CPU memory tracking (only storages allocated after this are counted)."""
+        CPU memory tracking (only storages allocated after this are counted) and its block cache."""
         self.apex_warning = guard_apex()
         if accelerator.name == "npu":
             accelerator.transfer_to_npu()
         if accelerator.name == "cpu":
             accelerator.enable_memory_tracking()
+            accelerator.configure_host_cache()
 
     def register_patches(self, registry, args, accelerator) -> None:
         # Backend-independent: WrappedTorchNorm's SP refusal, MoE split sizes off-CUDA.
@@ -67,7 +68,8 @@ class DeviceFeature(Feature):
 
     def path(self, args, accelerator) -> str:
         return {
-            "cpu": "cpu: torch.cuda shim + targeted Megatron patches, gloo, device RNG, tracking allocator",
+            "cpu": "cpu: torch.cuda shim + targeted Megatron patches, gloo, device RNG, tracking allocator; "
+                   + "block cache: " + accelerator.host_cache(),
             "npu": "npu: torch_npu transfer_to_npu + targeted patches, hccl",
             "cuda": "cuda: native, backend-independent fixes only",
         }[accelerator.name]
