@@ -5,11 +5,23 @@ sequence 2048, bf16) at TP2 + SP on 2 ranks, through examples/pretrain_gpt.py: a
 off, all on, then each alone. Prints a table, appends rows to benchmarks/results/<device>.csv
 (baseline = all off) and draws benchmarks/results/e2e_<device>.png: speed and peak memory per
 configuration, and the all-off / all-on loss curves.
-    python benchmarks/bench_e2e.py [--iters 5] [--seq 2048] [--layers 8]
+
+bf16 losses of two numerically different (but equally valid) runs drift apart by bf16
+rounding alone. To tell rounding from error, the same model is also trained all off in fp32
+(`--no-fp32-reference` skips it): each configuration's distance to that reference is reported
+next to its distance to all off, and every run's loss curve goes to e2e_<device>_losses.json.
+The learning rate warms up (3e-4 after 2 iterations, as Llama-style runs do): at the example's
+default 1e-3 from the first step the loss spikes at iteration 4 and the curves then measure
+that instability, not the features' numerics.
+
+The CPU block cache (accelerator layer, always on) is part of every configuration; one more
+run, all off with NPUSPEED_CPU_CACHE_MB=0, shows what it alone is worth.
+    python benchmarks/bench_e2e.py [--iters 8] [--seq 2048] [--layers 8]
 """
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import tempfile
 from pathlib import Path
@@ -32,13 +44,22 @@ FEATURES = {
 }
 
 
-def model_args(opts) -> list[str]:
+FP32_REF = "all off fp32"
+NO_CACHE = "all off, no block cache"
+
+
+def max_diff(a: list[float], b: list[float]) -> float:
+    return max(abs(x - y) for x, y in zip(a, b))
+
+
+def model_args(opts, dtype: str = "--bf16") -> list[str]:
     return ["--num-layers", str(opts.layers), "--hidden-size", "512", "--ffn-hidden-size", "1408",
             "--num-attention-heads", "8", "--group-query-attention", "--num-query-groups", "2",
             "--seq-length", str(opts.seq), "--max-position-embeddings", str(opts.seq),
             "--normalization", "RMSNorm", "--swiglu", "--position-embedding-type", "rope",
-            "--disable-bias-linear", "--untie-embeddings-and-output-weights", "--bf16",
+            "--disable-bias-linear", "--untie-embeddings-and-output-weights", *([dtype] if dtype else []),
             "--micro-batch-size", "1", "--global-batch-size", "2", "--train-iters", str(opts.iters),
+            "--lr", "3e-4", "--lr-warmup-iters", "2",
             "--tensor-model-parallel-size", "2", "--sequence-parallel", "--use-cpu-initialization",
             "--hidden-dropout", "0", "--attention-dropout", "0", "--log-interval", "1"]
 
@@ -49,7 +70,7 @@ def plot(runs: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = list(runs)
+    names = [n for n in runs if n != FP32_REF]
     fig, (ax_s, ax_m, ax_l) = plt.subplots(1, 3, figsize=(17, 4.8))
     ax_s.bar(names, [runs[n]["tokens_per_s"] for n in names], color="tab:blue")
     ax_s.set_ylabel("tokens / s")
@@ -57,9 +78,12 @@ def plot(runs: dict, path: Path) -> None:
     ax_m.set_ylabel("peak memory per rank (MiB)")
     for ax in (ax_s, ax_m):
         ax.tick_params(axis="x", rotation=60, labelsize=8)
-    for name in ("all off", "all on"):
+    for name in ("all off", "all on", FP32_REF):
+        if name not in runs:
+            continue
         losses = runs[name]["losses"]
-        ax_l.plot(range(1, len(losses) + 1), losses, marker="o", label=name)
+        ax_l.plot(range(1, len(losses) + 1), losses, marker="o", label=name,
+                  linestyle="--" if name == FP32_REF else "-")
     ax_l.set_xlabel("iteration")
     ax_l.set_ylabel("lm loss (bf16)")
     ax_l.legend()
@@ -70,10 +94,13 @@ def plot(runs: dict, path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--iters", type=int, default=5, help="iterations per run; the first is warm-up")
+    parser.add_argument("--iters", type=int, default=8, help="iterations per run; the first is warm-up")
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--only", nargs="*", default=None, help="subset of configurations")
+    parser.add_argument("--no-cache-run", action="store_true",
+                        help="skip the all-off run without the CPU block cache")
+    parser.add_argument("--no-fp32-reference", action="store_true", help="skip the all-off fp32 run")
     opts = parser.parse_args()
     configs = {"all off": [], "all on": [f for flags in FEATURES.values() for f in flags]}
     configs.update({name: flags for name, flags in FEATURES.items()})
@@ -88,23 +115,46 @@ def main() -> None:
             print(f"[e2e] {name}: {runs[name]['tokens_per_s']:.1f} tokens/s, peak "
                   f"{runs[name]['peak_mem_bytes'] / 2**20:.1f} MiB/rank, weights "
                   f"{runs[name]['weight_bytes'] / 2**20:.1f} MiB/rank", flush=True)
-    base = runs["all off"]
+        if not opts.no_cache_run:
+            runs[NO_CACHE] = run_example(model_args(opts), Path(tmp), nproc=2, name="no_cache", timeout=3600,
+                                         env={"NPUSPEED_CPU_CACHE_MB": "0"})
+        if not opts.no_fp32_reference:
+            runs[FP32_REF] = run_example(model_args(opts, dtype=""), Path(tmp), nproc=2, name="fp32_ref",
+                                         timeout=3600)
+    base, ref = runs["all off"], runs.get(FP32_REF)
     for name, run in runs.items():
-        diff = max(abs(a - b) for a, b in zip(run["losses"], base["losses"]))
+        if name == FP32_REF:
+            continue
+        diff = max_diff(run["losses"], base["losses"])
+        ref_diff = max_diff(run["losses"], ref["losses"]) if ref else None
         bench.add(name, "bf16", baseline_ms=base["mean_step_ms"], feature_ms=run["mean_step_ms"],
                   baseline_peak_bytes=base["peak_mem_bytes"], feature_peak_bytes=run["peak_mem_bytes"],
                   extra={"tokens_per_s": round(run["tokens_per_s"], 2),
                          "weight_bytes": run["weight_bytes"], "max_loss_diff_vs_off": diff,
+                         "max_loss_diff_vs_fp32": ref_diff, "median_step_ms": run.get("median_step_ms"),
                          "seq": opts.seq, "layers": opts.layers, "iters": opts.iters})
     csv_path = bench.finish()
     png = csv_path.parent / f"e2e_{bench.acc.name}.png"
     plot(runs, png)
+    curves = csv_path.parent / f"e2e_{bench.acc.name}_losses.json"
+    curves.write_text(json.dumps({name: run["losses"] for name, run in runs.items()}, indent=1))
+    print("\nmax |loss difference| over the iterations (bf16 unless named):")
+    for name, run in runs.items():
+        if name != FP32_REF:
+            line = f"  {name:22s} vs all off {max_diff(run['losses'], base['losses']):.2e}"
+            if ref:
+                line += f"   vs fp32 reference {max_diff(run['losses'], ref['losses']):.2e}"
+            print(line)
     on = runs.get("all on")
     if on:
         print(f"all on vs all off: {on['tokens_per_s'] / base['tokens_per_s']:.2f}x tokens/s, "
               f"{on['peak_mem_bytes'] / base['peak_mem_bytes']:.2f}x peak memory, "
               f"{on['weight_bytes'] / base['weight_bytes']:.2f}x weight bytes, max loss diff "
-              f"{max(abs(a - b) for a, b in zip(on['losses'], base['losses'])):.2e}; plot {png}")
+              f"{max_diff(on['losses'], base['losses']):.2e}; plot {png}")
+        if NO_CACHE in runs:
+            slow = runs[NO_CACHE]
+            print(f"all on vs all off without the CPU block cache: {on['tokens_per_s'] / slow['tokens_per_s']:.2f}x "
+                  f"tokens/s, {on['peak_mem_bytes'] / slow['peak_mem_bytes']:.2f}x peak memory")
 
 
 if __name__ == "__main__":
