@@ -79,15 +79,9 @@ void rms_norm_bwd_rows(const T* g, const T* x, const acc_t<T>* w, const acc_t<T>
     int64_t j = 0;
     for (; j < h; j += S) {
       const int64_t n = std::min<int64_t>(S, h - j);
-      if (n == S) {
-        load2(gr + j, ga, gb);
-        load2(xr + j, xa, xb);
-        load2(w + j, wa, wb);
-      } else {
-        load2(gr + j, ga, gb, n);
-        load2(xr + j, xa, xb, n);
-        load2(w + j, wa, wb, n);
-      }
+      load2_upto(gr + j, ga, gb, n);
+      load2_upto(xr + j, xa, xb, n);
+      load2_upto(w + j, wa, wb, n);
       acc0 = at::vec::fmadd(xa * wa, ga, acc0);
       acc1 = at::vec::fmadd(xb * wb, gb, acc1);
     }
@@ -96,31 +90,16 @@ void rms_norm_bwd_rows(const T* g, const T* x, const acc_t<T>* w, const acc_t<T>
     const V vr(rs);
     for (j = 0; j < h; j += S) {
       const int64_t n = std::min<int64_t>(S, h - j);
-      if (n == S) {
-        load2(gr + j, ga, gb);
-        load2(xr + j, xa, xb);
-        load2(w + j, wa, wb);
-      } else {
-        load2(gr + j, ga, gb, n);
-        load2(xr + j, xa, xb, n);
-        load2(w + j, wa, wb, n);
-      }
+      load2_upto(gr + j, ga, gb, n);
+      load2_upto(xr + j, xa, xb, n);
+      load2_upto(w + j, wa, wb, n);
       const V da = vr * wa * ga - c * xa;
       const V db = vr * wb * gb - c * xb;
-      if (n == S) {
-        store2(dxr + j, da, db);
-      } else {
-        store2(dxr + j, da, db, n);
-      }
+      store2_upto(dxr + j, da, db, n);
       if (dw_part != nullptr) {
         V pa, pb;
-        if (n == S) {
-          load2(dw_part + j, pa, pb);
-          store2(dw_part + j, at::vec::fmadd(ga, xa * vr, pa), at::vec::fmadd(gb, xb * vr, pb));
-        } else {
-          load2(dw_part + j, pa, pb, n);
-          store2(dw_part + j, at::vec::fmadd(ga, xa * vr, pa), at::vec::fmadd(gb, xb * vr, pb), n);
-        }
+        load2_upto(dw_part + j, pa, pb, n);
+        store2_upto(dw_part + j, at::vec::fmadd(ga, xa * vr, pa), at::vec::fmadd(gb, xb * vr, pb), n);
       }
     }
   }

@@ -35,21 +35,12 @@ void rope_half_row(const T* x, const acc_t<T>* c, const acc_t<T>* sn, T* out, in
   V lo[2], hi[2], cl[2], ch[2], sl[2], sh[2], ol[2], oh[2];
   for (int64_t j = 0; j < h2; j += S) {
     const int64_t n = std::min<int64_t>(S, h2 - j);
-    if (n == S) {
-      load2(x + j, lo[0], lo[1]);
-      load2(x + h2 + j, hi[0], hi[1]);
-      load2(c + j, cl[0], cl[1]);
-      load2(c + h2 + j, ch[0], ch[1]);
-      load2(sn + j, sl[0], sl[1]);
-      load2(sn + h2 + j, sh[0], sh[1]);
-    } else {
-      load2(x + j, lo[0], lo[1], n);
-      load2(x + h2 + j, hi[0], hi[1], n);
-      load2(c + j, cl[0], cl[1], n);
-      load2(c + h2 + j, ch[0], ch[1], n);
-      load2(sn + j, sl[0], sl[1], n);
-      load2(sn + h2 + j, sh[0], sh[1], n);
-    }
+    load2_upto(x + j, lo[0], lo[1], n);
+    load2_upto(x + h2 + j, hi[0], hi[1], n);
+    load2_upto(c + j, cl[0], cl[1], n);
+    load2_upto(c + h2 + j, ch[0], ch[1], n);
+    load2_upto(sn + j, sl[0], sl[1], n);
+    load2_upto(sn + h2 + j, sh[0], sh[1], n);
     for (int k = 0; k < 2; ++k) {
       if constexpr (!kBackward) {
         ol[k] = lo[k] * cl[k] - hi[k] * sl[k];
@@ -59,13 +50,8 @@ void rope_half_row(const T* x, const acc_t<T>* c, const acc_t<T>* sn, T* out, in
         oh[k] = hi[k] * ch[k] - lo[k] * sl[k];
       }
     }
-    if (n == S) {
-      store2(out + j, ol[0], ol[1]);
-      store2(out + h2 + j, oh[0], oh[1]);
-    } else {
-      store2(out + j, ol[0], ol[1], n);
-      store2(out + h2 + j, oh[0], oh[1], n);
-    }
+    store2_upto(out + j, ol[0], ol[1], n);
+    store2_upto(out + h2 + j, oh[0], oh[1], n);
   }
 }
 
@@ -79,15 +65,9 @@ void rope_interleaved_row(const T* x, const acc_t<T>* c, const acc_t<T>* sn, T* 
   V x0, x1, c0, c1, s0, s1;
   for (int64_t j = 0; j < rot; j += S) {
     const int64_t n = std::min<int64_t>(S, rot - j);
-    if (n == S) {
-      load2(x + j, x0, x1);
-      load2(c + j, c0, c1);
-      load2(sn + j, s0, s1);
-    } else {
-      load2(x + j, x0, x1, n);
-      load2(c + j, c0, c1, n);
-      load2(sn + j, s0, s1, n);
-    }
+    load2_upto(x + j, x0, x1, n);
+    load2_upto(c + j, c0, c1, n);
+    load2_upto(sn + j, s0, s1, n);
     auto [e, o] = at::vec::deinterleave2(x0, x1);
     auto [ce, co] = at::vec::deinterleave2(c0, c1);
     auto [se, so] = at::vec::deinterleave2(s0, s1);
@@ -100,11 +80,7 @@ void rope_interleaved_row(const T* x, const acc_t<T>* c, const acc_t<T>* sn, T* 
       oo = o * co - e * se;
     }
     auto [y0, y1] = at::vec::interleave2(oe, oo);
-    if (n == S) {
-      store2(out + j, y0, y1);
-    } else {
-      store2(out + j, y0, y1, n);
-    }
+    store2_upto(out + j, y0, y1, n);
   }
 }
 

@@ -42,15 +42,9 @@ void swiglu_fwd_kernel(const T* x, T* y, int64_t rows, int64_t f) {
       V a0, a1, b0, b1;
       for (int64_t j = 0; j < f; j += S) {
         const int64_t n = std::min<int64_t>(S, f - j);
-        if (n == S) {
-          load2(a_row + j, a0, a1);
-          load2(b_row + j, b0, b1);
-          store2(y_row + j, silu(a0) * b0, silu(a1) * b1);
-        } else {
-          load2(a_row + j, a0, a1, n);
-          load2(b_row + j, b0, b1, n);
-          store2(y_row + j, silu(a0) * b0, silu(a1) * b1, n);
-        }
+        load2_upto(a_row + j, a0, a1, n);
+        load2_upto(b_row + j, b0, b1, n);
+        store2_upto(y_row + j, silu(a0) * b0, silu(a1) * b1, n);
       }
     }
   });
@@ -73,28 +67,17 @@ void swiglu_bwd_kernel(const T* g, const T* x, T* dx, int64_t rows, int64_t f) {
       V a[2], b[2], gg[2], da[2], db[2];
       for (int64_t j = 0; j < f; j += S) {
         const int64_t n = std::min<int64_t>(S, f - j);
-        if (n == S) {
-          load2(a_row + j, a[0], a[1]);
-          load2(b_row + j, b[0], b[1]);
-          load2(g_row + j, gg[0], gg[1]);
-        } else {
-          load2(a_row + j, a[0], a[1], n);
-          load2(b_row + j, b[0], b[1], n);
-          load2(g_row + j, gg[0], gg[1], n);
-        }
+        load2_upto(a_row + j, a[0], a[1], n);
+        load2_upto(b_row + j, b[0], b[1], n);
+        load2_upto(g_row + j, gg[0], gg[1], n);
         for (int k = 0; k < 2; ++k) {
           const V denom = one + a[k].neg().exp();  // sigmoid = 1 / denom, silu = a / denom
           const V s = one / denom;
           db[k] = gg[k] * (a[k] / denom);
           da[k] = gg[k] * b[k] * s * (one + a[k] * (one - s));
         }
-        if (n == S) {
-          store2(da_row + j, da[0], da[1]);
-          store2(db_row + j, db[0], db[1]);
-        } else {
-          store2(da_row + j, da[0], da[1], n);
-          store2(db_row + j, db[0], db[1], n);
-        }
+        store2_upto(da_row + j, da[0], da[1], n);
+        store2_upto(db_row + j, db[0], db[1], n);
       }
     }
   });

@@ -71,4 +71,23 @@ inline A hsum(const at::vec::Vectorized<A>& v) {
 #define NPUSPEED_DISPATCH_FLOATING(TYPE, NAME, ...) \
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, TYPE, NAME, __VA_ARGS__)
 
+// A step of n <= kStep<T> elements: the full-width path when n is a whole step.
+template <typename T>
+inline void load2_upto(const T* p, AVec<T>& a, AVec<T>& b, int64_t n) {
+  if (n == kStep<T>) {
+    load2(p, a, b);
+  } else {
+    load2(p, a, b, n);
+  }
+}
+
+template <typename T>
+inline void store2_upto(T* p, const AVec<T>& a, const AVec<T>& b, int64_t n) {
+  if (n == kStep<T>) {
+    store2(p, a, b);
+  } else {
+    store2(p, a, b, n);
+  }
+}
+
 }  // namespace npuspeed::cpu
