@@ -99,6 +99,7 @@ class Bench:
         self.acc = _accelerator()
         if hasattr(self.acc, "enable_memory_tracking"):  # CPU: count storages from here on
             self.acc.enable_memory_tracking()
+            self.acc.configure_host_cache()  # the allocator training runs have (block cache)
         self.rows: list[Row] = []
 
     # -- measuring -----------------------------------------------------------------------------
