@@ -12,7 +12,8 @@
 // its pages in again, measured at 10-20% of a step on the example. Freed blocks of at least
 // kCacheMin bytes are kept (up to a cap) and handed out again to a request of the same size
 // or up to 1/8 smaller. Live and peak bytes count requested bytes, not cached ones (like
-// memory_allocated on CUDA); cached bytes are reported apart and empty_cache() frees them.
+// memory_allocated on CUDA); reserved bytes are those of every block not yet handed back
+// (live blocks at their capacity, plus the cache), and empty_cache() hands the cache back.
 #include <c10/core/CPUAllocator.h>
 #include <torch/library.h>
 
@@ -26,6 +27,9 @@ namespace {
 
 std::atomic<int64_t> g_current{0};
 std::atomic<int64_t> g_peak{0};
+// Reserved: bytes of every block not handed back to the wrapped allocator (live or cached).
+std::atomic<int64_t> g_reserved{0};
+std::atomic<int64_t> g_peak_reserved{0};
 std::atomic<int64_t> g_num_allocs{0};
 
 // Each block is served with a 64-byte header in front of the caller's bytes, holding the
@@ -42,9 +46,9 @@ struct Header {
 };
 static_assert(sizeof(Header) <= kHeader, "header must fit in its slot");
 
-void raise_peak(int64_t now) {
-  int64_t peak = g_peak.load();
-  while (now > peak && !g_peak.compare_exchange_weak(peak, now)) {
+void raise(std::atomic<int64_t>& peak_counter, int64_t now) {
+  int64_t peak = peak_counter.load();
+  while (now > peak && !peak_counter.compare_exchange_weak(peak, now)) {
   }
 }
 
@@ -65,6 +69,7 @@ std::atomic<int64_t> g_cache_hits{0};
 
 void release_block(Header* header) {
   Header copy = *header;
+  g_reserved.fetch_sub(copy.capacity);
   if (copy.inner_deleter != nullptr) {
     copy.inner_deleter(copy.inner_context);
   }
@@ -131,11 +136,12 @@ class TrackingAllocator final : public c10::Allocator {
       header->inner_deleter = inner.get_deleter();
       header->inner_context = inner.release_context();
       header->capacity = static_cast<int64_t>(nbytes);
+      raise(g_peak_reserved, g_reserved.fetch_add(header->capacity) + header->capacity);
     }
     header->nbytes = static_cast<int64_t>(nbytes);
     int64_t now = g_current.fetch_add(header->nbytes) + header->nbytes;
     g_num_allocs.fetch_add(1);
-    raise_peak(now);
+    raise(g_peak, now);
     void* data = reinterpret_cast<char*>(header) + kHeader;
     return c10::DataPtr(data, data, &tracked_delete, device);
   }
@@ -169,7 +175,7 @@ std::vector<int64_t> stats() {
     cached = cache().bytes;
   }
   return {g_current.load(), g_peak.load(), g_num_allocs.load(), g_enabled ? 1 : 0,
-          cached, g_cache_hits.load(), g_cache_limit.load()};
+          cached, g_cache_hits.load(), g_cache_limit.load(), g_reserved.load(), g_peak_reserved.load()};
 }
 
 void set_cache_limit(int64_t bytes) { g_cache_limit.store(bytes < 0 ? 0 : bytes); }
@@ -186,7 +192,10 @@ void empty_cache() {
   }
 }
 
-void reset_peak() { g_peak.store(g_current.load()); }
+void reset_peak() {
+  g_peak.store(g_current.load());
+  g_peak_reserved.store(g_reserved.load());
+}
 
 }  // namespace
 }  // namespace npuspeed

@@ -103,7 +103,10 @@ class CpuAccelerator(Accelerator):
         return self._tracker().describe()
 
     def memory_reserved(self, device=None) -> int:
-        return self._tracker().allocated() + self._tracker().cached()
+        return self._tracker().reserved()
+
+    def max_memory_reserved(self, device=None) -> int:
+        return self._tracker().peak_reserved()
 
     def empty_cache(self) -> None:
         self._tracker().empty_cache()
@@ -121,9 +124,8 @@ class CpuAccelerator(Accelerator):
         tracker = self._tracker()
         if not tracker.enabled():
             self._host_cache = f"off: {tracker.describe()}"
-        elif not tracker.set_cache_limit(max(mib, 0) << 20):
-            self._host_cache = "off: the op library is missing"
         else:
+            tracker.set_cache_limit(max(mib, 0) << 20)
             self._host_cache = (f"freed blocks >= 1 MiB kept for reuse, up to {mib} MiB ({CACHE_ENV})" if mib > 0
                                 else f"off ({CACHE_ENV}=0)")
         return self._host_cache

@@ -22,7 +22,7 @@ def enable() -> bool:
 
 def _stats() -> list[int]:
     ops = _ops()
-    return list(ops.memory_tracker_stats()) if ops is not None else [0] * 7
+    return list(ops.memory_tracker_stats()) if ops is not None else [0] * 9
 
 
 def enabled() -> bool:
@@ -55,15 +55,22 @@ def cache_limit() -> int:
     return _stats()[6]
 
 
-def set_cache_limit(nbytes: int) -> bool:
-    """Keep freed blocks of >= 1 MiB up to `nbytes` in all (0: no cache); False without the library."""
+def reserved() -> int:
+    """Bytes of blocks not handed back to the system allocator: live ones and the cache."""
+    return _stats()[7]
+
+
+def peak_reserved() -> int:
+    return _stats()[8]
+
+
+def set_cache_limit(nbytes: int) -> None:
+    """Keep freed blocks of >= 1 MiB up to `nbytes` in all (0: no cache)."""
     ops = _ops()
-    if ops is None:
-        return False
-    ops.memory_tracker_set_cache_limit(int(nbytes))
-    if nbytes <= 0:
-        ops.memory_tracker_empty_cache()
-    return True
+    if ops is not None:
+        ops.memory_tracker_set_cache_limit(int(nbytes))
+        if nbytes <= 0:
+            ops.memory_tracker_empty_cache()
 
 
 def empty_cache() -> None:

@@ -42,7 +42,8 @@ held = torch.ones(4 << 20)
 del held  # now cached: reserved, not allocated
 print(json.dumps({"policy": policy, "steps": steps, "ok": all(bool((t == 2).all()) for t in kept),
                   "hits": memory_tracker.cache_hits(), "cached": memory_tracker.cached(),
-                  "reserved": acc.memory_reserved(), "allocated": acc.memory_allocated()}))
+                  "reserved": acc.memory_reserved(), "allocated": acc.memory_allocated(),
+                  "max_reserved": acc.max_memory_reserved()}))
 """
 
 
@@ -68,6 +69,8 @@ def test_freed_blocks_are_reused_without_page_faults():
     assert all(s["allocated"] == 4 * (16 << 20) for s in cached["steps"] + off["steps"])
     assert cached["cached"] >= 16 << 20 and cached["reserved"] == cached["allocated"] + cached["cached"]
     assert off["cached"] == 0 and off["reserved"] == off["allocated"]
+    for run in (cached, off):
+        assert run["max_reserved"] >= run["reserved"] >= 4 * (16 << 20)
 
 
 def test_bad_cache_size_names_the_variable(monkeypatch):
