@@ -15,7 +15,8 @@ from setuptools import find_packages, setup
 
 EXTRAS = {
     "npu": ["torch_npu"],
-    "test": ["pytest>=7", "hypothesis>=6", "pytest-timeout"],
+    # pybind11: the tests build a Megatron-LM-style dataset helper for this interpreter
+    "test": ["pytest>=7", "hypothesis>=6", "pytest-timeout", "pybind11"],
     "bench": ["matplotlib"],
     # What megatron.training (Megatron-LM core_v0.16) imports at load, plus pybind11 for the
     # dataset helper it builds at start-up. Not triton: a GPU compiler that npuspeed stands in

@@ -59,11 +59,13 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--layouts", nargs="+", choices=["tp1", "dp2"], default=["tp1", "dp2"])
     opts = parser.parse_args()
     model = ["--bf16", "--use-cpu-initialization", "--hidden-size", str(opts.hidden), "--num-layers",
              str(opts.layers), "--num-attention-heads", "8", "--seq-length", "256",
              "--micro-batch-size", "4", "--train-iters", str(opts.iters), "--log-interval", "100"]
     layouts = {"tp1": (1, []), "dp2 distributed optimizer": (2, ["--use-distributed-optimizer"])}
+    layouts = {k: v for k, v in layouts.items() if k.split()[0] in opts.layouts}
     bench = Bench("reuse_fp32_param")
     with tempfile.TemporaryDirectory() as tmp:
         for case, (nproc, extra) in layouts.items():
