@@ -12,9 +12,7 @@ class FusedRMSNormFeature(FusedOpFeature):
     flags = ("--use-fused-rmsnorm",)
     op, npu_kernel, source = "rms_norm", "npu_rms_norm", "csrc/cpu/rms_norm.cpp"
     replaces = "the torch.nn.RMSNorm of --normalization RMSNorm"
-
-    def register_patches(self, registry, args, accelerator) -> None:
-        rmsnorm.register(registry, self.name)
+    patches = rmsnorm
 
     def path(self, args, accelerator) -> str:
         base = super().path(args, accelerator)
@@ -26,9 +24,7 @@ class FusedSwiGLUFeature(FusedOpFeature):
     flags = ("--use-fused-swiglu",)
     op, npu_kernel, source = "swiglu", "npu_swiglu", "csrc/cpu/swiglu.cpp"
     replaces = "the SwiGLU activation of the MLP (--swiglu)"
-
-    def register_patches(self, registry, args, accelerator) -> None:
-        swiglu.register(registry, self.name)
+    patches = swiglu
 
 
 class FusedRoPEFeature(FusedOpFeature):
@@ -36,9 +32,7 @@ class FusedRoPEFeature(FusedOpFeature):
     flags = ("--use-fused-rotary-pos-emb",)
     op, npu_kernel, source = "rotary_pos_emb", "npu_rotary_mul", "csrc/cpu/rope.cpp"
     replaces = "Megatron's unfused rotary position embedding (--position-embedding-type rope)"
-
-    def register_patches(self, registry, args, accelerator) -> None:
-        rope.register(registry, self.name)
+    patches = rope
 
 
 FEATURES = (FusedRMSNormFeature, FusedSwiGLUFeature, FusedRoPEFeature)

@@ -16,6 +16,11 @@ class FusedOpFeature(Feature):
     source: str = ""
     #: what the flag replaces, for --help and the report
     replaces: str = ""
+    #: the module whose `register(registry, feature)` installs this feature's patches
+    patches = None
+
+    def register_patches(self, registry, args, accelerator) -> None:
+        self.patches.register(registry, self.name)
 
     @property
     def dest(self) -> str:
