@@ -63,7 +63,10 @@ def test_freed_blocks_are_reused_without_page_faults():
     assert cached["ok"] and off["ok"]
     pages = 4 * (16 << 20) // 4096
     assert max(s["faults"] for s in cached["steps"][1:]) < pages // 20, cached
-    assert min(s["faults"] for s in off["steps"]) > pages // 2, off  # glibc: fresh pages every time
+    # glibc alone: the first regrowth faults the pages in again (later ones vary as glibc adapts
+    # its mmap threshold); over the steps the cache faults at most a tenth as often
+    assert off["steps"][0]["faults"] > pages // 2, off
+    assert sum(s["faults"] for s in cached["steps"]) < sum(s["faults"] for s in off["steps"]) // 10
     assert cached["hits"] >= 3 * 6 and off["hits"] == 0
     # live bytes count tensors only; a cached block shows as reserved
     assert all(s["allocated"] == 4 * (16 << 20) for s in cached["steps"] + off["steps"])

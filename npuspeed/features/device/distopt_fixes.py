@@ -30,6 +30,8 @@ import sys
 
 import torch
 
+from npuspeed.patching.wrappers import within
+
 DISTRIB = "megatron.core.optimizer.distrib_optimizer"
 
 
@@ -125,15 +127,8 @@ def keep_step_count(set_states):
     return wrapped
 
 
-def under_no_grad(fn):
-    """Wrapper for load_parameter_state_from_dp_reshardable (fix 2)."""
-
-    @functools.wraps(fn)
-    def wrapped(*args, **kwargs):
-        with torch.no_grad():
-            return fn(*args, **kwargs)
-
-    return wrapped
+#: Wrapper for load_parameter_state_from_dp_reshardable (fix 2).
+under_no_grad = within(torch.no_grad)
 
 
 def register(registry, feature: str, megatron_range: str) -> None:

@@ -10,10 +10,10 @@ active only inside the wrapped function, so it is applied to named functions
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch.overrides import TorchFunctionMode
+
+from npuspeed.patching.wrappers import within
 
 _TYPE_SUFFIX = {
     torch.float32: "FloatTensor",
@@ -55,13 +55,4 @@ class CudaToDevice(TorchFunctionMode):
 
 def on_device(device_fn):
     """A wrapper factory for the registry: `wrapper=on_device(lambda: acc.device())`."""
-
-    def wrap(fn):
-        @functools.wraps(fn)
-        def wrapped(*args, **kwargs):
-            with CudaToDevice(device_fn()):
-                return fn(*args, **kwargs)
-
-        return wrapped
-
-    return wrap
+    return within(lambda: CudaToDevice(device_fn()))

@@ -10,9 +10,9 @@ check would fire on every dropout.
 from __future__ import annotations
 
 import contextlib
-import functools
 
 from npuspeed.accelerator import get_accelerator
+from npuspeed.patching.wrappers import within
 
 _RANDOM = "megatron.core.tensor_parallel.random"
 _DEFAULT = "default-rng"
@@ -55,15 +55,8 @@ def fork(self, name=None):
             self._current_state_name = outer_name
 
 
-def in_device_rng_scope(fn):
-    """Wrapper: run a schedule with the device's own random state swapped in."""
-
-    @functools.wraps(fn)
-    def wrapped(*args, **kwargs):
-        with get_accelerator().device_rng_scope():
-            return fn(*args, **kwargs)
-
-    return wrapped
+#: Wrapper: run a schedule with the device's own random state swapped in.
+in_device_rng_scope = within(lambda: get_accelerator().device_rng_scope())
 
 
 def register(registry, feature: str) -> None:

@@ -12,10 +12,11 @@ exit, also on an exception.
 from __future__ import annotations
 
 import contextlib
-import functools
 import threading
 
 import torch
+
+from npuspeed.patching.wrappers import within
 
 _lock = threading.Lock()
 _depth = 0
@@ -51,13 +52,4 @@ def tensor_cuda_on(device):
 
 def cuda_calls_on_device(device_fn):
     """A wrapper factory for the registry: run `fn` with `.cuda()` mapped to `device_fn()`."""
-
-    def wrap(fn):
-        @functools.wraps(fn)
-        def wrapped(*args, **kwargs):
-            with tensor_cuda_on(device_fn()):
-                return fn(*args, **kwargs)
-
-        return wrapped
-
-    return wrap
+    return within(lambda: tensor_cuda_on(device_fn()))
