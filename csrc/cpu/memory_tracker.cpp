@@ -93,7 +93,7 @@ Header* take_cached(int64_t nbytes) {
 }
 
 bool keep_cached(Header* header) {
-  if (header->capacity < kCacheMin) {
+  if (header->capacity < kCacheMin || g_cache_limit.load() == 0) {
     return false;
   }
   Cache& c = cache();
