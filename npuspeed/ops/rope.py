@@ -9,6 +9,8 @@ the fused paths; when it requires one, the reference runs.
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from npuspeed.ops import _dispatch
@@ -18,6 +20,29 @@ OP = "rotary_pos_emb"
 
 def _cos_sin(t: torch.Tensor, freqs: torch.Tensor, mscale: float):
     return (torch.cos(freqs) * mscale).to(t.dtype), (torch.sin(freqs) * mscale).to(t.dtype)
+
+
+_TABLES: dict = {}  # (id, version, dtypes, mscale) -> (weakref to freqs, cos, sin)
+_MAX_TABLES = 8
+
+
+def cached_cos_sin(t: torch.Tensor, freqs: torch.Tensor, mscale: float, dtype: torch.dtype):
+    """`_cos_sin` held as `dtype` (exact: it only widens t's rounding), computed once per freqs.
+
+    Megatron hands every layer of a step the same freqs tensor (and RotaryEmbedding caches it
+    across steps), so the fused paths would otherwise take cos, sin and a conversion 2 x layers
+    times per micro-batch. The entry is keyed by the tensor's identity and version counter, so
+    an in-place change or a new tensor is a miss; a dead freqs' entry is never matched again.
+    """
+    key = (id(freqs), freqs._version, freqs.data_ptr(), t.dtype, dtype, float(mscale))
+    hit = _TABLES.get(key)
+    if hit is not None and hit[0]() is freqs:
+        return hit[1], hit[2]
+    cos, sin = (x.to(dtype) for x in _cos_sin(t, freqs, mscale))
+    if len(_TABLES) >= _MAX_TABLES:
+        _TABLES.clear()
+    _TABLES[key] = (weakref.ref(freqs), cos, sin)
+    return cos, sin
 
 
 def _rotate_half(x: torch.Tensor, interleaved: bool) -> torch.Tensor:
@@ -74,10 +99,11 @@ def rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, interleaved: bool = Fal
     _dispatch.record(OP, impl)
     if impl == "reference":
         return rotary_pos_emb_reference(t, freqs, interleaved, mscale)
-    cos, sin = _cos_sin(t, freqs, mscale)
-    if impl == "cpp":
+    if impl == "cpp":  # the kernel computes in the accumulation type: hand it the tables so
+        cos, sin = cached_cos_sin(t, freqs, mscale, torch.promote_types(t.dtype, torch.float32))
         _dispatch.ensure_registered(OP, _register)
         return torch.ops.npuspeed.rotary_pos_emb(t, cos, sin, bool(interleaved))
+    cos, sin = cached_cos_sin(t, freqs, mscale, t.dtype)
     rot = freqs.shape[-1]
     out = _dispatch.torch_npu().npu_rotary_mul(t[..., :rot], cos, sin)
     return out if rot == t.shape[-1] else torch.cat((out, t[..., rot:]), dim=-1)

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+CPU_FLASH = "npuspeed_flash_bf16"
 
 
 def make_attention(heads=4, groups=None, d=16, dtype=torch.float32, mask_type="causal", layer_number=1,
@@ -54,10 +55,11 @@ def compare(module, inputs, mask, with_features, flags=("--use-flash-attn",), dt
 
     ref = run(module, *inputs, mask)
     with with_features(list(flags)):
-        before = STATS.calls["sdpa"]
+        before = sum(STATS.calls[k] for k in FUSED_KERNELS)
         got = run(module, *inputs, mask)
-        assert STATS.calls["sdpa"] == before + 1, "the fused path did not run"
+        assert sum(STATS.calls[k] for k in FUSED_KERNELS) == before + 1, "the fused path did not run"
         record = dict(STATS.last)
+        assert record["kernel"] == expected_kernel(dtype, record["masked"], record["dropout_p"])
     for name, a, b in zip(("out", "dq", "dk", "dv"), ref, got):
         assert a.shape == b.shape and a.dtype == b.dtype, name
         err = (a.float() - b.float()).abs().max().item()
@@ -66,6 +68,16 @@ def compare(module, inputs, mask, with_features, flags=("--use-flash-attn",), dt
 
 
 DTYPES = [torch.float32, torch.bfloat16]
+FUSED_KERNELS = ("sdpa", CPU_FLASH)
+
+
+def expected_kernel(dtype, masked: bool, dropout_p: float) -> str:
+    """bf16 causal/unmasked calls without dropout run npuspeed's CPU kernel where it can."""
+    from npuspeed.ops.flash_attention import machine_reason
+
+    if dtype == torch.bfloat16 and not masked and not dropout_p and machine_reason() is None:
+        return CPU_FLASH
+    return "sdpa"
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])

@@ -17,8 +17,10 @@ from npuspeed.features.base import FeatureError
 from npuspeed.features.fused_attention.npu import npu_attention
 from npuspeed.features.fused_attention.plan import BandOptions, plan_masks
 from npuspeed.features.fused_attention.sdpa import sdpa_attention
+from npuspeed.ops import flash_attention as cpu_flash
 
 SUPPORTED_MASK_TYPES = ("causal", "padding", "no_mask", "arbitrary")
+CPU_FLASH = "npuspeed_flash_bf16"  # csrc/cpu/flash_attention.cpp, for the calls it covers
 
 
 @dataclass
@@ -40,7 +42,7 @@ STATS = AttentionStats()
 class KernelChoice:
     """What `register_patches` decided once: the kernel and the flags that shape it."""
 
-    kernel: str  # "sdpa" | "npu_fusion_attention"
+    kernel: str  # "sdpa" | "npu_fusion_attention" (per call, "sdpa" may run CPU_FLASH instead)
     band: BandOptions
     sparse_mode: int | None
     accelerator: object
@@ -101,10 +103,15 @@ def make_forward(choice: KernelChoice):
             sq=sq, sk=sk, options=choice.band,
         )
         dropout_p = float(self.attention_dropout.p) if self.training else 0.0
+        masked = plan.band is not None or plan.mask is not None
         scale = effective_scale(self)
-        if choice.kernel == "npu_fusion_attention":
+        kernel = choice.kernel
+        if kernel == "npu_fusion_attention":
             run = functools.partial(npu_attention, choice.accelerator.torch_npu, query, key, value, plan,
                                     scale=scale, dropout_p=dropout_p, sparse_mode=choice.sparse_mode)
+        elif cpu_flash.unsupported(query, key, causal=plan.causal, masked=masked, dropout_p=dropout_p) is None:
+            kernel = CPU_FLASH
+            run = functools.partial(cpu_flash.flash_attention, query, key, value, scale=scale, causal=plan.causal)
         else:
             run = functools.partial(sdpa_attention, query, key, value, plan, scale=scale, dropout_p=dropout_p)
         if dropout_p > 0.0 and not self.config.sequence_parallel:
@@ -114,10 +121,10 @@ def make_forward(choice: KernelChoice):
                 context = run()
         else:
             context = run()
-        STATS.calls[choice.kernel] += 1
+        STATS.calls[kernel] += 1
         STATS.last = {
-            "kernel": choice.kernel, "mask": plan.source, "causal": plan.causal,
-            "band": plan.band, "gqa": query.shape[2] != key.shape[2], "dropout_p": dropout_p,
+            "kernel": kernel, "mask": plan.source, "causal": plan.causal,
+            "band": plan.band, "masked": masked, "gqa": query.shape[2] != key.shape[2], "dropout_p": dropout_p,
             "scale": scale, "dtype": str(query.dtype), "shape": tuple(query.shape),
         }
         return context
