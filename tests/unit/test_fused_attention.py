@@ -325,3 +325,39 @@ def test_patch_is_removed_after_the_context(megatron_mp, with_features):
         assert DotProductAttention.forward is not original
         assert getattr(DotProductAttention.forward, "__npuspeed_patch__", "").endswith("DotProductAttention.forward")
     assert DotProductAttention.forward is original
+
+
+def test_bf16_dropout_and_masks_run_sdpa(megatron_mp, with_features):
+    """npuspeed's CPU kernel takes no dropout and no explicit mask: those bf16 calls run SDPA."""
+    from npuspeed.features.fused_attention import STATS
+
+    module = make_attention(dtype=torch.bfloat16, dropout=0.2)
+    module.train()
+    q, k, v, _ = make_inputs(24, 1, 4, 4, 16, torch.bfloat16)
+    with with_features(["--use-flash-attn"]):
+        module(q, k, v, None)
+        assert STATS.last["kernel"] == "sdpa" and STATS.last["dropout_p"] == pytest.approx(0.2)
+    masked = make_attention(dtype=torch.bfloat16, mask_type="arbitrary")
+    mask = torch.rand(1, 1, 24, 24, generator=torch.Generator().manual_seed(0)) > 0.7
+    mask[..., 0] = False
+    record = compare(masked, make_inputs(24, 1, 4, 4, 16, torch.bfloat16), mask, with_features,
+                     dtype=torch.bfloat16)
+    assert record["kernel"] == "sdpa" and record["masked"]
+
+
+def test_cpu_without_bf16_kernel_runs_sdpa_and_says_so(megatron_mp, with_features, monkeypatch):
+    from npuspeed import arguments, runtime
+    from npuspeed.accelerator import get_accelerator
+    from npuspeed.features.fused_attention import FusedAttentionFeature
+    from npuspeed.ops import flash_attention as cpu_flash
+
+    monkeypatch.setattr(cpu_flash, "machine_reason", lambda: "this CPU lacks AVX512-BF16")
+    record = compare(make_attention(groups=2, dtype=torch.bfloat16), make_inputs(40, 1, 4, 2, 16, torch.bfloat16), None,
+                     with_features, dtype=torch.bfloat16)
+    assert record["kernel"] == "sdpa"
+    feature, acc = FusedAttentionFeature(), get_accelerator()
+    monkeypatch.setenv("NPUSPEED_ARGS", "--bf16")
+    args = arguments.parse_args(["--use-flash-attn"])
+    feature.prepare(args, acc)
+    assert any("lacks AVX512-BF16" in n and "--use-flash-attn" in n for n in runtime.state().notes)
+    assert "kernel unavailable: this CPU lacks AVX512-BF16" in feature.path(args, acc)

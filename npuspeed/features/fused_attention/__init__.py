@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import argparse
 
+from npuspeed.arguments import argv_with_env
 from npuspeed.features.base import Feature, FeatureError
 from npuspeed.features.fused_attention.forward import STATS, KernelChoice, init_wrapper, make_forward
 from npuspeed.features.fused_attention.plan import BandOptions
+from npuspeed.ops import flash_attention as cpu_flash
 
 TARGET = "megatron.core.transformer.dot_product_attention.DotProductAttention"
 MEGATRON_RANGE = ">=0.12,<0.17"  # forward(query, key, value, attention_mask, attn_mask_type,
@@ -72,6 +74,9 @@ class FusedAttentionFeature(Feature):
         elif not accelerator.has_fused_attention():
             runtime.note(f"--use-flash-attn: {accelerator.name} has no fused attention kernel; "
                          "scaled_dot_product_attention runs its math backend (S x S scores).")
+        if accelerator.name == "cpu" and "--bf16" in argv_with_env() and cpu_flash.machine_reason():
+            runtime.note("--use-flash-attn: bf16 attention runs PyTorch's scaled_dot_product_attention "
+                         f"(about 2x slower on bf16), not npuspeed's CPU flash kernel: {cpu_flash.machine_reason()}.")
 
     @staticmethod
     def _kernel(accelerator) -> str:
@@ -98,8 +103,13 @@ class FusedAttentionFeature(Feature):
             return (f"torch_npu.npu_fusion_attention (SBH, sparse_mode {mode}{band}) replaces "
                     "DotProductAttention.forward: --use-flash-attn on an NPU with the fused kernel")
         kind = "fused kernel" if accelerator.has_fused_attention() else "math backend, no fused kernel here"
-        return (f"scaled_dot_product_attention ({kind}; is_causal, enable_gqa, boolean masks{band}) "
+        text = (f"scaled_dot_product_attention ({kind}; is_causal, enable_gqa, boolean masks{band}) "
                 f"replaces DotProductAttention.forward: --use-flash-attn on {accelerator.name}")
+        if accelerator.name == "cpu":
+            reason = cpu_flash.machine_reason()
+            text += ("; bf16 causal/unmasked calls without dropout run npuspeed::flash_attention "
+                     "(AVX512-BF16 tiles)" if reason is None else f"; npuspeed's bf16 CPU kernel unavailable: {reason}")
+        return text
 
 
 __all__ = ["FusedAttentionFeature", "STATS"]
