@@ -6,6 +6,8 @@ One step = forward + backward of one causal DotProductAttention layer (b=1, 8 he
 on a 1-rank gloo group. Baseline is Megatron's own forward (the registry's original), the
 feature is the patched one; both run on the same module and inputs in one process, through
 the shared harness (interleaved timing, peak memory, CSV + PNG under benchmarks/results/).
+Where bf16 runs npuspeed's CPU kernel, one more row measures it against PyTorch's
+scaled_dot_product_attention on the same layer.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from harness import Bench, init_single_rank_megatron
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 TARGET = "megatron.core.transformer.dot_product_attention.DotProductAttention.forward"
+CPU_FLASH = "npuspeed_flash_bf16"
 
 
 def _init_megatron():
@@ -77,7 +80,25 @@ def main() -> None:
             ran = {k_: n - calls.get(k_, 0) for k_, n in STATS.calls.items() if n != calls.get(k_, 0)}
             assert ran, "the fused path never ran"
             row.extra["kernel"] = ",".join(sorted(ran))
+            if CPU_FLASH in ran:  # npuspeed's own bf16 kernel: also against PyTorch's SDPA
+                bench.compare(f"causal S={s} vs SDPA", dtype_name, baseline=step(sdpa_only(layer)),
+                              feature=step(layer), extra={"S": s, "kernel": CPU_FLASH, "baseline": "sdpa"})
     bench.finish()
+
+
+def sdpa_only(layer):
+    """The patched layer with npuspeed's CPU kernel ruled out: PyTorch's SDPA runs instead."""
+    from npuspeed.ops import flash_attention as cpu_flash
+
+    def forward(*args):
+        saved = cpu_flash.machine_reason
+        cpu_flash.machine_reason = lambda: "benchmark baseline: scaled_dot_product_attention"
+        try:
+            return layer(*args)
+        finally:
+            cpu_flash.machine_reason = saved
+
+    return forward
 
 
 if __name__ == "__main__":
