@@ -16,7 +16,9 @@ that instability, not the features' numerics.
 
 The CPU block cache (accelerator layer, always on) is part of every configuration; one more
 run, all off with NPUSPEED_CPU_CACHE_MB=0, shows what it alone is worth.
-    python benchmarks/bench_e2e.py [--iters 8] [--seq 2048] [--layers 8]
+All off and all on run --repeats times each (alternating) and the fastest of each counts,
+so that one slow draw of the shared machine does not make the headline ratio.
+    python benchmarks/bench_e2e.py [--iters 8] [--seq 2048] [--layers 8] [--repeats 2]
 """
 from __future__ import annotations
 
@@ -100,6 +102,8 @@ def main() -> None:
     parser.add_argument("--only", nargs="*", default=None, help="subset of configurations")
     parser.add_argument("--no-cache-run", action="store_true",
                         help="skip the all-off run without the CPU block cache")
+    parser.add_argument("--repeats", type=int, default=2,
+                        help="runs of all off and of all on (alternating); the fastest of each counts")
     parser.add_argument("--no-fp32-reference", action="store_true", help="skip the all-off fp32 run")
     opts = parser.parse_args()
     configs = {"all off": [], "all on": [f for flags in FEATURES.values() for f in flags]}
@@ -108,13 +112,21 @@ def main() -> None:
         configs = {k: v for k, v in configs.items() if k in opts.only or k in ("all off", "all on")}
     bench = Bench("e2e")
     runs = {}
+    tries: dict[str, list[float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for name, flags in configs.items():
-            runs[name] = run_example(model_args(opts) + flags, Path(tmp), nproc=2, name=name.replace(" ", "_"),
-                                     timeout=3600)
-            print(f"[e2e] {name}: {runs[name]['tokens_per_s']:.1f} tokens/s, peak "
-                  f"{runs[name]['peak_mem_bytes'] / 2**20:.1f} MiB/rank, weights "
-                  f"{runs[name]['weight_bytes'] / 2**20:.1f} MiB/rank", flush=True)
+        # The headline pair alternates (off, on, off, on, ...) and keeps each one's fastest run:
+        # one run of each swings by 5-15% on a shared VM, a pair of slow/fast draws by more.
+        order = [n for _ in range(opts.repeats) for n in ("all off", "all on")] + list(configs)[2:]
+        for name in order:
+            flags = configs[name]
+            run = run_example(model_args(opts) + flags, Path(tmp), nproc=2, name=name.replace(" ", "_"),
+                              timeout=3600)
+            tries.setdefault(name, []).append(round(run["tokens_per_s"], 1))
+            if name not in runs or run["tokens_per_s"] > runs[name]["tokens_per_s"]:
+                runs[name] = run
+            print(f"[e2e] {name}: {run['tokens_per_s']:.1f} tokens/s, peak "
+                  f"{run['peak_mem_bytes'] / 2**20:.1f} MiB/rank, weights "
+                  f"{run['weight_bytes'] / 2**20:.1f} MiB/rank", flush=True)
         if not opts.no_cache_run:
             runs[NO_CACHE] = run_example(model_args(opts), Path(tmp), nproc=2, name="no_cache", timeout=3600,
                                          env={"NPUSPEED_CPU_CACHE_MB": "0"})
@@ -132,7 +144,8 @@ def main() -> None:
                   extra={"tokens_per_s": round(run["tokens_per_s"], 2),
                          "weight_bytes": run["weight_bytes"], "max_loss_diff_vs_off": diff,
                          "max_loss_diff_vs_fp32": ref_diff, "median_step_ms": run.get("median_step_ms"),
-                         "seq": opts.seq, "layers": opts.layers, "iters": opts.iters})
+                         "seq": opts.seq, "layers": opts.layers, "iters": opts.iters,
+                         "tokens_per_s_runs": tries.get(name, [round(run["tokens_per_s"], 1)])})
     csv_path = bench.finish()
     png = csv_path.parent / f"e2e_{bench.acc.name}.png"
     plot(runs, png)
@@ -147,6 +160,7 @@ def main() -> None:
             print(line)
     on = runs.get("all on")
     if on:
+        print(f"all off runs {tries['all off']} tokens/s, all on runs {tries['all on']} (fastest of each counts)")
         print(f"all on vs all off: {on['tokens_per_s'] / base['tokens_per_s']:.2f}x tokens/s, "
               f"{on['peak_mem_bytes'] / base['peak_mem_bytes']:.2f}x peak memory, "
               f"{on['weight_bytes'] / base['weight_bytes']:.2f}x weight bytes, max loss diff "

@@ -12,6 +12,9 @@
 // and dS enter the next product as bf16, as in every flash kernel; all sums are fp32.
 // Parallel over (batch, query head) [x query tiles in forward]; dK/dV of a group are summed
 // from per-head fp32 buffers.
+// GCC 12's AVX-512 headers start reductions from _mm512_undefined_* and then warn about it.
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>

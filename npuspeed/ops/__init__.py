@@ -13,14 +13,17 @@ def catalog() -> list[dict]:
     for name, source in [("memory_tracker", "csrc/cpu/memory_tracker.cpp"),
                          ("rms_norm", "csrc/cpu/rms_norm.cpp"), ("swiglu", "csrc/cpu/swiglu.cpp"),
                          ("rotary_pos_emb", "csrc/cpu/rope.cpp"),
-                         ("fp32_split", "csrc/cpu/fp32_split.cpp"), ("fp32_merge", "csrc/cpu/fp32_split.cpp")]:
+                         ("fp32_split", "csrc/cpu/fp32_split.cpp"), ("fp32_merge", "csrc/cpu/fp32_split.cpp"),
+                         ("flash_attention", "csrc/cpu/flash_attention.cpp")]:
         op = "memory_tracker_enable" if name == "memory_tracker" else name
         compiled = lib["compiled"] and hasattr(torch.ops.npuspeed, op)
-        rows.append({
-            "name": name,
-            "compiled": compiled,
-            "implementation": (f"C++ {source} ({lib['source']}, {lib.get('cpu_capability')})" if compiled
-                               else f"pure-PyTorch reference: {lib['error'] or 'op not in the library'}"),
-            "error": lib["error"],
-        })
+        impl = (f"C++ {source} ({lib['source']}, {lib.get('cpu_capability')})" if compiled
+                else f"pure-PyTorch reference: {lib['error'] or 'op not in the library'}")
+        if name == "flash_attention":  # bf16 CPU attention under --use-flash-attn; its fallback is SDPA
+            from npuspeed.ops.flash_attention import machine_reason
+
+            reason = machine_reason()
+            impl = (f"{impl}, AVX512-BF16" if reason is None
+                    else f"scaled_dot_product_attention (npuspeed's kernel unavailable: {reason})")
+        rows.append({"name": name, "compiled": compiled, "implementation": impl, "error": lib["error"]})
     return rows

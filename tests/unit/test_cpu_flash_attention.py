@@ -126,3 +126,14 @@ def test_unsupported_calls_name_their_reason(monkeypatch):
     assert why(qb) == "this CPU lacks AVX512-BF16"
     with pytest.raises(ValueError, match="cannot run this call: this CPU lacks"):
         cpu_flash.flash_attention(qb, qb, qb, scale=0.25, causal=True)
+
+
+def test_report_row_says_which_kernel(monkeypatch):
+    from npuspeed.ops import catalog
+
+    row = next(r for r in catalog() if r["name"] == "flash_attention")
+    reason = cpu_flash.machine_reason()
+    assert ("AVX512-BF16" in row["implementation"]) if reason is None else (reason in row["implementation"])
+    monkeypatch.setattr(cpu_flash, "machine_reason", lambda: "this CPU lacks AVX512-BF16")
+    row = next(r for r in catalog() if r["name"] == "flash_attention")
+    assert row["implementation"].startswith("scaled_dot_product_attention (npuspeed's kernel unavailable: this CPU")
