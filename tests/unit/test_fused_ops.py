@@ -213,6 +213,28 @@ def test_rope_freqs_needing_grad_take_the_reference():
     _assert_ran("rotary_pos_emb", "reference")
 
 
+def test_rope_tables_once_per_freqs_tensor(monkeypatch):
+    """cos/sin are taken once per freqs tensor (Megatron hands all layers the same one), and
+    again after an in-place change or for another tensor; the results stay Megatron's."""
+    calls = []
+    real = rope_mod._cos_sin
+    monkeypatch.setattr(rope_mod, "_cos_sin", lambda *a: calls.append(1) or real(*a))
+    rope_mod._TABLES.clear()
+    t = _randn(6, 1, 2, 8, dtype=torch.bfloat16, seed=21)
+    freqs = _freqs(6, 8)
+    first = rope_mod.rotary_pos_emb(t, freqs)
+    for _ in range(3):
+        assert torch.equal(rope_mod.rotary_pos_emb(t, freqs), first)
+    assert len(calls) == 1
+    freqs.mul_(0.5)  # same tensor, new values: a miss
+    changed = rope_mod.rotary_pos_emb(t, freqs)
+    assert len(calls) == 2
+    _close(changed, rope_mod.rotary_pos_emb_reference(t, freqs), torch.bfloat16)
+    before = len(calls)
+    rope_mod.rotary_pos_emb(t, freqs.clone())  # another tensor: a miss
+    assert len(calls) == before + 1
+
+
 @pytest.mark.parametrize("interleaved", [False, True])
 def test_rope_gradcheck_fp64(interleaved):
     t = _randn(3, 2, 2, 10, dtype=torch.float64, seed=18).requires_grad_()
