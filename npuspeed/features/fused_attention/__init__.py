@@ -74,9 +74,10 @@ class FusedAttentionFeature(Feature):
         elif not accelerator.has_fused_attention():
             runtime.note(f"--use-flash-attn: {accelerator.name} has no fused attention kernel; "
                          "scaled_dot_product_attention runs its math backend (S x S scores).")
-        if accelerator.name == "cpu" and "--bf16" in argv_with_env() and cpu_flash.machine_reason():
+        reason = cpu_flash.machine_reason() if accelerator.name == "cpu" and "--bf16" in argv_with_env() else None
+        if reason:
             runtime.note("--use-flash-attn: bf16 attention runs PyTorch's scaled_dot_product_attention "
-                         f"(about 2x slower on bf16), not npuspeed's CPU flash kernel: {cpu_flash.machine_reason()}.")
+                         f"(about 2x slower on bf16), not npuspeed's CPU flash kernel: {reason}.")
 
     @staticmethod
     def _kernel(accelerator) -> str:
