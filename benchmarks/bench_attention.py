@@ -20,7 +20,6 @@ from harness import Bench, init_single_rank_megatron
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 TARGET = "megatron.core.transformer.dot_product_attention.DotProductAttention.forward"
-CPU_FLASH = "npuspeed_flash_bf16"
 
 
 def _init_megatron():
@@ -52,6 +51,7 @@ def main() -> None:
     bench = Bench("attention", warmup=args.warmup, repeat=args.repeat)
     _init_megatron()
     from npuspeed.features.fused_attention import STATS
+    from npuspeed.features.fused_attention.forward import CPU_FLASH
     from npuspeed.patching import registry
 
     unfused_forward = registry.original(TARGET)

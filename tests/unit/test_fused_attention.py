@@ -12,8 +12,9 @@ import contextlib
 import pytest
 import torch
 
+from npuspeed.features.fused_attention.forward import CPU_FLASH
+
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
-CPU_FLASH = "npuspeed_flash_bf16"
 
 
 def make_attention(heads=4, groups=None, d=16, dtype=torch.float32, mask_type="causal", layer_number=1,
