@@ -8,6 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from npuspeed import telemetry
 from npuspeed.features.reuse_fp32_param import codec
 
 SPECIAL = [
@@ -41,11 +42,11 @@ def _roundtrip_with(bits, split, merge) -> None:
 
 
 def test_special_patterns_roundtrip():
-    codec.CALLS.clear()
+    telemetry.reset(codec.COUNTER)
     _roundtrip(SPECIAL)
     # The dispatching front end ran the C++ kernels (the op library is built in CI).
-    assert codec.CALLS[("split", "cpp")] == 1 and codec.CALLS[("merge", "cpp")] == 1
-    assert codec.CALLS[("split", "reference")] == 0
+    assert telemetry.get(codec.COUNTER + "split.cpp") == 1 and telemetry.get(codec.COUNTER + "merge.cpp") == 1
+    assert telemetry.get(codec.COUNTER + "split.reference") == 0
 
 
 def test_every_low_half_around_ties_roundtrips():
@@ -86,7 +87,7 @@ def test_cpp_exceptions_match_reference_across_blocks():
     x = bits.view(torch.float32)
     got = codec.split(x, torch.empty(n, dtype=torch.int16))
     want = codec.split_reference(x, torch.empty(n, dtype=torch.int16))
-    assert codec.CALLS[("split", "cpp")] > 0
+    assert telemetry.get(codec.COUNTER + "split.cpp") > 0
     for name in ("tie_up", "nan_index", "nan_bits"):
         assert torch.equal(getattr(got, name), getattr(want, name)), name
     assert got.tie_up.numel() > 100 and got.nan_index.numel() > 40

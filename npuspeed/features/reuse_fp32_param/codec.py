@@ -11,15 +11,15 @@ their payload in the bf16 rounding; their full patterns are kept the same sparse
 """
 from __future__ import annotations
 
-import collections
 from dataclasses import dataclass, field
 
 import torch
 
+from npuspeed import telemetry
 from npuspeed.ops._extension import has_op
 
-#: (function, implementation) -> calls, so tests can see the C++ path ran
-CALLS: collections.Counter = collections.Counter()
+#: counter prefix: reuse.codec.<split|merge>.<cpp|reference>, so tests can see the C++ path ran
+COUNTER = "reuse.codec."
 
 _LOW = 0xFFFF
 _TIE = 0x8000
@@ -44,22 +44,22 @@ def _use_cpp(*tensors: torch.Tensor) -> bool:
 def split(master: torch.Tensor, residual: torch.Tensor) -> Exceptions:
     """Write the low halves of `master` into `residual`; return the exceptions (C++ or reference)."""
     if _use_cpp(master, residual):
-        CALLS[("split", "cpp")] += 1
+        telemetry.count(COUNTER + "split.cpp")
         flat = master.detach().reshape(-1)
         tie_up, nan_index = torch.ops.npuspeed.fp32_split(flat, residual.view(-1))
         return Exceptions(tie_up, nan_index, flat.view(torch.int32)[nan_index].clone())
-    CALLS[("split", "reference")] += 1
+    telemetry.count(COUNTER + "split.reference")
     return split_reference(master, residual)
 
 
 def merge(bf16: torch.Tensor, residual: torch.Tensor, exceptions: Exceptions, out: torch.Tensor) -> None:
     """Rebuild the exact fp32 values into `out` (C++ or reference)."""
     if _use_cpp(bf16, residual, out):
-        CALLS[("merge", "cpp")] += 1
+        telemetry.count(COUNTER + "merge.cpp")
         torch.ops.npuspeed.fp32_merge(bf16.detach().reshape(-1), residual.view(-1), exceptions.tie_up,
                                       exceptions.nan_index, exceptions.nan_bits, out.view(-1))
         return
-    CALLS[("merge", "reference")] += 1
+    telemetry.count(COUNTER + "merge.reference")
     merge_reference(bf16, residual, exceptions, out)
 
 
