@@ -1,5 +1,6 @@
-"""The `npuspeed` command: `npuspeed report [--json] [feature flags ...]` and
-`npuspeed patch-source DIR [--dry-run]` (prepare a Megatron-LM checkout)."""
+"""The `npuspeed` command: `npuspeed report [--json] [feature flags ...]`,
+`npuspeed patch-source DIR [--dry-run]` (prepare a Megatron-LM checkout) and
+`npuspeed plan [training flags]` (predict memory and speed, search layouts)."""
 from __future__ import annotations
 
 import argparse
@@ -8,8 +9,15 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["plan"]:  # its own parser: a training run's flags pass through it
+        from npuspeed.plan.cli import main as plan_main
+
+        return plan_main(argv[1:])
     parser = argparse.ArgumentParser(prog="npuspeed", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("plan", help="predict per-rank memory and step time of a run's flags; --search "
+                   "layouts; --calibrate this machine (npuspeed plan --help)")
     rep = sub.add_parser("report", help="device, features, patches and ops that apply here")
     rep.add_argument("--json", action="store_true", help="machine-readable output")
     src = sub.add_parser("patch-source", help="add the npuspeed import line to a Megatron-LM "

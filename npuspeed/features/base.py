@@ -7,6 +7,32 @@ A feature never imports the runtime or the argument parser.
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class PlanEffect:
+    """What a feature changes in a run's memory or time, stated once, for `npuspeed plan`.
+
+    The planner replays Megatron's ops (npuspeed/plan/ops.py); a feature names the op-graph
+    slots it swaps (`variants`, e.g. {"core_attention": "flash"}), which calibrated kernel
+    times an op kind (`kernels`), how much of a parallel dimension's communication it hides
+    (`overlap`, e.g. {"tp": 0.5}) and what the fp32 master keeps between steps. A slot or
+    value the planner does not know is an error there, so the two cannot drift apart.
+    """
+
+    #: op-graph slot -> variant (npuspeed/plan/ops.py VARIANTS)
+    variants: dict = field(default_factory=dict)
+    #: slot -> how many layers of each pipeline stage it applies to (None/absent: all)
+    variant_layers: dict = field(default_factory=dict)
+    #: bytes per parameter the fp32 master keeps between optimizer steps (None: unchanged)
+    master_bytes_per_param: float | None = None
+    #: op kind -> the calibrated kernel that runs it (npuspeed/plan/speed.py KERNELS)
+    kernels: dict = field(default_factory=dict)
+    #: parallel dimension ("tp", "dp", "pp", "cp", "ep") -> fraction of its time hidden
+    overlap: dict = field(default_factory=dict)
+    #: one line for the plan: what it removes or costs
+    summary: str = ""
 
 
 class FeatureError(ValueError):
@@ -20,6 +46,9 @@ class Feature:
     flags: tuple[str, ...] = ()
     #: True for features that apply whatever the flags say (the device layer)
     always_on: bool = False
+    #: True for features that change neither memory nor time the planner models (and so do
+    #: not override `plan_effect`); a test checks every feature says one or the other
+    plan_neutral: bool = False
 
     def add_arguments(self, group: argparse._ArgumentGroup) -> None:
         """Add this feature's flags to the npuspeed argument group."""
@@ -39,6 +68,12 @@ class Feature:
     def check_built(self, block, ctx) -> str | None:
         """After Megatron built a TransformerBlock with layers: why this feature does nothing
         in it (the error to raise, naming the flag and what it needs), or None when it acts."""
+        return None
+
+    def plan_effect(self, model, ctx) -> PlanEffect | None:
+        """How this feature, enabled with ctx's flags, changes the planner's model of a run of
+        `model` (npuspeed/plan/spec.py ModelSpec, with `layout` and `batch` attributes).
+        None: nothing in this run (e.g. a flag that does not apply to this model)."""
         return None
 
     def path(self, ctx) -> str:

@@ -77,6 +77,16 @@ class CocFeature(Feature):
         registry.register(f"{LAYERS}.RowParallelLinear.__init__", wrapper=init_wrapper("RowParallelLinear", ctx.note), **kw)
         registry.register("megatron.core.transformer.spec_utils.build_module", wrapper=build_module_wrapper, **kw)
 
+    def plan_effect(self, model, ctx):
+        from npuspeed.features.base import PlanEffect
+
+        if model.layout.tp < 2:
+            return None
+        n = ctx.args.coc_parallel_num or 1
+        return PlanEffect(overlap={"tp": (n - 1) / n},
+                          summary=f"tensor-parallel all-gather / reduce-scatter of each linear in {n} row "
+                                  f"chunks behind the matmuls: up to {(n - 1) / n:.0%} of their time hidden")
+
     def path(self, ctx) -> str:
         args, accelerator = ctx.args, ctx.accelerator
         if not self.enabled(args):

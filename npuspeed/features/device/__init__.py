@@ -20,6 +20,7 @@ log = logging.getLogger("npuspeed")
 
 class DeviceFeature(Feature):
     name = "device"
+    plan_neutral = True  # device plumbing: no memory or time of its own in the plan
     flags = ("--npuspeed-device",)
     always_on = True
 

@@ -106,6 +106,20 @@ class FusedAttentionFeature(Feature):
                 "TE's own kernel): build the model with the local spec (--transformer-impl local) or "
                 "drop --use-flash-attn")
 
+    def plan_effect(self, model, ctx):
+        from npuspeed.features.base import PlanEffect
+
+        if ctx.accelerator.name == "cpu" and model.model.attention_dropout > 0:
+            return PlanEffect(
+                variants={"core_attention": "sdpa_math"}, kernels={"attention": "sdpa_math"},
+                summary="CPU scaled_dot_product_attention with attention dropout runs torch's math "
+                        "backend: the S x S softmax, dropout mask and dropped probabilities stay (in "
+                        "fp32, with fp32 copies of q, k, v); --attention-dropout 0 runs the flash kernel")
+        return PlanEffect(
+            variants={"core_attention": "flash"}, kernels={"attention": "flash"},
+            summary="no S x S tensors: the score buffer, softmax, dropout mask and dropped probabilities "
+                    "of every layer go; q, k, v, the output and a [b, heads, s] log-sum-exp stay")
+
     def path(self, ctx) -> str:
         args, accelerator = ctx.args, ctx.accelerator
         band = ""

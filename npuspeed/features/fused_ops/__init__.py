@@ -15,6 +15,10 @@ class FusedRMSNormFeature(FusedOpFeature):
     op, npu_kernel, source = "rms_norm", "npu_rms_norm", "csrc/cpu/rms_norm.cpp"
     replaces = "the torch.nn.RMSNorm of --normalization RMSNorm"
     patches = rmsnorm
+    plan_slot, plan_saves = "norm", "saves the input and an fp32 rstd, not x * rstd"
+
+    def plan_applies(self, model) -> bool:
+        return model.normalization == "RMSNorm"
 
     def validate(self, ctx) -> None:
         norm = ctx.megatron.normalization
@@ -33,6 +37,10 @@ class FusedSwiGLUFeature(FusedOpFeature):
     op, npu_kernel, source = "swiglu", "npu_swiglu", "csrc/cpu/swiglu.cpp"
     replaces = "the SwiGLU activation of the MLP (--swiglu)"
     patches = swiglu
+    plan_slot, plan_saves = "glu", "saves fc1's output only, not silu(gate) and its product"
+
+    def plan_applies(self, model) -> bool:
+        return model.swiglu
 
 
 class FusedRoPEFeature(FusedOpFeature):
@@ -41,6 +49,10 @@ class FusedRoPEFeature(FusedOpFeature):
     op, npu_kernel, source = "rotary_pos_emb", "npu_rotary_mul", "csrc/cpu/rope.cpp"
     replaces = "Megatron's unfused rotary position embedding (--position-embedding-type rope)"
     patches = rope
+    plan_slot, plan_saves = "rope", "no per-call cos/sin tensors saved"
+
+    def plan_applies(self, model) -> bool:
+        return model.position_embedding == "rope"
 
     def validate(self, ctx) -> None:
         kind = ctx.megatron.position_embedding_type

@@ -40,6 +40,23 @@ class FusedOpFeature(Feature):
         if "reference" in path:
             ctx.note(f"{self.flags[0]}: {path}")
 
+    #: the op-graph slot the fused kernel replaces (npuspeed/plan/ops.py) and when it applies
+    plan_slot: str = ""
+
+    def plan_applies(self, model) -> bool:
+        return True
+
+    def plan_effect(self, model, ctx):
+        from npuspeed.features.base import PlanEffect
+
+        if not self.plan_applies(model.model):
+            return None
+        return PlanEffect(variants={self.plan_slot: "fused"}, kernels={self.plan_slot: "fused"},
+                          summary=f"{self.replaces}: one fused kernel ({self.op}); {self.plan_saves}")
+
+    #: what the fused kernel keeps for backward, for the plan
+    plan_saves: str = ""
+
     def check_built(self, block, ctx) -> str | None:
         acts_in = getattr(self.patches, "acts_in", None)  # None: not knowable from a block
         if acts_in is None or acts_in(block):

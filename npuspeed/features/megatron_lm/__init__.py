@@ -48,6 +48,7 @@ def megatron_lm_present() -> bool:
 
 class MegatronLMFeature(Feature):
     name = "megatron_lm"
+    plan_neutral = True  # Megatron-LM plumbing: no memory or time of its own in the plan
     always_on = True
 
     def enabled(self, args) -> bool:

@@ -50,6 +50,15 @@ class RecomputeActivationFeature(Feature):
         registry.register(layers.TARGET, wrapper=layers.selector(
             ctx.args.recompute_activation_function_num_layers, ctx.note), feature=self.name)
 
+    def plan_effect(self, model, ctx):
+        from npuspeed.features.base import PlanEffect
+
+        n = ctx.args.recompute_activation_function_num_layers
+        return PlanEffect(
+            variants={"mlp_activation": "recompute"}, variant_layers={"mlp_activation": n},
+            summary=f"the MLP activation output (tokens x ffn/TP) of {'every layer' if n is None else f'the first {n} layers of each chunk'} "
+                    "is not held between forward and backward; one layer's copy is recomputed in backward")
+
     def path(self, ctx) -> str:
         args = ctx.args
         if not getattr(args, "recompute_activation_function", False):

@@ -33,6 +33,16 @@ class ReuseFp32ParamFeature(Feature):
     def register_patches(self, registry, ctx) -> None:
         patches.register(registry, self.name)
 
+    def plan_effect(self, model, ctx):
+        from npuspeed.features.base import PlanEffect
+
+        if model.batch.dtype != "bf16":
+            return None  # fp32 runs have no masters to share
+        return PlanEffect(master_bytes_per_param=2.0,
+                          summary="fp32 masters kept as a 16-bit residual of the bf16 parameter between "
+                                  "steps (2 bytes a parameter, /DP with the distributed optimizer); the "
+                                  "step itself holds full masters, as ordinary mixed precision does")
+
     def path(self, ctx) -> str:
         from npuspeed.ops._extension import has_op
 

@@ -1,0 +1,153 @@
+"""`npuspeed plan` against measured runs: predicted vs measured peak memory (and step time).
+
+Each configuration runs examples/pretrain_gpt.py under torchrun on CPU (gloo) and is planned
+from the very same argument list; the example's `peak_mem_bytes` is the tracking
+allocator's live-tensor peak, the largest over ranks. Prints a table (markdown with
+--markdown), appends rows to benchmarks/results/plan_validate.csv.
+
+    python benchmarks/plan_validate.py                 # every configuration (about 20 min here)
+    python benchmarks/plan_validate.py --only tp2 pp2  # names containing these
+    python benchmarks/plan_validate.py --profile p.json  # also predicted step time
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE = ROOT / "examples" / "pretrain_gpt.py"
+sys.path.insert(0, str(ROOT))
+
+BASE = ["--use-cpu-initialization", "--log-interval", "1", "--num-layers", "4", "--hidden-size", "256",
+        "--num-attention-heads", "4", "--seq-length", "256", "--micro-batch-size", "2"]
+LLAMA = ["--normalization", "RMSNorm", "--swiglu", "--position-embedding-type", "rope",
+         "--group-query-attention", "--num-query-groups", "2", "--disable-bias-linear",
+         "--untie-embeddings-and-output-weights", "--ffn-hidden-size", "704"]
+FUSED = ["--use-fused-rmsnorm", "--use-fused-swiglu", "--use-fused-rotary-pos-emb"]
+NODROP = ["--attention-dropout", "0"]
+
+# (name, ranks, extra flags)
+CONFIGS = [
+    ("tp1 fp32", 1, []),
+    ("tp1 bf16", 1, ["--bf16"]),
+    ("tp2 fp32", 2, ["--tensor-model-parallel-size", "2"]),
+    ("tp2 sp bf16", 2, ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--bf16"]),
+    ("pp2 fp32 m4", 2, ["--pipeline-model-parallel-size", "2", "--global-batch-size", "8"]),
+    ("pp2 vpp2 bf16 m4", 2, ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
+                             "--global-batch-size", "8", "--bf16"]),
+    ("dp2 fp32", 2, []),
+    ("dp2 distopt fp32", 2, ["--use-distributed-optimizer"]),
+    ("dp2 distopt bf16", 2, ["--use-distributed-optimizer", "--bf16"]),
+    ("bf16 reuse-fp32", 1, ["--bf16", "--reuse-fp32-param"]),
+    ("dp2 distopt bf16 reuse-fp32", 2, ["--use-distributed-optimizer", "--bf16", "--reuse-fp32-param"]),
+    ("recompute-activation fp32", 1, ["--recompute-activation-function"]),
+    ("recompute-activation 2 layers bf16", 1, ["--recompute-activation-function",
+                                               "--recompute-activation-function-num-layers", "2", "--bf16"]),
+    ("full recompute bf16", 1, ["--recompute-granularity", "full", "--recompute-method", "uniform",
+                                "--recompute-num-layers", "1", "--bf16"]),
+    ("selective recompute fp32", 1, ["--recompute-granularity", "selective"]),
+    ("flash-attn fp32", 1, ["--use-flash-attn"] + NODROP),
+    ("flash-attn bf16", 1, ["--use-flash-attn", "--bf16"] + NODROP),
+    ("flash-attn fp32 with dropout (SDPA math)", 1, ["--use-flash-attn"]),
+    ("llama fp32", 1, LLAMA),
+    ("llama bf16 fused ops + flash", 1, LLAMA + FUSED + ["--use-flash-attn", "--bf16"] + NODROP),
+    ("llama tp2 sp bf16 recompute-activation", 2, LLAMA + ["--tensor-model-parallel-size", "2",
+                                                           "--sequence-parallel", "--bf16",
+                                                           "--recompute-activation-function"]),
+    ("tp2 pp2 sp bf16 m4", 4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                               "--sequence-parallel", "--bf16", "--global-batch-size", "8"]),
+    ("pp2 dp2 distopt bf16 m2", 4, ["--pipeline-model-parallel-size", "2", "--use-distributed-optimizer",
+                                    "--bf16", "--global-batch-size", "8"]),
+    ("seq 512 mbs 4 fp32", 1, ["--seq-length", "512", "--micro-batch-size", "4"]),
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_example(argv: list[str], nproc: int, iters: int, env: dict | None = None, timeout: int = 900) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        summary = Path(tmp) / "s.json"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+               "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(EXAMPLE),
+               *argv, "--train-iters", str(iters), "--summary-json", str(summary)]
+        run_env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", **(env or {}))
+        proc = subprocess.run(cmd, cwd=ROOT, env=run_env, capture_output=True, text=True, timeout=timeout)
+        log = proc.stdout + proc.stderr
+        if proc.returncode != 0 or not summary.exists():
+            return {"failed": True, "returncode": proc.returncode, "log": log[-4000:]}
+        out = json.loads(summary.read_text())
+        out["log"] = log
+        return out
+
+
+def predict(argv: list[str], nproc: int, profile=None):
+    from npuspeed.plan.planner import plan
+
+    return plan([*argv, "--nproc-per-node", str(nproc)], profile=profile, with_removes=False)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--only", nargs="*", default=None)
+    p.add_argument("--iters", type=int, default=4)
+    p.add_argument("--profile", default=None, help="calibration profile for predicted step times")
+    p.add_argument("--markdown", action="store_true")
+    args = p.parse_args()
+    profile = None
+    if args.profile:
+        from npuspeed.plan.speed import load_profile
+
+        profile = load_profile(args.profile)
+    rows = []
+    for name, nproc, extra in CONFIGS:
+        if args.only and not any(o in name for o in args.only):
+            continue
+        argv = BASE + extra
+        t0 = time.time()
+        measured = run_example(argv, nproc, args.iters)
+        planned = predict(argv, nproc, profile)
+        if measured.get("failed"):
+            print(f"{name}: run failed\n{measured['log']}", file=sys.stderr)
+            continue
+        pred, meas = planned.peak, measured["peak_mem_bytes"]
+        row = {"config": name, "ranks": nproc, "predicted_mib": pred / 2**20, "measured_mib": meas / 2**20,
+               "error": pred / meas - 1.0, "measured_step_ms": measured.get("median_step_ms"),
+               "predicted_step_ms": planned.speed.step_ms if planned.speed else None,
+               "flags": " ".join(extra), "wall_s": time.time() - t0}
+        rows.append(row)
+        step = ""
+        if row["predicted_step_ms"]:
+            step = f"  step {row['predicted_step_ms']:.0f} / {row['measured_step_ms']:.0f} ms"
+        print(f"{name:45s} predicted {row['predicted_mib']:8.2f} MiB  measured {row['measured_mib']:8.2f} MiB  "
+              f"{row['error']:+6.1%}{step}", flush=True)
+    out = ROOT / "benchmarks" / "results"
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "plan_validate.csv", "a", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=list(rows[0]) if rows else ["config"])
+        if fh.tell() == 0:
+            w.writeheader()
+        w.writerows(rows)
+    if args.markdown:
+        print("\n| configuration | ranks | predicted MiB | measured MiB | error |")
+        print("|---|---|---|---|---|")
+        for r in rows:
+            print(f"| {r['config']} | {r['ranks']} | {r['predicted_mib']:.2f} | {r['measured_mib']:.2f} | {r['error']:+.1%} |")
+    worst = max((abs(r["error"]) for r in rows), default=0.0)
+    print(f"\n{len(rows)} configurations, largest error {worst:.1%}")
+    return 0 if worst <= 0.10 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,146 @@
+"""Predicted memory per rank: static bytes, each chunk's micro-batch replayed (graph.py), the
+micro-batches the pipeline schedule holds at once (schedule.py), and the optimizer step.
+
+The peak a rank reaches is the larger of: static bytes (with the optimizer states, which
+exist from the first step on) plus the largest point of the forward/backward walk, and the
+static bytes of the optimizer step (full fp32 masters, whatever reuse-fp32-param keeps
+between steps) plus the step's own transient. Persistent buffers Megatron keeps across
+micro-batches (the "mpu" global buffer: the unfused attention's score input and the
+sequence-parallel all-gather, the cached causal mask) are counted once.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from npuspeed.plan import ops, schedule
+from npuspeed.plan.dims import dims
+from npuspeed.plan.graph import Graph, Op, replay
+from npuspeed.plan.params import static_memory
+from npuspeed.plan.spec import RunSpec
+
+
+@dataclass
+class RankMemory:
+    pp_rank: int
+    params: int
+    grads: int
+    masters: int
+    optimizer: int
+    buffers: int
+    #: saved activation bytes of one micro-batch per chunk, and per layer (largest chunk)
+    activation_per_microbatch: list
+    activation_per_layer: int
+    in_flight: int  # micro-batch chunks held at once at the peak of the walk
+    activation_peak: int  # activations + transients at the walk's peak
+    step_peak: int  # the optimizer step's peak
+    peak: int
+    activation_terms: dict = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        return {k: v for k, v in self.__dict__.items()}
+
+
+def _checkpointed(g: Graph, d, m, x: str, first: int, count: int, variants, rc_layers) -> str:
+    """Megatron's full recompute of `count` layers: only the input is kept; backward reruns them."""
+    inner = Graph()
+    inner.add(Op("ck.in", (), {"ck.x": d.h()}))
+    y = "ck.x"
+    for i in range(first, first + count):
+        y = ops.layer_ops(inner, d, m, y, i, variants, i in rc_layers)
+    r = replay(inner, output_grad=d.h())
+    out = f"ck{first}.out"
+    g.add(Op(f"ck{first}", (x,), {out: d.h()}, saves=(x,), fwd_temp=r.fwd_peak,
+             bwd_temp=r.held + r.bwd_peak, term="recompute"))
+    return out
+
+
+def chunk_graph(spec: RunSpec, effects, pp_rank: int, chunk: int) -> Graph:
+    m, lay = spec.model, spec.layout
+    d = dims(spec)
+    g = Graph()
+    first = pp_rank == 0 and chunk == 0
+    last = pp_rank == lay.pp - 1 and chunk == lay.chunks - 1
+    x = ops.embedding_ops(g, d, m) if first else ops.recv_ops(g, d)
+    n = spec.layers_per_chunk()
+    variants = dict(effects.variants)
+    if m.recompute_granularity == "selective":
+        variants["core_attention"] = "recompute" if variants.get("core_attention") != "flash" else "flash"
+    rc_layers = effects.layers_for("mlp_activation", n)
+    if m.recompute_granularity == "full":
+        k = m.recompute_num_layers or 1
+        if m.recompute_method == "block":
+            for i in range(n):
+                x = (_checkpointed(g, d, m, x, i, 1, variants, rc_layers) if i < k
+                     else ops.layer_ops(g, d, m, x, i, variants, i in rc_layers))
+        else:
+            i = 0
+            while i < n:
+                x = _checkpointed(g, d, m, x, i, min(k, n - i), variants, rc_layers)
+                i += k
+    else:
+        for i in range(n):
+            x = ops.layer_ops(g, d, m, x, i, variants, i in rc_layers)
+    if last:
+        ops.head_ops(g, d, m, x, variants)
+    else:
+        g.add(Op("send", (x,), {"send.y": 0}, views={"send.y": x}, pass_grad=(x,)))
+    return g
+
+
+def persistent_buffers(spec: RunSpec, effects) -> int:
+    d = dims(spec)
+    mpu = d.h(d.tokens) if d.sp else 0
+    core = effects.variants.get("core_attention", "unfused")
+    if core in ("unfused", "recompute") or spec.model.recompute_granularity == "selective" and core != "flash":
+        mpu = max(mpu, d.scores * d.act)
+    mask = d.seq * d.seq if core != "flash" else 0
+    rope = d.seq * d.head_dim * 4 if spec.model.position_embedding == "rope" else 0
+    return mpu + mask + rope
+
+
+def rank_memory(spec: RunSpec, effects, pp_rank: int) -> RankMemory:
+    lay = spec.layout
+    d = dims(spec)
+    replays = []
+    terms: dict = {}
+    for chunk in range(lay.chunks):
+        last = pp_rank == lay.pp - 1 and chunk == lay.chunks - 1
+        r = replay(chunk_graph(spec, effects, pp_rank, chunk), output_grad=0 if last else d.h())
+        replays.append(r)
+        for k, v in r.by_term.items():
+            terms[k] = max(terms.get(k, 0), v)
+    static = static_memory(spec, pp_rank, effects.master_bytes)
+    step_static = static_memory(spec, pp_rank, None)
+    buffers = persistent_buffers(spec, effects)
+    held = top = count = top_count = 0
+    for kind, chunk in schedule.events(lay.pp, pp_rank, lay.chunks, spec.batch.num_microbatches(lay.dp)):
+        r = replays[chunk]
+        if kind == "F":
+            if held + r.fwd_peak > top:
+                top, top_count = held + r.fwd_peak, count + 1
+            held += r.held
+            count += 1
+        else:
+            if held + r.bwd_peak > top:
+                top, top_count = held + r.bwd_peak, count
+            held -= r.held
+            count -= 1
+    base = static.total + buffers
+    step_peak = step_static.total + buffers + static.step_temp
+    per_layer = 0
+    n = spec.layers_per_chunk()
+    if n:
+        layer_terms = {k: v for k, v in terms.items() if k not in ("embedding", "head")}
+        per_layer = sum(layer_terms.values()) // n
+    return RankMemory(
+        pp_rank=pp_rank, params=static.params, grads=static.grads, masters=static.masters,
+        optimizer=static.optimizer, buffers=buffers,
+        activation_per_microbatch=[r.held for r in replays], activation_per_layer=per_layer,
+        in_flight=top_count, activation_peak=top, step_peak=step_peak,
+        peak=max(base + top, step_peak), activation_terms=terms,
+    )
+
+
+def predict(spec: RunSpec, effects) -> list[RankMemory]:
+    """One RankMemory per pipeline stage (TP/CP/DP peers of a stage hold the same)."""
+    return [rank_memory(spec, effects, r) for r in range(spec.layout.pp)]

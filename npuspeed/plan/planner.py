@@ -1,0 +1,106 @@
+"""One configuration planned: flags in, per-rank memory, communication and speed out.
+
+`plan(argv)` is what `npuspeed plan` prints and what the validation compares with measured
+runs. An impossible layout is a result (its reasons listed), never an exception; flags the
+planner cannot read raise PlanInputError with the fix.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from npuspeed.plan import comm, effects as effects_mod, memory, speed
+from npuspeed.plan.flags import PlanInputError, parse
+from npuspeed.plan.spec import RunSpec, layout_problems
+
+
+@dataclass
+class Plan:
+    spec: RunSpec
+    problems: list
+    ranks: list = field(default_factory=list)  # RankMemory per pipeline stage
+    effects: object = None
+    comm: dict = field(default_factory=dict)
+    speed: object = None  # speed.StepTime or None without a profile
+    removes: dict = field(default_factory=dict)  # feature -> peak bytes it removes (+) or adds (-)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    @property
+    def peak(self) -> int:
+        return max((r.peak for r in self.ranks), default=0)
+
+    @property
+    def fits(self) -> bool | None:
+        cap = self.spec.device_memory_bytes
+        return None if cap is None or not self.ok else self.peak <= cap
+
+
+def context_for(argv: list[str]):
+    from npuspeed import runtime
+    from npuspeed.accelerator import get_accelerator
+    from npuspeed.features import all_features
+
+    features = all_features()
+    return runtime.make_context(features, list(argv), get_accelerator()), features
+
+
+def _feature_problems(ctx, features) -> list[str]:
+    from npuspeed.features.base import FeatureError
+
+    out = []
+    for feature in features:
+        if feature.enabled(ctx.args) and not feature.always_on:
+            try:
+                feature.validate(ctx)
+            except FeatureError as exc:
+                out.append(str(exc))
+    return out
+
+
+def plan_spec(spec: RunSpec, argv: list[str], profile=None, with_removes: bool = True) -> Plan:
+    problems = layout_problems(spec)
+    ctx, features = context_for(argv)
+    problems += _feature_problems(ctx, features)
+    result = Plan(spec=spec, problems=problems)
+    if problems:
+        return result
+    result.effects = effects_mod.collect(spec, ctx, features)
+    result.ranks = memory.predict(spec, result.effects)
+    result.comm = comm.volume(spec, result.effects)
+    if profile is not None:
+        result.speed = speed.step_time(spec, result.effects, profile, result.comm)
+    if with_removes:
+        for name in result.effects.features:
+            without = [a for a in argv if a not in _flags_of(features, name)]
+            other = effects_mod.collect(spec, context_for(without)[0], features)
+            result.removes[name] = max(r.peak for r in memory.predict(spec, other)) - result.peak
+    return result
+
+
+def _flags_of(features, name):
+    for f in features:
+        if f.name == name:
+            return set(f.flags)
+    return set()
+
+
+def expand_script(argv: list[str]) -> list[str]:
+    """`--script FILE` replaced by the launch script's arguments (flags given here win, later)."""
+    if "--script" not in argv:
+        return list(argv)
+    from npuspeed.plan.script import script_argv
+
+    i = argv.index("--script")
+    if i + 1 >= len(argv):
+        raise PlanInputError("--script needs a path to a Megatron-LM launch script")
+    return script_argv(argv[i + 1]) + argv[:i] + argv[i + 2:]
+
+
+def plan(argv: list[str], profile=None, with_removes: bool = True) -> Plan:
+    argv = expand_script(list(argv))
+    spec, ns, _rest = parse(argv)
+    if profile is None and ns.profile:
+        profile = speed.load_profile(ns.profile)
+    return plan_spec(spec, argv, profile, with_removes)
