@@ -14,7 +14,12 @@
 // or up to 1/8 smaller. Live and peak bytes count requested bytes, not cached ones (like
 // memory_allocated on CUDA); reserved bytes are those of every block not yet handed back
 // (live blocks at their capacity, plus the cache), and empty_cache() hands the cache back.
+//
+// An optional limit on live bytes makes an allocation that would exceed it fail with
+// torch.OutOfMemoryError, as a device of that size would: `npuspeed plan`'s "does not fit"
+// is checked by running such a configuration for real under the limit.
 #include <c10/core/CPUAllocator.h>
+#include <c10/util/Exception.h>
 #include <torch/library.h>
 
 #include <atomic>
@@ -31,6 +36,8 @@ std::atomic<int64_t> g_peak{0};
 std::atomic<int64_t> g_reserved{0};
 std::atomic<int64_t> g_peak_reserved{0};
 std::atomic<int64_t> g_num_allocs{0};
+// Live bytes an allocation may not take the total above (0: no limit).
+std::atomic<int64_t> g_limit{0};
 
 // Each block is served with a 64-byte header in front of the caller's bytes, holding the
 // size and the wrapped allocator's context and deleter. The pointer handed out is both the
@@ -125,6 +132,12 @@ class TrackingAllocator final : public c10::Allocator {
     if (nbytes == 0) {
       return inner_->allocate(0);
     }
+    const int64_t limit = g_limit.load();
+    if (limit > 0 && g_current.load() + static_cast<int64_t>(nbytes) > limit) {
+      TORCH_CHECK_WITH(OutOfMemoryError, false, "npuspeed CPU memory limit: allocating ", nbytes,
+                       " bytes with ", g_current.load(), " live would exceed the limit of ", limit,
+                       " bytes (NPUSPEED_CPU_MEMORY_LIMIT_MB)");
+    }
     Header* header = take_cached(static_cast<int64_t>(nbytes));
     c10::Device device(c10::DeviceType::CPU);
     if (header != nullptr) {
@@ -175,8 +188,11 @@ std::vector<int64_t> stats() {
     cached = cache().bytes;
   }
   return {g_current.load(), g_peak.load(), g_num_allocs.load(), g_enabled ? 1 : 0,
-          cached, g_cache_hits.load(), g_cache_limit.load(), g_reserved.load(), g_peak_reserved.load()};
+          cached, g_cache_hits.load(), g_cache_limit.load(), g_reserved.load(), g_peak_reserved.load(),
+          g_limit.load()};
 }
+
+void set_limit(int64_t bytes) { g_limit.store(bytes < 0 ? 0 : bytes); }
 
 void set_cache_limit(int64_t bytes) { g_cache_limit.store(bytes < 0 ? 0 : bytes); }
 
@@ -206,4 +222,5 @@ TORCH_LIBRARY_FRAGMENT(npuspeed, m) {
   m.def("memory_tracker_reset_peak() -> ()", &npuspeed::reset_peak);
   m.def("memory_tracker_set_cache_limit(int bytes) -> ()", &npuspeed::set_cache_limit);
   m.def("memory_tracker_empty_cache() -> ()", &npuspeed::empty_cache);
+  m.def("memory_tracker_set_limit(int bytes) -> ()", &npuspeed::set_limit);
 }

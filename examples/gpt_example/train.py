@@ -140,6 +140,14 @@ def _max_over_ranks(value: float) -> float:
     return float(t.item())
 
 
+def _per_rank(value: float) -> list[int]:
+    """Every rank's value, in rank order (for comparing each rank with `npuspeed plan`)."""
+    t = torch.zeros(torch.distributed.get_world_size(), dtype=torch.float64)
+    t[torch.distributed.get_rank()] = value
+    torch.distributed.all_reduce(t)
+    return [int(x) for x in t.tolist()]
+
+
 def log_line(it, args, step_ms, lr, loss, grad_norm, peak, tokens_per_s, skipped) -> str:
     now = datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S")
     return (
@@ -236,6 +244,9 @@ def main(args) -> dict:
         # the optimizer step's own peak (largest over iterations and ranks): what masters,
         # gradients, optimizer state and the step's temporaries need at once
         "optimizer_step_peak_bytes": int(_max_over_ranks(step_peak)),
+        # per rank (rank order): the peak, and the forward/backward part of it (without the step)
+        "peak_mem_bytes_per_rank": _per_rank(max(run_peak, acc.max_memory_allocated())),
+        "forward_backward_peak_bytes": int(_max_over_ranks(run_peak)),
         "world_size": torch.distributed.get_world_size(),
         "weight_bytes": int(_max_over_ranks(weight_bytes(model, optimizer))),
         "device": acc.name,

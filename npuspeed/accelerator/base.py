@@ -170,6 +170,10 @@ class Accelerator(ABC):
         """The CPU tensor block cache, for `npuspeed report` (only the CPU backend has one)."""
         return "n/a (the device's own caching allocator)"
 
+    def memory_limit(self) -> str:
+        """A limit on live tensor bytes this process enforces (only the CPU backend has one)."""
+        return "n/a (the device's own memory)"
+
     # -- capabilities -------------------------------------------------------------------------
     def has_fused_attention(self) -> bool:
         return False
@@ -192,4 +196,5 @@ class Accelerator(ABC):
             "mc2": self.has_mc2(),
             "memory_tracking": self.memory_tracking(),
             "host_cache": self.host_cache(),
+            "memory_limit": self.memory_limit(),
         }

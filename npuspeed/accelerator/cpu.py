@@ -18,6 +18,7 @@ from npuspeed.accelerator.device_rng import DeviceRNG
 
 
 CACHE_ENV = "NPUSPEED_CPU_CACHE_MB"
+LIMIT_ENV = "NPUSPEED_CPU_MEMORY_LIMIT_MB"
 
 
 class CpuAccelerator(Accelerator):
@@ -128,6 +129,29 @@ class CpuAccelerator(Accelerator):
             self._host_cache = (f"freed blocks >= 1 MiB kept for reuse, up to {mib} MiB ({CACHE_ENV})" if mib > 0
                                 else f"off ({CACHE_ENV}=0)")
         return self._host_cache
+
+    def configure_memory_limit(self) -> str:
+        """Refuse allocations above `NPUSPEED_CPU_MEMORY_LIMIT_MB` of live tensors (unset or 0:
+        no limit) with torch.OutOfMemoryError, as a device with that much memory would."""
+        raw = os.environ.get(LIMIT_ENV, "0")
+        try:
+            mib = float(raw)
+        except ValueError:
+            raise AcceleratorError(f"{LIMIT_ENV}={raw!r} is not a number of MiB; give e.g. 512, "
+                                   "or 0 for no limit") from None
+        tracker = self._tracker()
+        if mib <= 0:
+            tracker.set_limit(0)
+            self._memory_limit = "none"
+        elif not tracker.set_limit(int(mib * 2**20)):
+            raise AcceleratorError(f"{LIMIT_ENV}={raw}: the tracking allocator cannot enforce a limit "
+                                   f"here ({tracker.describe()}); rebuild npuspeed's op library or unset it")
+        else:
+            self._memory_limit = f"{mib:g} MiB of live tensors ({LIMIT_ENV})"
+        return self._memory_limit
+
+    def memory_limit(self) -> str:
+        return getattr(self, "_memory_limit", "none")
 
     def host_cache(self) -> str:
         return getattr(self, "_host_cache", "off: not configured")

@@ -22,7 +22,8 @@ def enable() -> bool:
 
 def _stats() -> list[int]:
     ops = _ops()
-    return list(ops.memory_tracker_stats()) if ops is not None else [0] * 9
+    stats = list(ops.memory_tracker_stats()) if ops is not None else []
+    return stats + [0] * (10 - len(stats))
 
 
 def enabled() -> bool:
@@ -62,6 +63,21 @@ def reserved() -> int:
 
 def peak_reserved() -> int:
     return _stats()[8]
+
+
+def limit() -> int:
+    """Live bytes an allocation may not exceed (0: none)."""
+    return _stats()[9]
+
+
+def set_limit(nbytes: int) -> bool:
+    """Make allocations that would take live bytes above `nbytes` raise torch.OutOfMemoryError
+    (0: no limit). False when the op library (or this build of it) cannot."""
+    ops = _ops()
+    if ops is None or not hasattr(ops, "memory_tracker_set_limit"):
+        return False
+    ops.memory_tracker_set_limit(int(nbytes))
+    return True
 
 
 def set_cache_limit(nbytes: int) -> None:

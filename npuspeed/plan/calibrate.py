@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import time
 
 import torch
@@ -22,6 +21,7 @@ PROFILE_VERSION = 1
 
 
 def _time(fn, repeats: int = 5, warmup: int = 1) -> float:
+    """The fastest of `repeats` runs: on a shared host the slower ones measure the neighbours."""
     for _ in range(warmup):
         fn()
     times = []
@@ -29,14 +29,14 @@ def _time(fn, repeats: int = 5, warmup: int = 1) -> float:
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return min(times)
 
 
 def _dtype(name: str):
     return torch.float32 if name == "fp32" else torch.bfloat16
 
 
-def gemm_rate(m: int, k: int, n: int, dtype) -> tuple[float, float]:
+def gemm_rate(m: int, k: int, n: int, dtype) -> list:
     x = torch.randn(m, k, dtype=dtype)
     w = torch.randn(n, k, dtype=dtype)
     g = torch.randn(m, n, dtype=dtype)
@@ -48,7 +48,7 @@ def gemm_rate(m: int, k: int, n: int, dtype) -> tuple[float, float]:
 
     t = _time(run)
     flops = 6.0 * m * k * n
-    return flops, flops / t
+    return [m, k, n, flops, flops / t]
 
 
 def _linear_shapes(spec: RunSpec, tps: list[int]) -> set:

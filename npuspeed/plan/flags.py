@@ -111,12 +111,13 @@ def parse(argv: list[str]) -> tuple[RunSpec, argparse.Namespace, list[str]]:
     ffn = ns.ffn_hidden_size or 4 * ns.hidden_size
     if heads < 1 or ns.hidden_size < 1:
         raise PlanInputError(f"--num-attention-heads {heads} and --hidden-size {ns.hidden_size} must be >= 1")
+    problems = []
     if ns.kv_channels is None and ns.hidden_size % heads:
-        raise PlanInputError(f"--hidden-size {ns.hidden_size} is not divisible by --num-attention-heads "
-                             f"{heads}; give --kv-channels or change one of them")
+        problems.append(f"--hidden-size {ns.hidden_size} is not divisible by --num-attention-heads {heads}; "
+                        "give --kv-channels or change one of them")
     model = ModelSpec(
         num_layers=ns.num_layers, hidden=ns.hidden_size, ffn=ffn, heads=heads, query_groups=groups,
-        kv_channels=ns.kv_channels or ns.hidden_size // heads, seq_length=ns.seq_length,
+        kv_channels=ns.kv_channels or max(ns.hidden_size // heads, 1), seq_length=ns.seq_length,
         vocab=_vocab(ns), vocab_divisible_by=ns.make_vocab_size_divisible_by,
         max_position_embeddings=ns.max_position_embeddings or ns.seq_length,
         normalization=ns.normalization, swiglu=ns.swiglu, position_embedding=ns.position_embedding_type,
@@ -129,7 +130,6 @@ def parse(argv: list[str]) -> tuple[RunSpec, argparse.Namespace, list[str]]:
     )
     pp = ns.pipeline_model_parallel_size
     vpp = ns.virtual_pipeline_model_parallel_size
-    problems = []
     if ns.num_layers_per_virtual_pipeline_stage:
         per_stage = ns.num_layers // max(pp, 1)
         vpp = max(per_stage // ns.num_layers_per_virtual_pipeline_stage, 1)

@@ -37,13 +37,40 @@ class Plan:
         return None if cap is None or not self.ok else self.peak <= cap
 
 
+class PlannedDevice:
+    """The device a plan is for when it is not this machine's (`--npuspeed-device npu|cuda`):
+    what features ask of an accelerator when they state their plan effect."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def has_fused_attention(self) -> bool:
+        return True
+
+    def is_bf16_supported(self) -> bool:
+        return True
+
+    def has_mc2(self) -> bool:
+        return self.name == "npu"
+
+
+def _device(argv: list[str]):
+    from npuspeed.accelerator import get_accelerator
+
+    for i, a in enumerate(argv):
+        if a.startswith("--npuspeed-device"):
+            name = a.split("=", 1)[1] if "=" in a else (argv[i + 1] if i + 1 < len(argv) else "auto")
+            if name not in ("auto", get_accelerator().name):
+                return PlannedDevice(name)
+    return get_accelerator()
+
+
 def context_for(argv: list[str]):
     from npuspeed import runtime
-    from npuspeed.accelerator import get_accelerator
     from npuspeed.features import all_features
 
     features = all_features()
-    return runtime.make_context(features, list(argv), get_accelerator()), features
+    return runtime.make_context(features, list(argv), _device(list(argv))), features
 
 
 def _feature_problems(ctx, features) -> list[str]:
@@ -67,6 +94,9 @@ def plan_spec(spec: RunSpec, argv: list[str], profile=None, with_removes: bool =
     if problems:
         return result
     result.effects = effects_mod.collect(spec, ctx, features)
+    result.problems += _not_modeled(spec, result.effects)
+    if result.problems:
+        return result
     result.ranks = memory.predict(spec, result.effects)
     result.comm = comm.volume(spec, result.effects)
     if profile is not None:
@@ -77,6 +107,18 @@ def plan_spec(spec: RunSpec, argv: list[str], profile=None, with_removes: bool =
             other = effects_mod.collect(spec, context_for(without)[0], features)
             result.removes[name] = max(r.peak for r in memory.predict(spec, other)) - result.peak
     return result
+
+
+def _not_modeled(spec: RunSpec, effects) -> list[str]:
+    """What this planner cannot predict yet, said instead of a wrong number."""
+    out = []
+    if spec.model.num_experts:
+        out.append("not modeled: MoE layers (--num-experts); the planner predicts dense models until the MoE "
+                   "feature states its plan effect (npuspeed/features/moe)")
+    if spec.layout.cp > 1 and "context_parallel" not in effects.features:
+        out.append(f"--context-parallel-size {spec.layout.cp} needs a context-parallel attention: Megatron-Core's "
+                   "local DotProductAttention has none (npuspeed's context parallelism feature provides it)")
+    return out
 
 
 def _flags_of(features, name):

@@ -61,7 +61,10 @@ def gemm_seconds(profile: dict, dtype: str, m: int, k: int, n: int) -> float:
     """Forward + backward of [m, k] x [k, n]: 3 products, at the rate measured nearest in size."""
     flops = 6.0 * m * k * n
     table = profile["gemm"].get(dtype) or profile["gemm"]["fp32"]
-    pts = sorted((float(f), float(r)) for f, r in table)
+    for row in table:
+        if tuple(row[:3]) == (m, k, n):
+            return flops / row[4]
+    pts = sorted((float(row[3]), float(row[4])) for row in table)
     lf = math.log(flops)
     if lf <= math.log(pts[0][0]):
         rate = pts[0][1]

@@ -42,6 +42,7 @@ class DeviceFeature(Feature):
         if accelerator.name == "cpu":
             accelerator.enable_memory_tracking()
             accelerator.configure_host_cache()
+            accelerator.configure_memory_limit()
 
     def register_patches(self, registry, ctx) -> None:
         accelerator = ctx.accelerator
@@ -74,7 +75,8 @@ class DeviceFeature(Feature):
         accelerator = ctx.accelerator
         return {
             "cpu": "cpu: torch.cuda shim + targeted Megatron patches, gloo, device RNG, tracking allocator; "
-                   + "block cache: " + accelerator.host_cache(),
+                   + "block cache: " + accelerator.host_cache() + "; memory limit: "
+                   + accelerator.memory_limit(),
             "npu": "npu: torch_npu transfer_to_npu + targeted patches, hccl",
             "cuda": "cuda: native, backend-independent fixes only",
         }[accelerator.name]
