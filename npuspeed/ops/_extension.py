@@ -33,7 +33,7 @@ def cpp_disabled() -> bool:
 
 
 def source_files() -> list[str]:
-    return sorted(glob.glob(str(_CSRC / "cpu" / "*.cpp")))
+    return build_flags.source_files(str(_CSRC))
 
 
 def _prebuilt() -> str | None:
@@ -44,7 +44,7 @@ def _prebuilt() -> str | None:
 def _cache_dir(sources: list[str]) -> Path:
     digest = hashlib.sha256(torch.__version__.encode())
     digest.update(" ".join(build_flags.compile_args()).encode())
-    for src in sources + sorted(glob.glob(str(_CSRC / "cpu" / "*.h"))):
+    for src in sources + build_flags.header_files(str(_CSRC)):
         digest.update(Path(src).read_bytes())
     root = Path(os.environ.get("NPUSPEED_CACHE", Path.home() / ".cache" / "npuspeed"))
     return root / f"build-{digest.hexdigest()[:16]}"

@@ -12,7 +12,8 @@ import contextlib
 import pytest
 import torch
 
-from npuspeed.features.fused_attention.forward import CPU_FLASH
+from npuspeed.features.fused_attention.fallback import SDPA, UNFUSED
+from npuspeed.features.fused_attention.forward import CPU_FLASH, CPU_FLASH_FP32
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
@@ -50,8 +51,10 @@ def run(module, q, k, v, grad, mask):
     return out.detach(), q.grad, k.grad, v.grad
 
 
-def compare(module, inputs, mask, with_features, flags=("--use-flash-attn",), dtype=torch.float32):
-    """Unfused vs fused on the same module; returns the fused call record."""
+def compare(module, inputs, mask, with_features, flags=("--use-flash-attn",), dtype=torch.float32,
+            arbitrary=False):
+    """Unfused vs fused on the same module; returns the fused call record. `arbitrary`: the
+    mask is not per-row key ranges, so the call goes to the measured fallback."""
     from npuspeed.features.fused_attention import STATS
 
     ref = run(module, *inputs, mask)
@@ -60,7 +63,7 @@ def compare(module, inputs, mask, with_features, flags=("--use-flash-attn",), dt
         got = run(module, *inputs, mask)
         assert sum(STATS.calls[k] for k in FUSED_KERNELS) == before + 1, "the fused path did not run"
         record = dict(STATS.last)
-        assert record["kernel"] == expected_kernel(dtype, record["masked"], record["dropout_p"])
+        assert record["kernel"] in expected_kernels(dtype, arbitrary), record
     for name, a, b in zip(("out", "dq", "dk", "dv"), ref, got):
         assert a.shape == b.shape and a.dtype == b.dtype, name
         err = (a.float() - b.float()).abs().max().item()
@@ -69,16 +72,18 @@ def compare(module, inputs, mask, with_features, flags=("--use-flash-attn",), dt
 
 
 DTYPES = [torch.float32, torch.bfloat16]
-FUSED_KERNELS = ("sdpa", CPU_FLASH)
+FUSED_KERNELS = (SDPA, UNFUSED, CPU_FLASH, CPU_FLASH_FP32)
 
 
-def expected_kernel(dtype, masked: bool, dropout_p: float) -> str:
-    """bf16 causal/unmasked calls without dropout run npuspeed's CPU kernel where it can."""
-    from npuspeed.ops.flash_attention import machine_reason
+def expected_kernels(dtype, arbitrary: bool) -> set:
+    """npuspeed's CPU kernel for its dtype where the mask is per-row key ranges, else the
+    measured fallback (SDPA or Megatron's unfused forward)."""
+    from npuspeed.ops.flash_attention import fp32_reason, machine_reason
 
-    if dtype == torch.bfloat16 and not masked and not dropout_p and machine_reason() is None:
-        return CPU_FLASH
-    return "sdpa"
+    reason = machine_reason() if dtype == torch.bfloat16 else fp32_reason()
+    if arbitrary or reason is not None:
+        return {SDPA, UNFUSED}
+    return {CPU_FLASH if dtype == torch.bfloat16 else CPU_FLASH_FP32}
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
@@ -114,7 +119,8 @@ def test_arbitrary_mask_and_no_mask(megatron_mp, with_features):
     s = 21
     gen = torch.Generator().manual_seed(3)
     mask = torch.rand(2, 1, s, s, generator=gen) < 0.3
-    compare(make_attention(mask_type="arbitrary"), make_inputs(s, 2, 4, 4, 16, torch.float32), mask, with_features)
+    compare(make_attention(mask_type="arbitrary"), make_inputs(s, 2, 4, 4, 16, torch.float32), mask, with_features,
+            arbitrary=True)
     record = compare(make_attention(mask_type="no_mask"), make_inputs(s, 2, 4, 4, 16, torch.float32), None,
                      with_features)
     assert record["mask"] == "none" and not record["causal"]
@@ -328,22 +334,42 @@ def test_patch_is_removed_after_the_context(megatron_mp, with_features):
     assert DotProductAttention.forward is original
 
 
-def test_bf16_dropout_and_masks_run_sdpa(megatron_mp, with_features):
-    """npuspeed's CPU kernel takes no dropout and no explicit mask: those bf16 calls run SDPA."""
+def test_dropout_runs_in_the_kernel_and_arbitrary_masks_take_the_measured_fallback(megatron_mp, with_features):
+    """Dropout no longer sends a call away from npuspeed's kernel; a mask that is not per-row
+    key ranges goes to SDPA or Megatron's unfused forward, measured once per shape, with the
+    random states and the memory peak put back after the trial."""
     from npuspeed.features.fused_attention import STATS
 
-    module = make_attention(dtype=torch.bfloat16, dropout=0.2)
-    module.train()
-    q, k, v, _ = make_inputs(24, 1, 4, 4, 16, torch.bfloat16)
-    with with_features(["--use-flash-attn"]):
-        module(q, k, v, None)
-        assert STATS.last["kernel"] == "sdpa" and STATS.last["dropout_p"] == pytest.approx(0.2)
+    acc = megatron_mp.accelerator
+    for dtype in DTYPES:
+        module = make_attention(dtype=dtype, dropout=0.2)
+        module.train()
+        q, k, v, _ = make_inputs(24, 1, 4, 4, 16, dtype)
+        with with_features(["--use-flash-attn"]):
+            module(q, k, v, None)
+            assert STATS.last["kernel"] in expected_kernels(dtype, False) and STATS.last["dropout_p"] == 0.2
     masked = make_attention(dtype=torch.bfloat16, mask_type="arbitrary")
     mask = torch.rand(1, 1, 24, 24, generator=torch.Generator().manual_seed(0)) > 0.7
     mask[..., 0] = False
-    record = compare(masked, make_inputs(24, 1, 4, 4, 16, torch.bfloat16), mask, with_features,
-                     dtype=torch.bfloat16)
-    assert record["kernel"] == "sdpa" and record["masked"]
+    STATS.choices.clear()
+    with acc.device_rng_scope():
+        state = acc.get_rng_state().clone()
+        record = compare(masked, make_inputs(24, 1, 4, 4, 16, torch.bfloat16), mask, with_features,
+                         dtype=torch.bfloat16, arbitrary=True)
+        assert torch.equal(acc.get_rng_state(), state), "the trial consumed random state"
+    assert record["masked"] and "measured once for this shape" in record["why"]
+    (choice,) = STATS.choices.values()
+    assert {"sdpa_ms", "unfused_ms", "sdpa_bytes", "unfused_bytes"} <= set(choice)
+    faster_and_smaller = choice["sdpa_ms"] <= choice["unfused_ms"] and choice["sdpa_bytes"] <= choice["unfused_bytes"]
+    assert record["kernel"] == (SDPA if faster_and_smaller else UNFUSED)
+
+
+@pytest.mark.parametrize("fixed, kernel", [("sdpa", SDPA), ("unfused", UNFUSED)])
+def test_fallback_flag_fixes_the_choice(megatron_mp, with_features, fixed, kernel):
+    mask = torch.rand(2, 1, 21, 21, generator=torch.Generator().manual_seed(3)) < 0.3
+    record = compare(make_attention(mask_type="arbitrary"), make_inputs(21, 2, 4, 4, 16, torch.float32), mask,
+                     with_features, flags=("--use-flash-attn", "--flash-attn-fallback", fixed), arbitrary=True)
+    assert record["kernel"] == kernel and "--flash-attn-fallback" in record["why"]
 
 
 def test_cpu_without_bf16_kernel_runs_sdpa_and_says_so(megatron_mp, with_features, monkeypatch):
@@ -355,7 +381,7 @@ def test_cpu_without_bf16_kernel_runs_sdpa_and_says_so(megatron_mp, with_feature
     monkeypatch.setattr(cpu_flash, "machine_reason", lambda: "this CPU lacks AVX512-BF16")
     record = compare(make_attention(groups=2, dtype=torch.bfloat16), make_inputs(40, 1, 4, 2, 16, torch.bfloat16), None,
                      with_features, dtype=torch.bfloat16)
-    assert record["kernel"] == "sdpa"
+    assert record["kernel"] in (SDPA, UNFUSED) and "lacks AVX512-BF16" in record["why"]
     feature, acc = FusedAttentionFeature(), get_accelerator()
     monkeypatch.setenv("NPUSPEED_ARGS", "--bf16")
     args = arguments.parse_args(["--use-flash-attn"])
