@@ -13,52 +13,97 @@
 // for even t). An element is kept iff its uniform < threshold = round((1 - p) * 2^16), so p is
 // honoured to 2^-16; kept values are scaled by exactly 1 / (1 - p).
 //
-// The lane loops below are plain C++ over kLanes independent counters so that the compiler
-// vectorises them at the library's SIMD level (AVX-512, AVX2, NEON alike).
+// kLanes independent counters run at once in generic vectors, which the compiler maps to the
+// library's SIMD level (AVX-512, AVX2, NEON alike).
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 namespace npuspeed::cpu::philox {
 
 constexpr uint32_t kM0 = 0xD2511F53u, kM1 = 0xCD9E8D57u;
 constexpr uint32_t kW0 = 0x9E3779B9u, kW1 = 0xBB67AE85u;
+// Counters run kLanes at a time: one 512-bit vector with AVX-512, else 256 bits (one AVX2
+// register, two NEON ones).
+#if defined(__AVX512F__)
 constexpr int kLanes = 16;
+#else
+constexpr int kLanes = 8;
+#endif
+
+// kLanes-wide vectors in GCC/Clang's generic vector extension: the compiler lowers them to
+// the target's SIMD (AVX-512, AVX2, NEON, SVE) or to scalar code, so this stays portable.
+typedef uint32_t U32x __attribute__((vector_size(4 * kLanes)));
+typedef uint64_t U64x __attribute__((vector_size(8 * kLanes)));
+typedef uint8_t U8x __attribute__((vector_size(kLanes)));
+
+// hi/lo 32 bits of m * x per lane. On x86 VPMULUDQ on even/odd lanes (the generic form
+// compiles to slow 64-bit multiplies there); elsewhere the widening multiply (NEON UMULL).
+inline void mulhilo(const U32x& x, uint32_t m, U32x& hi, U32x& lo) {
+#if defined(__AVX512F__)
+  const __m512i xv = (__m512i)x, mv = _mm512_set1_epi32(static_cast<int>(m));
+  const __m512i even = _mm512_mul_epu32(xv, mv);
+  const __m512i odd = _mm512_mul_epu32(_mm512_srli_epi64(xv, 32), mv);
+  hi = (U32x)_mm512_mask_blend_epi32(0xAAAA, _mm512_srli_epi64(even, 32), odd);
+  lo = (U32x)_mm512_mask_blend_epi32(0xAAAA, even, _mm512_slli_epi64(odd, 32));
+#elif defined(__AVX2__)
+  const __m256i xv = (__m256i)x, mv = _mm256_set1_epi32(static_cast<int>(m));
+  const __m256i even = _mm256_mul_epu32(xv, mv);
+  const __m256i odd = _mm256_mul_epu32(_mm256_srli_epi64(xv, 32), mv);
+  hi = (U32x)_mm256_blend_epi32(_mm256_srli_epi64(even, 32), odd, 0xAA);
+  lo = (U32x)_mm256_blend_epi32(even, _mm256_slli_epi64(odd, 32), 0xAA);
+#else
+  const U64x p = (U64x{} + m) * __builtin_convertvector(x, U64x);
+  hi = __builtin_convertvector(p >> 32, U32x);
+  lo = __builtin_convertvector(p, U32x);
+#endif
+}
 
 // Philox4x32-10 on kLanes counters whose first two words vary and last two are shared.
-inline void philox_lanes(const uint32_t* c0, const uint32_t* c1, uint32_t c2, uint32_t c3, uint32_t k0,
-                         uint32_t k1, uint32_t (*out)[kLanes]) {
-  uint32_t x0[kLanes], x1[kLanes], x2[kLanes], x3[kLanes];
-  for (int l = 0; l < kLanes; ++l) {
-    x0[l] = c0[l];
-    x1[l] = c1[l];
-    x2[l] = c2;
-    x3[l] = c3;
-  }
+inline void philox_lanes(U32x& x0, U32x& x1, U32x& x2, U32x& x3, uint32_t k0, uint32_t k1) {
   for (int round = 0; round < 10; ++round) {
     if (round) {
       k0 += kW0;
       k1 += kW1;
     }
-    for (int l = 0; l < kLanes; ++l) {
-      const uint64_t p0 = static_cast<uint64_t>(kM0) * x0[l];
-      const uint64_t p1 = static_cast<uint64_t>(kM1) * x2[l];
-      const uint32_t y0 = static_cast<uint32_t>(p1 >> 32) ^ x1[l] ^ k0;
-      const uint32_t y2 = static_cast<uint32_t>(p0 >> 32) ^ x3[l] ^ k1;
-      x0[l] = y0;
-      x1[l] = static_cast<uint32_t>(p1);
-      x2[l] = y2;
-      x3[l] = static_cast<uint32_t>(p0);
-    }
+    U32x hi0, lo0, hi1, lo1;
+    mulhilo(x0, kM0, hi0, lo0);
+    mulhilo(x2, kM1, hi1, lo1);
+    x0 = hi1 ^ x1 ^ k0;
+    x2 = hi0 ^ x3 ^ k1;
+    x1 = lo1;
+    x3 = lo0;
   }
-  for (int l = 0; l < kLanes; ++l) {
-    out[0][l] = x0[l];
-    out[1][l] = x1[l];
-    out[2][l] = x2[l];
-    out[3][l] = x3[l];
+}
+
+inline void philox_lanes(const uint32_t* c0, const uint32_t* c1, uint32_t c2, uint32_t c3, uint32_t k0,
+                         uint32_t k1, uint32_t (*out)[kLanes]) {
+  U32x x0, x1, x2 = U32x{} + c2, x3 = U32x{} + c3;
+  std::memcpy(&x0, c0, sizeof(x0));
+  std::memcpy(&x1, c1, sizeof(x1));
+  philox_lanes(x0, x1, x2, x3, k0, k1);
+  std::memcpy(out[0], &x0, sizeof(x0));
+  std::memcpy(out[1], &x1, sizeof(x1));
+  std::memcpy(out[2], &x2, sizeof(x2));
+  std::memcpy(out[3], &x3, sizeof(x3));
+}
+
+// Keep bits of kLanes counters: bit t of byte l = (uniform t of lane l) < threshold.
+inline U8x keep_bytes(const U32x& c0, const U32x& c1, uint32_t c2, uint32_t c3, uint32_t k0, uint32_t k1, uint32_t thr) {
+  U32x x[4] = {c0, c1, U32x{} + c2, U32x{} + c3};
+  philox_lanes(x[0], x[1], x[2], x[3], k0, k1);
+  U32x byte = {};
+  for (int w = 0; w < 4; ++w) {
+    byte |= (U32x)((x[w] & 0xFFFFu) < thr) & (1u << (2 * w));
+    byte |= (U32x)((x[w] >> 16) < thr) & (1u << (2 * w + 1));
   }
+  return __builtin_convertvector(byte, U8x);
 }
 
 // Dropout of one attention call: what the kernels need to draw any element's decision.
@@ -96,22 +141,32 @@ inline void keep_bits(const Dropout& dp, int64_t b, int64_t h, int64_t i0, int64
   const uint32_t group0 = static_cast<uint32_t>(static_cast<uint64_t>(jg) >> 3);
   const int64_t lanes = rows * groups;
   uint8_t bytes[64 * 9 + kLanes];
-  uint32_t c0[kLanes], c1[kLanes], out[4][kLanes];
   const uint32_t thr = dp.threshold;
-  for (int64_t base = 0; base < lanes; base += kLanes) {
-    for (int l = 0; l < kLanes; ++l) {
-      const int64_t lane = base + l < lanes ? base + l : lanes - 1;
-      c0[l] = group0 + static_cast<uint32_t>(lane % groups);
-      c1[l] = static_cast<uint32_t>(ig + lane / groups);
+  U32x iota;
+  for (int l = 0; l < kLanes; ++l) iota[l] = static_cast<uint32_t>(l);
+  static_assert(kLanes % 8 == 0, "a batch of lanes holds whole rows of 8 groups");
+  if (groups == 8) {  // aligned: a batch of kLanes lanes is kLanes / 8 whole rows
+    for (int64_t base = 0; base < lanes; base += kLanes) {
+      const U32x c0 = (iota & 7u) + group0;
+      const U32x c1 = (iota >> 3) + static_cast<uint32_t>(ig + base / 8);
+      const U8x byte = keep_bytes(c0, c1, c2, c3, dp.k0, dp.k1, thr);
+      std::memcpy(bytes + base, &byte, kLanes);
     }
-    philox_lanes(c0, c1, c2, c3, dp.k0, dp.k1, out);
-    for (int l = 0; l < kLanes; ++l) {
-      uint32_t byte = 0;
-      for (int w = 0; w < 4; ++w) {
-        byte |= static_cast<uint32_t>((out[w][l] & 0xFFFFu) < thr) << (2 * w);
-        byte |= static_cast<uint32_t>((out[w][l] >> 16) < thr) << (2 * w + 1);
+  } else {  // 9 groups a row: lane = row * 9 + g, counted up without division
+    int64_t lane_row = 0;
+    int g = 0;
+    for (int64_t base = 0; base < lanes; base += kLanes) {
+      U32x c0, c1;
+      for (int l = 0; l < kLanes; ++l) {
+        c0[l] = group0 + static_cast<uint32_t>(g);
+        c1[l] = static_cast<uint32_t>(ig + lane_row);
+        if (++g == groups) {
+          g = 0;
+          ++lane_row;
+        }
       }
-      bytes[base + l] = static_cast<uint8_t>(byte);
+      const U8x byte = keep_bytes(c0, c1, c2, c3, dp.k0, dp.k1, thr);
+      std::memcpy(bytes + base, &byte, kLanes);
     }
   }
   for (int64_t r = 0; r < rows; ++r) {

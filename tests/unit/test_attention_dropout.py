@@ -178,3 +178,26 @@ def test_dropout_is_the_same_at_any_thread_count(dtype):
         torch.set_num_threads(before)
     for a, b in zip(*results):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_packed_documents_equal_each_document_alone(dtype):
+    """Documents packed in one row (cu_seqlens) == each document run alone at its global
+    position (q_pos0 = k_pos0 = its start), dropout included: outputs and gradients."""
+    if (fa.fp32_reason() if dtype == torch.float32 else fa.machine_reason()):
+        pytest.skip("kernel unavailable here")
+    s, cu = 200, [0, 37, 130, 131, 200]
+    q, k, v, g = _inputs(s, s, 1, 4, 2, 32, dtype, seed=8)
+    lo, hi = attention_bounds.from_cu_seqlens(torch.tensor(cu), s)
+    params = fa.FlashParams(scale=0.2, causal=True, dropout_p=0.15, seed=5, offset=77)
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    packed, _ = fa.flash_attention_with_lse(*leaves, params, lo, hi)
+    packed.backward(g)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for a, z in zip(cu[:-1], cu[1:]):
+        part = [t[a:z].clone().requires_grad_(True) for t in (q, k, v)]
+        alone, _ = fa.flash_attention_with_lse(*part, fa.FlashParams(
+            scale=0.2, causal=True, dropout_p=0.15, seed=5, offset=77, q_pos0=a, k_pos0=a))
+        alone.backward(g[a:z])
+        for x, y in [(packed[a:z], alone)] + [(full.grad[a:z], p.grad) for full, p in zip(leaves, part)]:
+            assert (x.float() - y.float()).abs().max().item() <= tol * max(1.0, y.float().abs().max().item())

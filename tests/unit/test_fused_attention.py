@@ -388,3 +388,21 @@ def test_cpu_without_bf16_kernel_runs_sdpa_and_says_so(megatron_mp, with_feature
     feature.prepare(args, acc)
     assert any("lacks AVX512-BF16" in n and "--use-flash-attn" in n for n in runtime.state().notes)
     assert "kernel unavailable: this CPU lacks AVX512-BF16" in feature.path(args, acc)
+
+
+def test_report_lists_the_attention_calls_and_why(megatron_mp, with_features):
+    from npuspeed.features.fused_attention import STATS
+    from npuspeed.report import collect, render
+
+    STATS.reset()
+    module = make_attention(dropout=0.1)
+    module.train()
+    with with_features(["--use-flash-attn"]):
+        module(*make_inputs(20, 1, 4, 4, 16, torch.float32)[:3], None)
+        data = collect()
+    calls = data["attention_calls"]
+    (kernel,) = calls["calls"]
+    assert kernel in expected_kernels(torch.float32, False)
+    if kernel == CPU_FLASH_FP32:
+        assert calls["reasons"][kernel] == "causal, float32, dropout 0.1 in the kernel"
+    assert f"{kernel}: 1 (" in render(data)
