@@ -12,6 +12,10 @@ from abc import ABC, abstractmethod
 import torch
 
 
+class AcceleratorError(RuntimeError):
+    """A device that was asked for cannot be had."""
+
+
 class NullStream:
     """A stream of the same shape as `torch.cuda.Stream` for backends that run in order."""
 

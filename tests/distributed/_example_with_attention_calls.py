@@ -7,9 +7,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _collect() -> dict:
-    from npuspeed.features.fused_attention import STATS
+    from npuspeed.features.fused_attention.forward import attention_calls
 
-    return STATS.as_dict()
+    return attention_calls()
 
 
 if __name__ == "__main__":

@@ -55,14 +55,15 @@ def compare(module, inputs, mask, with_features, flags=("--use-flash-attn",), dt
             arbitrary=False):
     """Unfused vs fused on the same module; returns the fused call record. `arbitrary`: the
     mask is not per-row key ranges, so the call goes to the measured fallback."""
-    from npuspeed.features.fused_attention import STATS
+    from npuspeed import telemetry
+    from npuspeed.features.fused_attention import kernel_calls
 
     ref = run(module, *inputs, mask)
     with with_features(list(flags)):
-        before = sum(STATS.calls[k] for k in FUSED_KERNELS)
+        before = sum(kernel_calls().get(k, 0) for k in FUSED_KERNELS)
         got = run(module, *inputs, mask)
-        assert sum(STATS.calls[k] for k in FUSED_KERNELS) == before + 1, "the fused path did not run"
-        record = dict(STATS.last)
+        assert sum(kernel_calls().get(k, 0) for k in FUSED_KERNELS) == before + 1, "the fused path did not run"
+        record = telemetry.last("attention")
         assert record["kernel"] in expected_kernels(dtype, arbitrary), record
     for name, a, b in zip(("out", "dq", "dk", "dv"), ref, got):
         assert a.shape == b.shape and a.dtype == b.dtype, name
@@ -172,7 +173,7 @@ def test_window_size_parity(megatron_mp, with_features):
 def test_pre_next_tockens_band(megatron_mp, with_features, mask_type, pre, nxt):
     """--pre-tockens/--next-tockens == Megatron given the same band as an explicit mask
     (a causal layer keeps next = 0 whatever --next-tockens says, as on NPU)."""
-    from npuspeed.features.fused_attention import STATS
+    from npuspeed import telemetry
 
     s = 23
     module = make_attention(mask_type=mask_type)
@@ -180,7 +181,7 @@ def test_pre_next_tockens_band(megatron_mp, with_features, mask_type, pre, nxt):
     ref = run(module, *inputs, band_mask(s, pre, 0 if mask_type == "causal" else nxt))
     with with_features(["--use-flash-attn", "--pre-tockens", str(pre), "--next-tockens", str(nxt)]):
         got = run(module, *inputs, None)
-        assert STATS.last["band"] == (pre, 0 if mask_type == "causal" else nxt)
+        assert telemetry.last("attention")["band"] == (pre, 0 if mask_type == "causal" else nxt)
     for a, b in zip(ref, got):
         assert (a - b).abs().max().item() <= 1e-5
 
@@ -216,10 +217,10 @@ def test_dropout_is_drawn_inside_the_model_parallel_tracker(megatron_mp, with_fe
     assert torch.equal(first, again), "not reproducible under the same seed"
     module.eval()
     with with_features(["--use-flash-attn"]):
-        from npuspeed.features.fused_attention import STATS
+        from npuspeed import telemetry
 
         module(q, k, v, None)
-        assert STATS.last["dropout_p"] == 0.0  # eval mode: no dropout, as nn.Dropout
+        assert telemetry.last("attention")["dropout_p"] == 0.0  # eval mode: no dropout, as nn.Dropout
 
 
 def test_memory_at_4096_is_at_most_an_eighth(megatron_mp, with_features):
@@ -252,15 +253,14 @@ def test_memory_at_4096_is_at_most_an_eighth(megatron_mp, with_features):
 
 
 def test_report_says_which_path_and_why(npuspeed_runtime):
-    from npuspeed import arguments
+    from feature_ctx import ctx_for
+
     from npuspeed.features.fused_attention import FusedAttentionFeature
 
     feature = FusedAttentionFeature()
-    args = arguments.parse_args(["--use-flash-attn"])
-    text = feature.path(args, npuspeed_runtime.accelerator)
+    text = feature.path(ctx_for(["--use-flash-attn"]))
     assert "scaled_dot_product_attention" in text and "--use-flash-attn" in text
-    assert feature.path(arguments.parse_args(["--use-flash-attn", "--pre-tockens", "8"]),
-                        npuspeed_runtime.accelerator).count("pre_tockens=8") == 1
+    assert feature.path(ctx_for(["--use-flash-attn", "--pre-tockens", "8"])).count("pre_tockens=8") == 1
 
 
 class _NoKernel:
@@ -271,14 +271,15 @@ class _NoKernel:
 
 
 def test_backend_without_fused_kernel_says_which_path(npuspeed_runtime):
-    from npuspeed import arguments, runtime
+    from feature_ctx import ctx_for
+
     from npuspeed.features.fused_attention import FusedAttentionFeature
 
     feature = FusedAttentionFeature()
-    args = arguments.parse_args(["--use-flash-attn"])
-    feature.prepare(args, _NoKernel())
-    assert any("math backend" in n and "--use-flash-attn" in n for n in runtime.state().notes)
-    assert "no fused kernel" in feature.path(args, _NoKernel())
+    ctx = ctx_for(["--use-flash-attn"], _NoKernel())
+    feature.prepare(ctx)
+    assert any("math backend" in n and "--use-flash-attn" in n for n in ctx.notes)
+    assert "no fused kernel" in feature.path(ctx)
 
 
 @pytest.mark.parametrize("argv, needle", [
@@ -287,15 +288,16 @@ def test_backend_without_fused_kernel_says_which_path(npuspeed_runtime):
     (["--use-flash-attn", "--pre-tockens", "-5", "--next-tockens", "2"], "sum must be >= 0"),
 ])
 def test_bad_flags_are_clear_errors(npuspeed_runtime, argv, needle):
-    from npuspeed import arguments
+    from feature_ctx import ctx_for
+
     from npuspeed.features import FeatureError
     from npuspeed.features.fused_attention import FusedAttentionFeature
 
     feature = FusedAttentionFeature()
-    args = arguments.parse_args(argv)
-    assert feature.enabled(args)
+    ctx = ctx_for(argv)
+    assert feature.enabled(ctx.args)
     with pytest.raises(FeatureError, match=needle.replace("-", r"\-")):
-        feature.validate(args, npuspeed_runtime.accelerator)
+        feature.validate(ctx)
 
 
 def test_unsupported_mask_type_is_a_clear_error(megatron_mp, with_features):
@@ -338,7 +340,7 @@ def test_dropout_runs_in_the_kernel_and_arbitrary_masks_take_the_measured_fallba
     """Dropout no longer sends a call away from npuspeed's kernel; a mask that is not per-row
     key ranges goes to SDPA or Megatron's unfused forward, measured once per shape, with the
     random states and the memory peak put back after the trial."""
-    from npuspeed.features.fused_attention import STATS
+    from npuspeed import telemetry
 
     acc = megatron_mp.accelerator
     for dtype in DTYPES:
@@ -347,18 +349,19 @@ def test_dropout_runs_in_the_kernel_and_arbitrary_masks_take_the_measured_fallba
         q, k, v, _ = make_inputs(24, 1, 4, 4, 16, dtype)
         with with_features(["--use-flash-attn"]):
             module(q, k, v, None)
-            assert STATS.last["kernel"] in expected_kernels(dtype, False) and STATS.last["dropout_p"] == 0.2
+            last = telemetry.last("attention")
+            assert last["kernel"] in expected_kernels(dtype, False) and last["dropout_p"] == 0.2
     masked = make_attention(dtype=torch.bfloat16, mask_type="arbitrary")
     mask = torch.rand(1, 1, 24, 24, generator=torch.Generator().manual_seed(0)) > 0.7
     mask[..., 0] = False
-    STATS.choices.clear()
+    telemetry.reset("attention.fallback")
     with acc.device_rng_scope():
         state = acc.get_rng_state().clone()
         record = compare(masked, make_inputs(24, 1, 4, 4, 16, torch.bfloat16), mask, with_features,
                          dtype=torch.bfloat16, arbitrary=True)
         assert torch.equal(acc.get_rng_state(), state), "the trial consumed random state"
     assert record["masked"] and "measured once for this shape" in record["why"]
-    (choice,) = STATS.choices.values()
+    choice = telemetry.last("attention.fallback")
     assert {"sdpa_ms", "unfused_ms", "sdpa_bytes", "unfused_bytes"} <= set(choice)
     faster_and_smaller = choice["sdpa_ms"] <= choice["unfused_ms"] and choice["sdpa_bytes"] <= choice["unfused_bytes"]
     assert record["kernel"] == (SDPA if faster_and_smaller else UNFUSED)
@@ -373,7 +376,8 @@ def test_fallback_flag_fixes_the_choice(megatron_mp, with_features, fixed, kerne
 
 
 def test_cpu_without_bf16_kernel_runs_sdpa_and_says_so(megatron_mp, with_features, monkeypatch):
-    from npuspeed import arguments, runtime
+    from feature_ctx import ctx_for
+
     from npuspeed.accelerator import get_accelerator
     from npuspeed.features.fused_attention import FusedAttentionFeature
     from npuspeed.ops import flash_attention as cpu_flash
@@ -384,17 +388,21 @@ def test_cpu_without_bf16_kernel_runs_sdpa_and_says_so(megatron_mp, with_feature
     assert record["kernel"] in (SDPA, UNFUSED) and "lacks AVX512-BF16" in record["why"]
     feature, acc = FusedAttentionFeature(), get_accelerator()
     monkeypatch.setenv("NPUSPEED_ARGS", "--bf16")
-    args = arguments.parse_args(["--use-flash-attn"])
-    feature.prepare(args, acc)
-    assert any("lacks AVX512-BF16" in n and "--use-flash-attn" in n for n in runtime.state().notes)
-    assert "kernel unavailable: this CPU lacks AVX512-BF16" in feature.path(args, acc)
+    ctx = ctx_for(["--use-flash-attn"], acc)
+    feature.prepare(ctx)
+    assert any("lacks AVX512-BF16" in n and "--use-flash-attn" in n for n in ctx.notes)
+    assert "kernel unavailable: this CPU lacks AVX512-BF16" in feature.path(ctx)
 
 
-def test_report_lists_the_attention_calls_and_why(megatron_mp, with_features):
-    from npuspeed.features.fused_attention import STATS
+def test_report_lists_the_attention_calls_and_why(megatron_mp, with_features, monkeypatch):
+    import npuspeed
+    from npuspeed import telemetry
+
+    # importing the submodule npuspeed.report rebinds the name npuspeed.report (the function)
+    monkeypatch.setattr(npuspeed, "report", npuspeed.report)
     from npuspeed.report import collect, render
 
-    STATS.reset()
+    telemetry.reset("attention")
     module = make_attention(dropout=0.1)
     module.train()
     with with_features(["--use-flash-attn"]):

@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import argparse
 
-from npuspeed.arguments import argv_with_env
 from npuspeed.features.base import Feature, FeatureError
 from npuspeed.features.fused_attention.fallback import FallbackChooser
-from npuspeed.features.fused_attention.forward import STATS, KernelChoice, init_wrapper, make_forward
+from npuspeed.features.fused_attention.forward import KernelChoice, init_wrapper, kernel_calls, make_forward
 from npuspeed.features.fused_attention.plan import BandOptions
 from npuspeed.ops import flash_attention as cpu_flash
 
@@ -54,7 +53,8 @@ class FusedAttentionFeature(Feature):
             for a in ("pre_tockens", "next_tockens", "sparse_mode", "flash_attn_fallback")
         )
 
-    def validate(self, args: argparse.Namespace, accelerator) -> None:
+    def validate(self, ctx) -> None:
+        args, accelerator = ctx.args, ctx.accelerator
         given = [f for f, a in (("--pre-tockens", "pre_tockens"), ("--next-tockens", "next_tockens"),
                                 ("--sparse-mode", "sparse_mode"), ("--flash-attn-fallback", "flash_attn_fallback"))
                  if getattr(args, a, None) is not None]
@@ -73,23 +73,22 @@ class FusedAttentionFeature(Feature):
                                f"{accelerator.name} there is none. Drop --sparse-mode (the band flags "
                                "--pre-tockens/--next-tockens work on every backend).")
 
-    def prepare(self, args, accelerator) -> None:
-        from npuspeed import runtime
-
+    def prepare(self, ctx) -> None:
+        accelerator = ctx.accelerator
         if accelerator.name == "npu" and not accelerator.has_fused_attention():
-            runtime.note("--use-flash-attn: this torch_npu has no npu_fusion_attention; attention runs "
+            ctx.note("--use-flash-attn: this torch_npu has no npu_fusion_attention; attention runs "
                          "torch's scaled_dot_product_attention on the NPU instead.")
         elif not accelerator.has_fused_attention():
-            runtime.note(f"--use-flash-attn: {accelerator.name} has no fused attention kernel; "
+            ctx.note(f"--use-flash-attn: {accelerator.name} has no fused attention kernel; "
                          "scaled_dot_product_attention runs its math backend (S x S scores).")
-        reason = cpu_flash.machine_reason() if accelerator.name == "cpu" and "--bf16" in argv_with_env() else None
+        reason = cpu_flash.machine_reason() if accelerator.name == "cpu" and ctx.megatron.bf16 else None
         if reason:
-            runtime.note("--use-flash-attn: bf16 attention runs PyTorch's scaled_dot_product_attention or "
-                         f"Megatron's unfused path (measured), not npuspeed's bf16 CPU kernel: {reason}.")
+            ctx.note("--use-flash-attn: bf16 attention runs PyTorch's scaled_dot_product_attention or "
+                     f"Megatron's unfused path (measured), not npuspeed's bf16 CPU kernel: {reason}.")
         fp32 = cpu_flash.fp32_reason() if accelerator.name == "cpu" else None
         if fp32:
-            runtime.note("--use-flash-attn: fp32 attention runs scaled_dot_product_attention or Megatron's "
-                         f"unfused path (measured), not npuspeed's fp32 CPU kernel: {fp32}.")
+            ctx.note("--use-flash-attn: fp32 attention runs scaled_dot_product_attention or Megatron's "
+                     f"unfused path (measured), not npuspeed's fp32 CPU kernel: {fp32}.")
 
     @staticmethod
     def _kernel(accelerator) -> str:
@@ -97,7 +96,8 @@ class FusedAttentionFeature(Feature):
             return "npu_fusion_attention"
         return "sdpa"
 
-    def register_patches(self, registry, args, accelerator) -> None:
+    def register_patches(self, registry, ctx) -> None:
+        args, accelerator = ctx.args, ctx.accelerator
         fixed = getattr(args, "flash_attn_fallback", None)
         choice = KernelChoice(
             kernel=self._kernel(accelerator),
@@ -109,7 +109,19 @@ class FusedAttentionFeature(Feature):
         registry.register(f"{TARGET}.forward", make_forward(choice), feature=self.name, megatron=MEGATRON_RANGE)
         registry.register(f"{TARGET}.__init__", wrapper=init_wrapper, feature=self.name, megatron=MEGATRON_RANGE)
 
-    def path(self, args, accelerator) -> str:
+    def check_built(self, block, ctx) -> str | None:
+        from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+        if any(isinstance(m, DotProductAttention) for m in block.modules()):
+            return None
+        kinds = sorted({type(m).__name__ for m in block.modules() if "Attention" in type(m).__name__})
+        return ("--use-flash-attn replaces Megatron-Core's local DotProductAttention, and this block has "
+                f"none (attention modules: {', '.join(kinds) or 'none'}; a Transformer Engine spec keeps "
+                "TE's own kernel): build the model with the local spec (--transformer-impl local) or "
+                "drop --use-flash-attn")
+
+    def path(self, ctx) -> str:
+        args, accelerator = ctx.args, ctx.accelerator
         band = ""
         if args.pre_tockens is not None or args.next_tockens is not None:
             band = f"; band pre_tockens={args.pre_tockens} next_tockens={args.next_tockens}"
@@ -134,4 +146,4 @@ class FusedAttentionFeature(Feature):
         return text
 
 
-__all__ = ["FusedAttentionFeature", "STATS"]
+__all__ = ["FusedAttentionFeature", "kernel_calls"]

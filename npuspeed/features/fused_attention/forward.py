@@ -9,17 +9,19 @@ CPU kernels take a (seed, offset) drawn there (dropout.py) and regenerate the ma
 
 Per call on CPU: npuspeed's kernel (bf16 or fp32) when the mask is per-row key ranges
 (causal, padding, bands, packed documents: kernel_rows.py), else the measured choice between
-SDPA and Megatron's own unfused forward (fallback.py). Every call is counted in `STATS` with
-the reason for its kernel, so a test can prove which path ran and the report can say why.
+SDPA and Megatron's own unfused forward (fallback.py). Every call is counted by kernel
+(telemetry `attention.kernel.<kernel>`), with why it ran that kernel
+(`telemetry.last("attention.why.<kernel>")`) and the latest call's details
+(`telemetry.last("attention")`), so a test can prove which path ran and the report can say why.
 """
 from __future__ import annotations
 
-import collections
 import functools
 from dataclasses import dataclass, field
 
 import torch
 
+from npuspeed import telemetry
 from npuspeed.features.base import FeatureError
 from npuspeed.features.fused_attention.fallback import UNFUSED, FallbackChooser
 from npuspeed.features.fused_attention.kernel_rows import cpu_flash_run, kernel_rows
@@ -34,26 +36,21 @@ CPU_FLASH_FP32 = "npuspeed_flash_fp32"  # csrc/cpu/flash_attention_fp32.cpp
 TARGET = "megatron.core.transformer.dot_product_attention.DotProductAttention.forward"
 
 
-@dataclass
-class AttentionStats:
-    """How often each implementation ran, why, and what the last call looked like."""
+KERNEL = "attention.kernel."  # counter prefix, one counter per kernel
+WHY = "attention.why."  # telemetry.last(WHY + kernel)["why"]: why the latest call ran it
+FALLBACK = "attention.fallback"  # telemetry.last(FALLBACK): the latest measured fallback choice
+LAST = "attention"  # telemetry.last(LAST): the latest call's kernel, mask, shapes
 
-    calls: collections.Counter = field(default_factory=collections.Counter)
-    reasons: dict = field(default_factory=dict)  # kernel -> why the last call that ran it did
-    choices: dict = field(default_factory=dict)  # fallback shape -> what was measured and chosen
-    last: dict = field(default_factory=dict)
-
-    def reset(self) -> None:
-        self.calls.clear()
-        self.reasons.clear()
-        self.choices.clear()
-        self.last = {}
-
-    def as_dict(self) -> dict:
-        return {"calls": dict(self.calls), "reasons": dict(self.reasons), "fallback_choices": dict(self.choices)}
+def kernel_calls() -> dict[str, int]:
+    """Calls so far by kernel name ("sdpa", CPU_FLASH, CPU_FLASH_FP32, "megatron_unfused", ...)."""
+    return {name[len(KERNEL):]: n for name, n in telemetry.snapshot(KERNEL).items()}
 
 
-STATS = AttentionStats()
+def attention_calls() -> dict:
+    """For the report: calls by kernel, why each kernel ran, the latest measured fallback."""
+    calls = kernel_calls()
+    return {"calls": calls, "reasons": {k: telemetry.last(WHY + k).get("why", "") for k in calls},
+            "fallback": telemetry.last(FALLBACK)}
 
 
 @dataclass(frozen=True)
@@ -152,7 +149,7 @@ def make_forward(choice: KernelChoice):
                              dropout_p > 0.0)
                 picked = choice.fallback.choose(shape_key, sdpa, unfused, (query, key, value), choice.accelerator)
                 kernel, why = picked["kernel"], f"{reason}; {picked['why']}"
-                STATS.choices[str(shape_key)] = picked
+                telemetry.record(FALLBACK, shape=str(shape_key), **picked)
                 if kernel == UNFUSED:  # Megatron's forward forks the tracker itself
                     run, fork = functools.partial(unfused, query, key, value), False
                 else:
@@ -164,13 +161,13 @@ def make_forward(choice: KernelChoice):
                 context = run()
         else:
             context = run()
-        STATS.calls[kernel] += 1
-        STATS.reasons[kernel] = why
-        STATS.last = {
-            "kernel": kernel, "why": why, "mask": plan.source, "causal": plan.causal,
-            "band": plan.band, "masked": masked, "gqa": query.shape[2] != key.shape[2], "dropout_p": dropout_p,
-            "scale": scale, "dtype": str(query.dtype), "shape": tuple(query.shape),
-        }
+        telemetry.count(KERNEL + kernel)
+        telemetry.record(WHY + kernel, why=why)
+        telemetry.record(
+            LAST, kernel=kernel, why=why, mask=plan.source, causal=plan.causal,
+            band=plan.band, masked=masked, gqa=query.shape[2] != key.shape[2], dropout_p=dropout_p,
+            scale=scale, dtype=str(query.dtype), shape=tuple(query.shape),
+        )
         return context
 
     return forward
