@@ -7,7 +7,7 @@ on a 1-rank gloo group, in training mode, without dropout and with Megatron's de
 attention dropout 0.1 (drawn inside the model-parallel RNG tracker on both sides). Baseline is Megatron's own forward (the registry's original), the
 feature is the patched one; both run on the same module and inputs in one process, through
 the shared harness (interleaved timing, peak memory, CSV + PNG under benchmarks/results/).
-Where bf16 runs npuspeed's CPU kernel, one more row measures it against PyTorch's
+Where npuspeed's CPU kernel runs, one more row (no dropout) measures it against PyTorch's
 scaled_dot_product_attention on the same layer.
 """
 from __future__ import annotations
@@ -54,7 +54,7 @@ def main() -> None:
     bench = Bench("attention", warmup=args.warmup, repeat=args.repeat)
     _init_megatron()
     from npuspeed.features.fused_attention import kernel_calls
-    from npuspeed.features.fused_attention.forward import CPU_FLASH
+    from npuspeed.features.fused_attention.forward import CPU_FLASH, CPU_FLASH_FP32
     from npuspeed.patching import registry
 
     unfused_forward = registry.original(TARGET)
@@ -85,9 +85,10 @@ def main() -> None:
             ran = {k_: n - calls.get(k_, 0) for k_, n in kernel_calls().items() if n != calls.get(k_, 0)}
             assert ran, "the fused path never ran"
             row.extra["kernel"] = ",".join(sorted(ran))
-            if CPU_FLASH in ran and not p:  # npuspeed's own bf16 kernel: also against PyTorch's SDPA
+            ours = {CPU_FLASH, CPU_FLASH_FP32} & set(ran)
+            if ours and not p:  # npuspeed's own kernel: also against PyTorch's SDPA (its flash kernel)
                 bench.compare(f"causal S={s} vs SDPA", dtype_name, baseline=step(sdpa_only(layer)),
-                              feature=step(layer), extra={"S": s, "kernel": CPU_FLASH, "baseline": "sdpa"})
+                              feature=step(layer), extra={"S": s, "kernel": ours.pop(), "baseline": "sdpa"})
     bench.finish()
 
 
