@@ -23,7 +23,8 @@ from gpt_example import checkpoint, data
 from gpt_example.model import (
     _supported, build_model, initialize_by_global_name, padded_vocab_size, transformer_config,
 )
-from npuspeed import get_accelerator
+from npuspeed import get_accelerator, telemetry
+from npuspeed.features.fused_attention.forward import attention_calls
 from npuspeed.memory import weight_bytes
 
 
@@ -244,6 +245,10 @@ def main(args) -> dict:
         # mean on a shared machine, where a burst of other work lands on a few steps
         "step_ms": step_times,
         "median_step_ms": statistics.median(measured) if measured else 0.0,
+        # rank 0's npuspeed counters (which kernels ran), and its attention calls with the reason
+        # for each kernel (--use-flash-attn)
+        "npuspeed_counters": telemetry.snapshot(),
+        "attention_calls": attention_calls(),
     }
     if rank0 and args.summary_json:
         with open(args.summary_json, "w") as f:
