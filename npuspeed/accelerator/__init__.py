@@ -12,6 +12,7 @@ import os
 import torch
 
 from npuspeed.accelerator.base import Accelerator, NullEvent, NullStream
+from npuspeed.errors import UserError
 
 log = logging.getLogger("npuspeed")
 
@@ -26,7 +27,7 @@ def _cuda_present() -> bool:
     return bool(_torch_cuda_is_available())
 
 
-class AcceleratorError(RuntimeError):
+class AcceleratorError(UserError, RuntimeError):
     """A device that was asked for cannot be had."""
 
 
