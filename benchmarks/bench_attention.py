@@ -50,7 +50,7 @@ def main() -> None:
 
     bench = Bench("attention", warmup=args.warmup, repeat=args.repeat)
     _init_megatron()
-    from npuspeed.features.fused_attention import STATS
+    from npuspeed.features.fused_attention import kernel_calls
     from npuspeed.features.fused_attention.forward import CPU_FLASH
     from npuspeed.patching import registry
 
@@ -71,13 +71,13 @@ def main() -> None:
                     forward(q, k, v, None).backward(grad)
                 return run
 
-            calls = STATS.calls.copy()
+            calls = kernel_calls()
             row = bench.compare(
                 f"causal S={s}", dtype_name,
                 baseline=step(lambda *a: unfused_forward(layer, *a)), feature=step(layer),
                 extra={"S": s, "b": args.batch, "heads": args.heads, "d": args.head_dim, "threads": torch.get_num_threads(), "torch": torch.__version__},
             )
-            ran = {k_: n - calls.get(k_, 0) for k_, n in STATS.calls.items() if n != calls.get(k_, 0)}
+            ran = {k_: n - calls.get(k_, 0) for k_, n in kernel_calls().items() if n != calls.get(k_, 0)}
             assert ran, "the fused path never ran"
             row.extra["kernel"] = ",".join(sorted(ran))
             if CPU_FLASH in ran:  # npuspeed's own bf16 kernel: also against PyTorch's SDPA

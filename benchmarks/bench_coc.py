@@ -18,21 +18,17 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import sys
 import time
 
 import torch
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+from launch import free_port  # noqa: E402
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 LAYERS = "megatron.core.tensor_parallel.layers"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _median_ms(fn, acc, repeat: int = 5) -> float:
@@ -176,7 +172,7 @@ def main() -> None:
         return
     import torch.multiprocessing as mp
 
-    mp.spawn(_rank, args=(args.world, _free_port(), args), nprocs=args.world, join=True)
+    mp.spawn(_rank, args=(args.world, free_port(), args), nprocs=args.world, join=True)
 
 
 if __name__ == "__main__":

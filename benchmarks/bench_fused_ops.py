@@ -114,7 +114,7 @@ def main(argv=None) -> None:
         )
         del t
 
-    calls = {f"{op}:{impl}": c for (op, impl), c in _dispatch.CALLS.items()}
+    calls = {f"{op}:{impl}": c for (op, impl), c in _dispatch.calls().items()}
     print(f"implementations that ran: {calls}")
     bench.finish()
 

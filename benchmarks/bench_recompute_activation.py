@@ -67,7 +67,8 @@ def main() -> None:
 
     bench = Bench("recompute_activation", warmup=args.warmup, repeat=args.repeat)
     _init_megatron()
-    from npuspeed.features.recompute_activation.checkpoint import STATS
+    from npuspeed import telemetry
+    from npuspeed.features.recompute_activation.checkpoint import PREFIX
     from npuspeed.features.recompute_activation.mlp import ATTR
 
     acc = bench.acc
@@ -94,10 +95,10 @@ def main() -> None:
                     loss.backward()
                 return run
 
-            recomputed = STATS["recomputed"]
+            recomputed = telemetry.get(PREFIX + "recomputed")
             row = bench.compare(f"gpt {args.layers}L h={args.hidden} {activation}", dtype_name,
                                 baseline=step(False), feature=step(True))
-            assert STATS["recomputed"] > recomputed, "the recompute path never ran"
+            assert telemetry.get(PREFIX + "recomputed") > recomputed, "the recompute path never ran"
             held_base, held_feat = [], []
             for fn in (step(False, held_base), step(True, held_feat)):
                 model.zero_grad(set_to_none=True)

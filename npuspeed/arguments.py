@@ -1,6 +1,7 @@
-"""npuspeed's flags: one argparse group built from the features.
+"""npuspeed's flags: one argparse group built from the features it is given.
 
-They are read from the command line (Megatron's own flags pass through untouched) plus
+The runtime hands the feature list in (this module imports nothing from npuspeed, so the
+features, which sit above it, never form a loop with it). Flags are read from the command line (Megatron's own flags pass through untouched) plus
 `NPUSPEED_ARGS`, for launchers that own the command line. Megatron-LM's parser learns the
 same group, so an unchanged Megatron-LM script accepts them; flags Megatron already
 defines (e.g. `--use-flash-attn`) are shared, not redefined.
@@ -26,18 +27,12 @@ class ArgumentParser(argparse.ArgumentParser):
         raise UserError(f"{message} (see --help; --npuspeed-help lists npuspeed's flags)")
 
 
-def _features():
-    from npuspeed.features import all_features
-
-    return all_features()
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add npuspeed's group to `parser`, skipping flags it already has."""
+def add_arguments(parser: argparse.ArgumentParser, features) -> argparse.ArgumentParser:
+    """Add the features' group to `parser`, skipping flags it already has."""
     group = parser.add_argument_group(GROUP_TITLE, "npuspeed acceleration features")
     existing = set(parser._option_string_actions)
     proxy = _SkipExisting(group, existing)
-    for feature in _features():
+    for feature in features:
         feature.add_arguments(proxy)
     return parser
 
@@ -57,23 +52,24 @@ class _SkipExisting:
         return getattr(self._group, name)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(features) -> argparse.ArgumentParser:
     parser = ArgumentParser(prog="npuspeed", add_help=False, allow_abbrev=False)
-    add_arguments(parser)
+    add_arguments(parser, features)
     parser.add_argument("--npuspeed-help", action="store_true", help="List npuspeed's features and flags.")
     return parser
 
 
 def argv_with_env(argv: list[str] | None = None) -> list[str]:
+    """`argv` (the command line when None) plus NPUSPEED_ARGS: what a run is initialised with."""
     argv = list(sys.argv[1:] if argv is None else argv)
     return argv + shlex.split(os.environ.get(ENV, ""))
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """Parse npuspeed's flags, leaving everything else to the training script."""
-    parser = build_parser()
+def parse_args(features, argv: list[str]) -> argparse.Namespace:
+    """Parse the features' flags in `argv` (already with NPUSPEED_ARGS), leaving the rest."""
+    parser = build_parser(features)
     _check_env_spelling(parser)
-    args, _unknown = parser.parse_known_args(argv_with_env(argv))
+    args, _unknown = parser.parse_known_args(list(argv))
     return args
 
 
@@ -93,28 +89,13 @@ def _check_env_spelling(parser: argparse.ArgumentParser) -> None:
                             "(--npuspeed-help lists npuspeed's flags)")
 
 
-def features_help() -> str:
+def features_help(features) -> str:
     lines = ["npuspeed features and their flags:"]
-    for feature in _features():
+    for feature in features:
         flags = ", ".join(feature.flags) or "(no flags)"
         state = "always on" if feature.always_on else "opt-in"
         lines.append(f"  {feature.name:<28} {state:<9} {flags}")
     lines.append("")
-    lines.append(build_parser().format_help())
+    lines.append(build_parser(features).format_help())
     return "\n".join(lines)
 
-
-def megatron_lm_parse_args_wrapper(parse_args_fn):
-    """Wrapper for `megatron.training.arguments.parse_args`: teach Megatron-LM our flags."""
-    import functools
-
-    @functools.wraps(parse_args_fn)
-    def parse_args(extra_args_provider=None, *args, **kwargs):
-        def provider(parser):
-            if extra_args_provider is not None:
-                parser = extra_args_provider(parser)
-            return add_arguments(parser)
-
-        return parse_args_fn(provider, *args, **kwargs)
-
-    return parse_args

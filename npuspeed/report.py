@@ -16,12 +16,13 @@ def _ops() -> list[dict]:
 
 
 def collect() -> dict:
-    from npuspeed import __version__, runtime
+    from npuspeed import runtime, telemetry
+    from npuspeed._version import __version__
     from npuspeed.patching import registry
     from npuspeed.patching.versions import megatron_version
 
     state = runtime.state() or runtime.initialize([])
-    acc = state.accelerator
+    acc, ctx = state.accelerator, state.context
     return {
         "npuspeed_version": __version__,
         "device": acc.name,
@@ -31,7 +32,7 @@ def collect() -> dict:
         "python_version": platform.python_version(),
         "accelerator": acc.describe(),
         "features": [
-            {"name": f.name, "enabled": on, "path": f.path(state.args, acc) if on else "off",
+            {"name": f.name, "enabled": on, "path": f.path(ctx) if on else "off",
              "flags": list(f.flags)}
             for f, on in state.features
         ],
@@ -39,6 +40,7 @@ def collect() -> dict:
         "ops": _ops(),
         "notes": list(state.notes),
         "late_import": state.late_import,
+        "counters": telemetry.snapshot(),
     }
 
 

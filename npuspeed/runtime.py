@@ -1,7 +1,9 @@
 """Start-up, once per process: flags, accelerator, validation, patches.
 
 `megatron_adaptor` calls `initialize()` at import; `npuspeed report` calls it with the
-flags it is given. A second call returns the first call's state.
+flags it is given. A second call returns the first call's state. It builds the one
+`Context` (npuspeed/context.py) that every feature hook receives: the argv given here is
+the one every feature reads, and no feature reaches back into this module.
 """
 from __future__ import annotations
 
@@ -19,7 +21,8 @@ class RuntimeState:
     accelerator: object
     features: list  # (feature, enabled)
     late_import: bool
-    notes: list = field(default_factory=list)
+    context: object = None  # the Context every hook got
+    notes: list = field(default_factory=list)  # the context's notes (one list)
 
 
 _STATE: RuntimeState | None = None
@@ -32,13 +35,6 @@ def _setup_logging() -> None:
         log.addHandler(handler)
         log.setLevel(logging.INFO if os.environ.get("RANK", "0") == "0" else logging.WARNING)
         log.propagate = False
-
-
-def note(message: str) -> None:
-    """Record a fallback or a notice for the report (and log it once)."""
-    if _STATE is not None and message not in _STATE.notes:
-        _STATE.notes.append(message)
-        log.warning(message)
 
 
 def state() -> RuntimeState | None:
@@ -56,9 +52,11 @@ def initialize(argv: list[str] | None = None) -> RuntimeState:
     from npuspeed.patching import registry
     from npuspeed.patching.versions import check_supported
 
-    args = arguments.parse_args(argv)
+    every = all_features()
+    argv = arguments.argv_with_env(argv)
+    args = arguments.parse_args(every, argv)
     if args.npuspeed_help:
-        print(arguments.features_help())
+        print(arguments.features_help(every))
         raise SystemExit(0)
     if args.npuspeed_device != "auto":
         os.environ["NPUSPEED_DEVICE"] = args.npuspeed_device
@@ -71,26 +69,45 @@ def initialize(argv: list[str] | None = None) -> RuntimeState:
         )
     check_supported()
     accelerator = get_accelerator()
-    features = [(f, f.enabled(args)) for f in all_features()]
+    ctx = make_context(every, argv, accelerator)
+    features = [(f, f.enabled(args)) for f in every]
     active = [f for f, on in features if on]
     for feature in active:
-        feature.validate(args, accelerator)
-    state = RuntimeState(args, accelerator, features, late)
+        feature.validate(ctx)
+    state = RuntimeState(args, accelerator, features, late, ctx, ctx.notes)
     _STATE = state
     for feature in active:
-        feature.prepare(args, accelerator)
-        warning = getattr(feature, "apex_warning", None)
-        if warning:
-            state.notes.append(warning)
-    for feature in active:
-        feature.register_patches(registry, args, accelerator)
-    registry.apply()
+        feature.prepare(ctx)
+    activate(active, ctx)
     log.info(
         "npuspeed: device=%s backend=%s features=%s patches=%d",
         accelerator.name, accelerator.dist_backend,
         ",".join(f.name for f in active), len([p for p in registry.report() if p["status"] == "applied"]),
     )
     return state
+
+
+def make_context(features, argv: list[str], accelerator):
+    """The Context for `argv` (already with NPUSPEED_ARGS) and this feature list."""
+    import functools
+
+    from npuspeed import arguments, megatron_flags
+    from npuspeed.context import Context
+
+    return Context(arguments.parse_args(features, argv), megatron_flags.parse(argv), accelerator,
+                   tuple(argv), extend_parser=functools.partial(arguments.add_arguments, features=features))
+
+
+def activate(features, ctx) -> None:
+    """Register and apply the patches of `features` (enabled, validated, prepared), and the
+    model-build check of those that can be idle in a built model."""
+    from npuspeed.features import build_check
+    from npuspeed.patching import registry
+
+    for feature in features:
+        feature.register_patches(registry, ctx)
+    build_check.register(registry, features, ctx)
+    registry.apply()
 
 
 def reset() -> None:

@@ -24,25 +24,27 @@ def npuspeed_runtime():
 
 @contextlib.contextmanager
 def features_enabled(argv: list[str]):
-    """Turn on the opt-in features named by `argv` on top of the runtime; undo them after."""
-    from npuspeed import arguments, runtime
+    """Turn on the opt-in features named by `argv` on top of the runtime; undo them after.
+    Yields npuspeed's parsed flags; the features' context is `features_enabled.ctx`."""
+    from npuspeed import runtime
+    from npuspeed.features import all_features, build_check
     from npuspeed.patching import registry
 
     state = runtime.initialize([])
-    args = arguments.parse_args(argv)
-    from npuspeed.features import all_features
-
-    active = [f for f in all_features() if not f.always_on and f.enabled(args)]
+    every = all_features()
+    ctx = runtime.make_context(every, list(argv), state.accelerator)
+    active = [f for f in every if not f.always_on and f.enabled(ctx.args)]
+    features_enabled.ctx = ctx
     try:
         for feature in active:
-            feature.validate(args, state.accelerator)
-            feature.prepare(args, state.accelerator)
-            feature.register_patches(registry, args, state.accelerator)
-        registry.apply()
-        yield args
+            feature.validate(ctx)
+            feature.prepare(ctx)
+        runtime.activate(active, ctx)
+        yield ctx.args
     finally:
         for feature in active:
             registry.remove(feature.name)
+        registry.remove(build_check.NAME)
 
 
 @pytest.fixture(scope="module")

@@ -1,12 +1,13 @@
 """The example's command line, with Megatron-LM's argument names.
 
 Defaults give a tiny model that trains on CPU in seconds. npuspeed's own feature flags are
-added by `npuspeed.arguments.add_arguments` (the adaptor has already read them).
+added by `npuspeed.add_arguments` (the adaptor has already read them).
 """
 from __future__ import annotations
 
 import argparse
 
+import npuspeed
 from npuspeed import arguments as npuspeed_arguments
 
 
@@ -108,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     _parallel(parser)
     _training(parser)
     data.add_data_args(parser)
-    npuspeed_arguments.add_arguments(parser)
+    npuspeed.add_arguments(parser)
     return parser
 
 

@@ -11,8 +11,7 @@ import os
 
 import torch
 
-from npuspeed.accelerator.base import Accelerator, NullEvent, NullStream
-from npuspeed.errors import UserError
+from npuspeed.accelerator.base import Accelerator, AcceleratorError, NullEvent, NullStream
 
 log = logging.getLogger("npuspeed")
 
@@ -26,9 +25,6 @@ _torch_cuda_is_available = torch.cuda.is_available
 def _cuda_present() -> bool:
     return bool(_torch_cuda_is_available())
 
-
-class AcceleratorError(UserError, RuntimeError):
-    """A device that was asked for cannot be had."""
 
 
 def _npu_present() -> bool:

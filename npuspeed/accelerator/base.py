@@ -11,6 +11,12 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from npuspeed.errors import UserError
+
+
+class AcceleratorError(UserError, RuntimeError):
+    """A device that was asked for cannot be had."""
+
 
 class NullStream:
     """A stream of the same shape as `torch.cuda.Stream` for backends that run in order."""

@@ -13,7 +13,7 @@ import os
 
 import torch
 
-from npuspeed.accelerator.base import Accelerator, NullEvent, NullStream
+from npuspeed.accelerator.base import Accelerator, AcceleratorError, NullEvent, NullStream
 from npuspeed.accelerator.device_rng import DeviceRNG
 
 
@@ -117,7 +117,6 @@ class CpuAccelerator(Accelerator):
         try:
             mib = int(raw)
         except ValueError:
-            from npuspeed.accelerator import AcceleratorError
 
             raise AcceleratorError(f"{CACHE_ENV}={raw!r} is not a number of MiB; give e.g. 2048, "
                                    "or 0 to turn the CPU block cache off") from None

@@ -1,4 +1,9 @@
-"""What a feature is: flags, validation, patches, and a line for the report."""
+"""What a feature is: flags, validation, patches, a check of the built model, a report line.
+
+Every hook gets the run's `Context` (npuspeed/context.py): npuspeed's flags (`ctx.args`),
+Megatron's flags as given (`ctx.megatron`), the accelerator, the note sink and the counters.
+A feature never imports the runtime or the argument parser.
+"""
 from __future__ import annotations
 
 import argparse
@@ -24,15 +29,20 @@ class Feature:
     def enabled(self, args: argparse.Namespace) -> bool:
         return self.always_on
 
-    def validate(self, args: argparse.Namespace, accelerator) -> None:
-        """Raise FeatureError for combinations that cannot work."""
+    def validate(self, ctx) -> None:
+        """Raise FeatureError for combinations that cannot work (known from the flags alone)."""
 
-    def prepare(self, args: argparse.Namespace, accelerator) -> None:
+    def prepare(self, ctx) -> None:
         """Side effects that must precede patching (enabled features only)."""
 
-    def register_patches(self, registry, args: argparse.Namespace, accelerator) -> None:
+    def register_patches(self, registry, ctx) -> None:
         """Record this feature's patches in the registry (nothing is installed here)."""
 
-    def path(self, args: argparse.Namespace, accelerator) -> str:
+    def check_built(self, block, ctx) -> str | None:
+        """After Megatron built a TransformerBlock with layers: why this feature does nothing
+        in it (the error to raise, naming the flag and what it needs), or None when it acts."""
+        return None
+
+    def path(self, ctx) -> str:
         """Which implementation runs, for the report (e.g. 'npu_fusion_attention')."""
-        return "on" if self.enabled(args) else "off"
+        return "on" if self.enabled(ctx.args) else "off"

@@ -3,27 +3,33 @@
 Per call: `npu` (torch_npu's fused kernel, through the accelerator) when the tensors are on
 an NPU; `cpp` (the `npuspeed::` CPU kernel) for CPU tensors of a supported dtype when the op
 library is loaded; otherwise `reference` (the op's pure-PyTorch function, also what CUDA
-runs). `CALLS[(op, impl)]` counts calls, so tests can prove the fast path ran and a silent
-fallback cannot pass; `reset_calls()` clears it.
+runs). Each call is counted (telemetry `ops.<op>.<impl>`, see `calls()`), so tests can
+prove the fast path ran and a silent fallback cannot pass.
 
 Autograd and fake (meta) kernels of the C++ ops are registered on first use, not at import.
 """
 from __future__ import annotations
 
-import collections
+import sys
 from typing import Callable
 
 import torch
 
+from npuspeed import telemetry
 from npuspeed.ops._extension import has_op
 
 CPP_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
-CALLS: collections.Counter = collections.Counter()
+PREFIX = "ops."
 _REGISTERED: set[str] = set()
 
 
+def calls() -> dict[tuple[str, str], int]:
+    """(op, impl) -> calls so far."""
+    return {tuple(name[len(PREFIX):].rsplit(".", 1)): n for name, n in telemetry.snapshot(PREFIX).items()}
+
+
 def reset_calls() -> None:
-    CALLS.clear()
+    telemetry.reset(PREFIX)
 
 
 def implementation(op: str, *tensors: torch.Tensor) -> str:
@@ -38,14 +44,17 @@ def implementation(op: str, *tensors: torch.Tensor) -> str:
 
 
 def record(op: str, impl: str) -> None:
-    CALLS[(op, impl)] += 1
+    telemetry.count(f"{PREFIX}{op}.{impl}")
 
 
 def torch_npu():
-    """torch_npu, through the accelerator (the only place that imports it)."""
-    from npuspeed.accelerator import get_accelerator
-
-    return get_accelerator().torch_npu
+    """The loaded torch_npu. NPU tensors exist only once the accelerator imported it, so the
+    ops read it from sys.modules instead of importing anything (the accelerator, above the
+    ops, is the only importer)."""
+    module = sys.modules.get("torch_npu")
+    if module is None:
+        raise RuntimeError("npuspeed: an NPU op was called but torch_npu is not loaded")
+    return module
 
 
 def ensure_registered(op: str, register: Callable[[], None]) -> None:

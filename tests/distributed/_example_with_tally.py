@@ -9,7 +9,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 def _tally() -> dict:
     from npuspeed.ops import _dispatch
 
-    return {f"{op}:{impl}": n for (op, impl), n in _dispatch.CALLS.items()}
+    return {f"{op}:{impl}": n for (op, impl), n in _dispatch.calls().items()}
 
 
 if __name__ == "__main__":

@@ -60,9 +60,9 @@ def test_tp2_sp_coc_matches_llama_flash_attn_fused_ops(monkeypatch, tmp_path):
 
 
 def _coc_stats() -> dict:
-    from npuspeed.features.coc_overlap import STATS
+    from npuspeed.features.coc_overlap.comm import CALL, COLLECTIVE, counted
 
-    return {"collectives": dict(STATS.collectives), "calls": dict(STATS.calls)}
+    return {"collectives": counted(COLLECTIVE), "calls": counted(CALL)}
 
 
 if __name__ == "__main__":

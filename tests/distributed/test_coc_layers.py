@@ -17,12 +17,12 @@ import datetime
 import itertools
 import json
 import os
-import socket
 from collections import Counter
 
 import pytest
 import torch
 import torch.multiprocessing as mp
+from launch import free_port
 
 WORLD = 2
 H, FFN = 16, 24  # hidden, ffn (column output / row input, split over the 2 ranks)
@@ -36,12 +36,6 @@ CASES = [dict(layer=layer, sp=sp, bias=bias, dtype=dt, n=n, shape=shape)
 
 def case_id(c: dict) -> str:
     return f"{c['layer']}-{'sp' if c['sp'] else 'nosp'}-{'bias' if c['bias'] else 'nobias'}-{c['dtype']}-N{c['n']}-{c['shape']}"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # -- inside each rank ---------------------------------------------------------------------------
@@ -78,14 +72,15 @@ class CountingCollectives:
 
 
 def _enable_coc(n: int, acc, extra=()):
-    from npuspeed import arguments
+    from feature_ctx import ctx_for
+
     from npuspeed.features.coc_overlap import CocFeature
     from npuspeed.patching import registry
 
     feature = CocFeature()
-    args = arguments.parse_args(["--use-coc", "--coc-parallel-num", str(n), *extra])
-    feature.validate(args, acc)
-    feature.register_patches(registry, args, acc)
+    ctx = ctx_for(["--use-coc", "--coc-parallel-num", str(n), *extra], acc)
+    feature.validate(ctx)
+    feature.register_patches(registry, ctx)
     registry.apply()
     return feature
 
@@ -183,7 +178,7 @@ def _expected_collectives(c: dict) -> Counter:
 
 
 def _parity_cases(rank: int, acc) -> dict:
-    from npuspeed.features.coc_overlap import STATS
+    from npuspeed.features.coc_overlap.comm import CALL, counted, reset_counts
 
     results = {}
     for i, c in enumerate(CASES):
@@ -194,7 +189,7 @@ def _parity_cases(rank: int, acc) -> dict:
         ref = _run(module, x, g)
         _enable_coc(c["n"], acc)
         try:
-            STATS.reset()
+            reset_counts()
             with CountingCollectives() as counting:
                 got = _run(module, x, g)
         finally:
@@ -206,7 +201,7 @@ def _parity_cases(rank: int, acc) -> dict:
             "expected": dict(_expected_collectives(c)),
             "all_async": all(is_async for _, is_async, _ in counting.calls),
             "chunk_rows": sorted({rows for _, _, rows in counting.calls}),
-            "stats": {k if isinstance(k, str) else "/".join(k): v for k, v in STATS.calls.items()},
+            "stats": counted(CALL),
         }
     return results
 
@@ -305,7 +300,8 @@ class FakeNpuAccelerator:
 def _mc2_cases(rank: int, acc) -> dict:
     from megatron.core import parallel_state
 
-    from npuspeed.features.coc_overlap import STATS, mc2
+    from npuspeed.features.coc_overlap import mc2
+    from npuspeed.features.coc_overlap.comm import COLLECTIVE, counted, reset_counts
 
     fake = FakeTorchNpu(parallel_state.get_tensor_model_parallel_group())
     fake_acc = FakeNpuAccelerator(acc, fake)
@@ -322,14 +318,14 @@ def _mc2_cases(rank: int, acc) -> dict:
             ref = _run(module, x, g)
             _enable_coc(2, fake_acc, ["--use-ascend-mc2"])
             fake.calls.clear()
-            STATS.reset()
+            reset_counts()
             try:
                 got = _run(module, x, g)
             finally:
                 _disable_coc()
             out[f"{layer}-{'sp' if sp else 'nosp'}-{dt}"] = {
                 "diffs": _diffs(ref, got), "calls": list(fake.calls),
-                "chunked": sum(v for k, v in STATS.collectives.items() if not k.startswith("mc2:")),
+                "chunked": sum(v for k, v in counted(COLLECTIVE).items() if not k.startswith("mc2:")),
             }
     finally:
         mc2.hccl_comm_name = original_name
@@ -364,7 +360,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out_dir = tmp_path_factory.mktemp("coc")
-    mp.spawn(_worker, args=(_free_port(), str(out_dir)), nprocs=WORLD, join=True)
+    mp.spawn(_worker, args=(free_port(), str(out_dir)), nprocs=WORLD, join=True)
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(WORLD)]
 
 

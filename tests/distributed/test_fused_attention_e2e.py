@@ -9,9 +9,9 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
+from launch import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXAMPLE = os.path.join(ROOT, "examples", "pretrain_gpt.py")
@@ -19,16 +19,10 @@ COMMON = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--use-cpu
           "--train-iters", "8", "--attention-dropout", "0", "--log-interval", "4"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _train(tmp_path, name: str, extra: list[str]) -> tuple[list[float], str]:
     summary = tmp_path / f"{name}.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--master-port", str(_free_port()), EXAMPLE, *COMMON, "--summary-json", str(summary), *extra]
+           "--master-port", str(free_port()), EXAMPLE, *COMMON, "--summary-json", str(summary), *extra]
     env = {k: v for k, v in os.environ.items() if k != "NPUSPEED_ARGS"}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"{name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"

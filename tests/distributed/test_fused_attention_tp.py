@@ -8,19 +8,13 @@ default device state, which TP ranks share, is not consumed.
 from __future__ import annotations
 
 import os
-import socket
 
 import torch
 import torch.multiprocessing as mp
+from launch import free_port
 
 WORLD = 2
 HEADS, D, S, B = 4, 16, 24, 2
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, port: int) -> None:
@@ -36,7 +30,7 @@ def _worker(rank: int, port: int) -> None:
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from npuspeed.features.fused_attention import STATS
+    from npuspeed.features.fused_attention import kernel_calls
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
     parallel_state.initialize_model_parallel(WORLD, 1)
@@ -63,12 +57,12 @@ def _worker(rank: int, port: int) -> None:
         return [out.detach(), q.grad, k.grad, v.grad]
 
     with acc.device_rng_scope():
-        calls = STATS.calls["sdpa"]
+        calls = kernel_calls().get("sdpa", 0)
         first = step(1234, heads)
         again = step(1234, heads)
         other_seed = step(99, heads)
         same_heads = step(1234, slice(0, HEADS // WORLD))  # both ranks: identical inputs
-        assert STATS.calls["sdpa"] == calls + 4, "the fused path did not run"
+        assert kernel_calls().get("sdpa", 0) == calls + 4, "the fused path did not run"
     for a, b in zip(first, again):
         assert torch.equal(a, b), "not reproducible under a fixed seed"
     assert not torch.equal(first[0], other_seed[0]), "another seed gave the same dropout"
@@ -86,4 +80,4 @@ def _worker(rank: int, port: int) -> None:
 
 
 def test_dropout_tp2_reproducible_and_rank_independent():
-    mp.spawn(_worker, args=(_free_port(),), nprocs=WORLD, join=True)
+    mp.spawn(_worker, args=(free_port(),), nprocs=WORLD, join=True)

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
+from launch import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RUNNER = os.path.join(ROOT, "tests", "distributed", "_example_with_tally.py")
@@ -23,16 +23,10 @@ FLAGS = ["--use-fused-rmsnorm", "--use-fused-swiglu", "--use-fused-rotary-pos-em
 OPS = ("rms_norm", "swiglu", "rotary_pos_emb")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _train(tmp_path, name: str, extra: list[str], env_extra: dict | None = None):
     summary, tally = tmp_path / f"{name}.json", tmp_path / f"{name}.tally"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--master-port", str(_free_port()), RUNNER, *LLAMA, "--summary-json", str(summary),
+           "--master-port", str(free_port()), RUNNER, *LLAMA, "--summary-json", str(summary),
            "--tally-json", str(tally), *extra]
     env = {k: v for k, v in os.environ.items() if k != "NPUSPEED_ARGS"}
     env.update(env_extra or {})

@@ -64,7 +64,7 @@ finally:  # also after Megatron's sys.exit at --exit-interval
     from npuspeed.ops import _dispatch
     from npuspeed.report import collect
     data = collect()
-    data["calls"] = {f"{op}:{impl}": n for (op, impl), n in _dispatch.CALLS.items()}
+    data["calls"] = {f"{op}:{impl}": n for (op, impl), n in _dispatch.calls().items()}
     data["probes"] = dict(PROBES)
     with open(os.environ["REPORT"] + ".rank" + os.environ["RANK"], "w") as fh:
         json.dump(data, fh, default=str)

@@ -13,10 +13,10 @@ from npuspeed.features import FeatureError
 from npuspeed.features.coc_overlap import CocFeature, chunking, layers, mc2
 
 
-def _args(*argv):
-    from npuspeed import arguments
+def _ctx(*argv, acc=None):
+    from feature_ctx import ctx_for
 
-    return arguments.parse_args(list(argv))
+    return ctx_for(list(argv), acc)
 
 
 # -- chunk choice -------------------------------------------------------------------------------
@@ -66,28 +66,27 @@ def test_fallback_is_logged_once_per_shape_even_down_to_one_chunk():
 ])
 def test_bad_flags_are_errors_naming_the_flag(argv, match):
     feature = CocFeature()
-    args = _args(*argv)
-    assert feature.enabled(args)
+    ctx = _ctx(*argv)
+    assert feature.enabled(ctx.args)
     with pytest.raises(FeatureError, match=match):
-        feature.validate(args, None)
+        feature.validate(ctx)
 
 
 def test_tp1_on_the_command_line_is_an_error(monkeypatch):
     feature = CocFeature()
-    monkeypatch.setattr("sys.argv", ["train.py", "--tensor-model-parallel-size", "1"])
+    coc = ("--use-coc", "--coc-parallel-num", "2")
+    monkeypatch.setattr("sys.argv", ["train.py", "--tensor-model-parallel-size", "2"])  # not read
     with pytest.raises(FeatureError, match="--use-coc.*--tensor-model-parallel-size is 1"):
-        feature.validate(_args("--use-coc", "--coc-parallel-num", "2"), None)
-    monkeypatch.setattr("sys.argv", ["train.py", "--tensor-model-parallel-size", "2"])
-    feature.validate(_args("--use-coc", "--coc-parallel-num", "2"), None)
-    monkeypatch.setattr("sys.argv", ["train.py"])
+        feature.validate(_ctx(*coc, "--tensor-model-parallel-size", "1"))
+    feature.validate(_ctx(*coc, "--tensor-model-parallel-size", "2"))
     monkeypatch.setenv("NPUSPEED_ARGS", "--tensor-model-parallel-size 1")
     with pytest.raises(FeatureError, match="--tensor-model-parallel-size is 1"):
-        feature.validate(_args("--use-coc", "--coc-parallel-num", "2"), None)
+        feature.validate(_ctx(*coc))
 
 
 def test_off_without_flags():
-    assert not CocFeature().enabled(_args())
-    assert CocFeature().path(_args(), None) == "off"
+    assert not CocFeature().enabled(_ctx().args)
+    assert CocFeature().path(_ctx()) == "off"
 
 
 # -- construction-time refusals -----------------------------------------------------------------
@@ -195,16 +194,16 @@ class _FakeNpuAcc:
 
 def test_report_path_says_which_path_runs(npuspeed_runtime):
     feature = CocFeature()
-    args = _args("--use-coc", "--coc-parallel-num", "4")
+    args = ("--use-coc", "--coc-parallel-num", "4")
     cpu = npuspeed_runtime.accelerator
-    text = feature.path(args, cpu)
+    text = feature.path(_ctx(*args, acc=cpu))
     assert "chunked" in text and "N=4" in text and "gloo" in text and "async work handles" in text
     assert "ColumnParallelLinear/RowParallelLinear" in text
-    mc2_args = _args("--use-coc", "--coc-parallel-num", "4", "--use-ascend-mc2")
-    assert "torch_npu MC2 fused npu_all_gather_base_mm" in feature.path(mc2_args, _FakeNpuAcc(mc2.OPS))
-    assert "chunked" in feature.path(mc2_args, _FakeNpuAcc(()))
-    assert "no MC2 kernels here" in feature.path(mc2_args, cpu)
-    assert "chunked" in feature.path(args, _FakeNpuAcc(mc2.OPS))  # MC2 only when asked for
+    mc2_args = (*args, "--use-ascend-mc2")
+    assert "torch_npu MC2 fused npu_all_gather_base_mm" in feature.path(_ctx(*mc2_args, acc=_FakeNpuAcc(mc2.OPS)))
+    assert "chunked" in feature.path(_ctx(*mc2_args, acc=_FakeNpuAcc(())))
+    assert "no MC2 kernels here" in feature.path(_ctx(*mc2_args, acc=cpu))
+    assert "chunked" in feature.path(_ctx(*args, acc=_FakeNpuAcc(mc2.OPS)))  # MC2 only when asked for
 
 
 def test_device_streams_order_the_collectives(megatron_mp, monkeypatch):  # noqa: F811

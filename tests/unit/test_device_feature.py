@@ -4,13 +4,13 @@ from __future__ import annotations
 import json
 import logging
 import os
-import socket
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 import torch
+from launch import free_port
 
 from npuspeed.features.device.redirect import CudaToDevice, on_device
 from npuspeed.patching import registry
@@ -215,15 +215,9 @@ dist.destroy_process_group()
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_nccl_maps_to_gloo_and_megatron_seeds_in_a_one_rank_group():
     env = {k: v for k, v in os.environ.items() if k not in ("NPUSPEED_DEVICE", "NPUSPEED_ARGS")}
-    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1",
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
                LOCAL_RANK="0")
     proc = subprocess.run([sys.executable, "-c", _DIST_PROBE], capture_output=True, text=True,
                           timeout=300, env=env)

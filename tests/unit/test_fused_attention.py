@@ -52,14 +52,15 @@ def run(module, q, k, v, grad, mask):
 
 def compare(module, inputs, mask, with_features, flags=("--use-flash-attn",), dtype=torch.float32):
     """Unfused vs fused on the same module; returns the fused call record."""
-    from npuspeed.features.fused_attention import STATS
+    from npuspeed import telemetry
+    from npuspeed.features.fused_attention import kernel_calls
 
     ref = run(module, *inputs, mask)
     with with_features(list(flags)):
-        before = sum(STATS.calls[k] for k in FUSED_KERNELS)
+        before = sum(kernel_calls().get(k, 0) for k in FUSED_KERNELS)
         got = run(module, *inputs, mask)
-        assert sum(STATS.calls[k] for k in FUSED_KERNELS) == before + 1, "the fused path did not run"
-        record = dict(STATS.last)
+        assert sum(kernel_calls().get(k, 0) for k in FUSED_KERNELS) == before + 1, "the fused path did not run"
+        record = telemetry.last("attention")
         assert record["kernel"] == expected_kernel(dtype, record["masked"], record["dropout_p"])
     for name, a, b in zip(("out", "dq", "dk", "dv"), ref, got):
         assert a.shape == b.shape and a.dtype == b.dtype, name
@@ -166,7 +167,7 @@ def test_window_size_parity(megatron_mp, with_features):
 def test_pre_next_tockens_band(megatron_mp, with_features, mask_type, pre, nxt):
     """--pre-tockens/--next-tockens == Megatron given the same band as an explicit mask
     (a causal layer keeps next = 0 whatever --next-tockens says, as on NPU)."""
-    from npuspeed.features.fused_attention import STATS
+    from npuspeed import telemetry
 
     s = 23
     module = make_attention(mask_type=mask_type)
@@ -174,7 +175,7 @@ def test_pre_next_tockens_band(megatron_mp, with_features, mask_type, pre, nxt):
     ref = run(module, *inputs, band_mask(s, pre, 0 if mask_type == "causal" else nxt))
     with with_features(["--use-flash-attn", "--pre-tockens", str(pre), "--next-tockens", str(nxt)]):
         got = run(module, *inputs, None)
-        assert STATS.last["band"] == (pre, 0 if mask_type == "causal" else nxt)
+        assert telemetry.last("attention")["band"] == (pre, 0 if mask_type == "causal" else nxt)
     for a, b in zip(ref, got):
         assert (a - b).abs().max().item() <= 1e-5
 
@@ -210,10 +211,10 @@ def test_dropout_is_drawn_inside_the_model_parallel_tracker(megatron_mp, with_fe
     assert torch.equal(first, again), "not reproducible under the same seed"
     module.eval()
     with with_features(["--use-flash-attn"]):
-        from npuspeed.features.fused_attention import STATS
+        from npuspeed import telemetry
 
         module(q, k, v, None)
-        assert STATS.last["dropout_p"] == 0.0  # eval mode: no dropout, as nn.Dropout
+        assert telemetry.last("attention")["dropout_p"] == 0.0  # eval mode: no dropout, as nn.Dropout
 
 
 def test_memory_at_4096_is_at_most_an_eighth(megatron_mp, with_features):
@@ -246,15 +247,14 @@ def test_memory_at_4096_is_at_most_an_eighth(megatron_mp, with_features):
 
 
 def test_report_says_which_path_and_why(npuspeed_runtime):
-    from npuspeed import arguments
+    from feature_ctx import ctx_for
+
     from npuspeed.features.fused_attention import FusedAttentionFeature
 
     feature = FusedAttentionFeature()
-    args = arguments.parse_args(["--use-flash-attn"])
-    text = feature.path(args, npuspeed_runtime.accelerator)
+    text = feature.path(ctx_for(["--use-flash-attn"]))
     assert "scaled_dot_product_attention" in text and "--use-flash-attn" in text
-    assert feature.path(arguments.parse_args(["--use-flash-attn", "--pre-tockens", "8"]),
-                        npuspeed_runtime.accelerator).count("pre_tockens=8") == 1
+    assert feature.path(ctx_for(["--use-flash-attn", "--pre-tockens", "8"])).count("pre_tockens=8") == 1
 
 
 class _NoKernel:
@@ -265,14 +265,15 @@ class _NoKernel:
 
 
 def test_backend_without_fused_kernel_says_which_path(npuspeed_runtime):
-    from npuspeed import arguments, runtime
+    from feature_ctx import ctx_for
+
     from npuspeed.features.fused_attention import FusedAttentionFeature
 
     feature = FusedAttentionFeature()
-    args = arguments.parse_args(["--use-flash-attn"])
-    feature.prepare(args, _NoKernel())
-    assert any("math backend" in n and "--use-flash-attn" in n for n in runtime.state().notes)
-    assert "no fused kernel" in feature.path(args, _NoKernel())
+    ctx = ctx_for(["--use-flash-attn"], _NoKernel())
+    feature.prepare(ctx)
+    assert any("math backend" in n and "--use-flash-attn" in n for n in ctx.notes)
+    assert "no fused kernel" in feature.path(ctx)
 
 
 @pytest.mark.parametrize("argv, needle", [
@@ -281,15 +282,16 @@ def test_backend_without_fused_kernel_says_which_path(npuspeed_runtime):
     (["--use-flash-attn", "--pre-tockens", "-5", "--next-tockens", "2"], "sum must be >= 0"),
 ])
 def test_bad_flags_are_clear_errors(npuspeed_runtime, argv, needle):
-    from npuspeed import arguments
+    from feature_ctx import ctx_for
+
     from npuspeed.features import FeatureError
     from npuspeed.features.fused_attention import FusedAttentionFeature
 
     feature = FusedAttentionFeature()
-    args = arguments.parse_args(argv)
-    assert feature.enabled(args)
+    ctx = ctx_for(argv)
+    assert feature.enabled(ctx.args)
     with pytest.raises(FeatureError, match=needle.replace("-", r"\-")):
-        feature.validate(args, npuspeed_runtime.accelerator)
+        feature.validate(ctx)
 
 
 def test_unsupported_mask_type_is_a_clear_error(megatron_mp, with_features):
@@ -330,14 +332,14 @@ def test_patch_is_removed_after_the_context(megatron_mp, with_features):
 
 def test_bf16_dropout_and_masks_run_sdpa(megatron_mp, with_features):
     """npuspeed's CPU kernel takes no dropout and no explicit mask: those bf16 calls run SDPA."""
-    from npuspeed.features.fused_attention import STATS
+    from npuspeed import telemetry
 
     module = make_attention(dtype=torch.bfloat16, dropout=0.2)
     module.train()
     q, k, v, _ = make_inputs(24, 1, 4, 4, 16, torch.bfloat16)
     with with_features(["--use-flash-attn"]):
         module(q, k, v, None)
-        assert STATS.last["kernel"] == "sdpa" and STATS.last["dropout_p"] == pytest.approx(0.2)
+        assert telemetry.last("attention")["kernel"] == "sdpa" and telemetry.last("attention")["dropout_p"] == pytest.approx(0.2)
     masked = make_attention(dtype=torch.bfloat16, mask_type="arbitrary")
     mask = torch.rand(1, 1, 24, 24, generator=torch.Generator().manual_seed(0)) > 0.7
     mask[..., 0] = False
@@ -347,7 +349,8 @@ def test_bf16_dropout_and_masks_run_sdpa(megatron_mp, with_features):
 
 
 def test_cpu_without_bf16_kernel_runs_sdpa_and_says_so(megatron_mp, with_features, monkeypatch):
-    from npuspeed import arguments, runtime
+    from feature_ctx import ctx_for
+
     from npuspeed.accelerator import get_accelerator
     from npuspeed.features.fused_attention import FusedAttentionFeature
     from npuspeed.ops import flash_attention as cpu_flash
@@ -358,7 +361,7 @@ def test_cpu_without_bf16_kernel_runs_sdpa_and_says_so(megatron_mp, with_feature
     assert record["kernel"] == "sdpa"
     feature, acc = FusedAttentionFeature(), get_accelerator()
     monkeypatch.setenv("NPUSPEED_ARGS", "--bf16")
-    args = arguments.parse_args(["--use-flash-attn"])
-    feature.prepare(args, acc)
-    assert any("lacks AVX512-BF16" in n and "--use-flash-attn" in n for n in runtime.state().notes)
-    assert "kernel unavailable: this CPU lacks AVX512-BF16" in feature.path(args, acc)
+    ctx = ctx_for(["--use-flash-attn"], acc)
+    feature.prepare(ctx)
+    assert any("lacks AVX512-BF16" in n and "--use-flash-attn" in n for n in ctx.notes)
+    assert "kernel unavailable: this CPU lacks AVX512-BF16" in feature.path(ctx)

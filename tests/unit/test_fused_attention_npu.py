@@ -99,15 +99,16 @@ class _FakeNpu:
 
 @contextlib.contextmanager
 def npu_patched(cpu_accelerator, argv=("--use-flash-attn",)):
-    from npuspeed import arguments
+    from feature_ctx import ctx_for
+
     from npuspeed.features.fused_attention import FusedAttentionFeature
     from npuspeed.patching import registry
 
     fake = _FakeNpu(cpu_accelerator)
     feature = FusedAttentionFeature()
-    args = arguments.parse_args(list(argv))
-    feature.validate(args, fake)
-    feature.register_patches(registry, args, fake)
+    ctx = ctx_for(list(argv), fake)
+    feature.validate(ctx)
+    feature.register_patches(registry, ctx)
     registry.apply()
     try:
         yield fake
@@ -116,13 +117,13 @@ def npu_patched(cpu_accelerator, argv=("--use-flash-attn",)):
 
 
 def _parity(module, inputs, mask, fake_ctx, fused_mask="same"):
-    from npuspeed.features.fused_attention import STATS
+    from npuspeed.features.fused_attention import kernel_calls
 
     ref = run(module, *inputs, mask)
     with fake_ctx as fake:
-        before = STATS.calls["npu_fusion_attention"]
+        before = kernel_calls().get("npu_fusion_attention", 0)
         got = run(module, *inputs, mask if fused_mask == "same" else fused_mask)
-        assert STATS.calls["npu_fusion_attention"] == before + 1
+        assert kernel_calls().get("npu_fusion_attention", 0) == before + 1
     for name, a, b in zip(("out", "dq", "dk", "dv"), ref, got):
         err = (a - b).abs().max().item()
         assert err <= 1e-5, f"{name}: {err}"
@@ -216,9 +217,10 @@ def test_npu_dropout_keep_prob_inside_tracker(megatron_mp):
 
 
 def test_npu_report_path():
-    from npuspeed import arguments
+    from feature_ctx import ctx_for
+
     from npuspeed.features.fused_attention import FusedAttentionFeature
 
     fake = _FakeNpu(None)
-    text = FusedAttentionFeature().path(arguments.parse_args(["--use-flash-attn"]), fake)
+    text = FusedAttentionFeature().path(ctx_for(["--use-flash-attn"], fake))
     assert text.startswith("torch_npu.npu_fusion_attention") and "SBH" in text

@@ -60,7 +60,7 @@ def _randn(*shape, dtype, seed):
 
 
 def _assert_ran(op, impl="cpp"):
-    ran = {k[1]: v for k, v in _dispatch.CALLS.items() if k[0] == op}
+    ran = {k[1]: v for k, v in _dispatch.calls().items() if k[0] == op}
     assert ran.get(impl, 0) > 0 and set(ran) == {impl}, f"{op} ran {ran}, expected only {impl}"
 
 
@@ -270,7 +270,7 @@ def test_cpp_path_runs_not_the_reference(monkeypatch):
     rms_mod.rms_norm(x, torch.ones(8), 1e-5).sum().backward()
     swiglu_mod.swiglu(x).sum().backward()
     rope_mod.rotary_pos_emb(x.view(4, 1, 1, 8), torch.randn(4, 1, 1, 8)).sum().backward()
-    assert _dispatch.CALLS == {("rms_norm", "cpp"): 1, ("swiglu", "cpp"): 1, ("rotary_pos_emb", "cpp"): 1}
+    assert _dispatch.calls() == {("rms_norm", "cpp"): 1, ("swiglu", "cpp"): 1, ("rotary_pos_emb", "cpp"): 1}
 
 
 def test_mixed_dtypes_take_the_reference_and_promote_like_torch():
@@ -292,8 +292,8 @@ from npuspeed.ops.rope import rotary_pos_emb
 x = torch.randn(4, 8, requires_grad=True)
 (rms_norm(x, torch.ones(8), 1e-5).sum() + swiglu(x).sum()
  + rotary_pos_emb(x.view(4, 1, 1, 8), torch.randn(4, 1, 1, 8)).sum()).backward()
-paths = {f.name: f.path(state.args, state.accelerator) for f, on in state.features if on}
-print(json.dumps({"calls": {f"{k[0]}:{k[1]}": v for k, v in _dispatch.CALLS.items()},
+paths = {f.name: f.path(state.context) for f, on in state.features if on}
+print(json.dumps({"calls": {f"{k[0]}:{k[1]}": v for k, v in _dispatch.calls().items()},
                   "ops": {r["name"]: r["compiled"] for r in catalog()}, "paths": paths, "notes": state.notes}))
 """
 

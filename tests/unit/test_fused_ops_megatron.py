@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from npuspeed import telemetry
 from npuspeed.ops import _dispatch
 from npuspeed.ops._extension import has_op
 
@@ -74,7 +75,7 @@ def test_rmsnorm_is_fused_and_keeps_sequence_parallel_marks(npuspeed_runtime, wi
     fused.load_state_dict(plain.state_dict())
     x = torch.randn(6, 2, 32)
     _assert_same(_run(fused, x), _run(plain, x))
-    assert _dispatch.CALLS[("rms_norm", "cpp")] == 1
+    assert _dispatch.calls().get(("rms_norm", "cpp"), 0) == 1
 
 
 # -- SwiGLU ------------------------------------------------------------------------------------
@@ -97,15 +98,15 @@ def test_swiglu_mlp_matches_unfused_megatron(megatron_mp, with_features, bias, f
             p.normal_(0, 0.2)
     x = torch.randn(5, 2, 32)
     expected = _run(baseline, x)
-    routed_before = feature.ROUTED["count"]
+    routed_before = telemetry.get(feature.ROUTED)
     with with_features(["--use-fused-swiglu"]):
         mlp = _mlp(_config(**kw, bias_activation_fusion=fusion))
         mlp.load_state_dict(baseline.state_dict())
         got = _run(mlp, x)
     _assert_same(got, expected)
-    assert _dispatch.CALLS[("swiglu", "cpp")] == 1
+    assert _dispatch.calls().get(("swiglu", "cpp"), 0) == 1
     # Without the fusion flag the MLP was routed through a private config copy.
-    assert feature.ROUTED["count"] - routed_before == (0 if fusion else 1)
+    assert telemetry.get(feature.ROUTED) - routed_before == (0 if fusion else 1)
     assert mlp.config.bias_activation_fusion is True
 
 
@@ -114,7 +115,7 @@ def test_swiglu_leaves_other_activations_alone(megatron_mp, with_features):
         gelu = _mlp(_config(gated_linear_unit=False, activation_func=F.gelu))
         gelu(torch.randn(3, 1, 32))
     assert gelu.config.bias_activation_fusion is False
-    assert _dispatch.CALLS[("swiglu", "cpp")] == 0
+    assert _dispatch.calls().get(("swiglu", "cpp"), 0) == 0
 
 
 # -- RoPE --------------------------------------------------------------------------------------
@@ -138,7 +139,7 @@ def test_rope_matches_megatron_bitwise(megatron_mp, with_features, interleaved, 
         got = _run(lambda t: rope_utils.apply_rotary_pos_emb(t, freqs, config), t)
     assert torch.equal(got[0], expected[0])
     torch.testing.assert_close(got[1][0], expected[1][0], rtol=1e-6, atol=1e-6)
-    assert _dispatch.CALLS[("rotary_pos_emb", "cpp")] == 1
+    assert _dispatch.calls().get(("rotary_pos_emb", "cpp"), 0) == 1
 
 
 def test_rope_packed_thd_sequences(megatron_mp, with_features):
@@ -152,7 +153,7 @@ def test_rope_packed_thd_sequences(megatron_mp, with_features):
     with with_features(["--use-fused-rotary-pos-emb"]):
         got = _run(lambda t: rope_utils.apply_rotary_pos_emb(t, freqs, config, cu_seqlens=cu_seqlens), t)
     assert torch.equal(got[0], expected[0])
-    assert _dispatch.CALLS[("rotary_pos_emb", "cpp")] >= 1  # one call (0.16 packs) or one per sequence
+    assert _dispatch.calls().get(("rotary_pos_emb", "cpp"), 0) >= 1  # one call (0.16 packs) or one per sequence
 
 
 def test_rope_multi_latent_attention_goes_to_megatron(megatron_mp, with_features):
@@ -163,7 +164,7 @@ def test_rope_multi_latent_attention_goes_to_megatron(megatron_mp, with_features
     with with_features(["--use-fused-rotary-pos-emb"]):
         got = rope_utils._apply_rotary_pos_emb_bshd(t, freqs, multi_latent_attention=True)
     assert torch.equal(got, expected)
-    assert _dispatch.CALLS[("rotary_pos_emb", "cpp")] == 0
+    assert _dispatch.calls().get(("rotary_pos_emb", "cpp"), 0) == 0
 
 
 # -- all three in a Llama-style GPT ------------------------------------------------------------
@@ -194,7 +195,7 @@ def test_llama_style_gpt_with_all_three_flags(megatron_mp, with_features):
     torch.manual_seed(7)
     baseline = _gpt(config)
     base_loss, base_grads = loss_and_grads(baseline)
-    assert sum(_dispatch.CALLS.values()) == 0
+    assert sum(_dispatch.calls().values()) == 0
     with with_features(FLAGS):
         model = _gpt(config)
         model.load_state_dict(baseline.state_dict())
@@ -203,20 +204,21 @@ def test_llama_style_gpt_with_all_three_flags(megatron_mp, with_features):
     for name, g in base_grads.items():
         torch.testing.assert_close(grads[name], g, rtol=1e-4, atol=1e-5, msg=name)
     # 2 layers x 2 norms + final norm; 2 MLPs; q and k per layer.
-    assert _dispatch.CALLS == {("rms_norm", "cpp"): 5, ("swiglu", "cpp"): 2, ("rotary_pos_emb", "cpp"): 4}
+    assert _dispatch.calls() == {("rms_norm", "cpp"): 5, ("swiglu", "cpp"): 2, ("rotary_pos_emb", "cpp"): 4}
 
 
 def test_report_paths(npuspeed_runtime):
-    from npuspeed import arguments
+    from feature_ctx import ctx_for
+
     from npuspeed.features import all_features
 
-    args = arguments.parse_args(FLAGS)
-    paths = {f.name: f.path(args, npuspeed_runtime.accelerator) for f in all_features()}
+    ctx = ctx_for(FLAGS)
+    paths = {f.name: f.path(ctx) for f in all_features()}
     assert paths["fused_rmsnorm"].startswith("npuspeed::rms_norm (C++ csrc/cpu/rms_norm.cpp")
     assert paths["fused_swiglu"].startswith("npuspeed::swiglu (C++")
     assert paths["fused_rotary_pos_emb"].startswith("npuspeed::rotary_pos_emb (C++")
-    off = arguments.parse_args([])
-    assert all(f.path(off, npuspeed_runtime.accelerator) == "off" for f in all_features()
+    off = ctx_for([])
+    assert all(f.path(off) == "off" for f in all_features()
                if f.name.startswith("fused_") and f.name != "fused_attention")
 
 
@@ -232,7 +234,7 @@ def test_bias_swiglu_options_keep_megatrons_kernel():
     patched = fused_bias_swiglu(megatron_impl)
     x, bias = torch.randn(3, 8), torch.randn(8)
     torch.testing.assert_close(patched(x, bias, False, False), F.silu((x + bias)[:, :4]) * (x + bias)[:, 4:])
-    assert seen == [] and _dispatch.CALLS[("swiglu", "cpp")] == 1
+    assert seen == [] and _dispatch.calls().get(("swiglu", "cpp"), 0) == 1
     patched(x, bias, True)
     patched(x, None, False, cpu_offload_input=True)
     assert seen == [(True, False), (False, True)]

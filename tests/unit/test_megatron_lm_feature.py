@@ -327,8 +327,10 @@ def _registered(accelerator_name: str) -> dict:
     from npuspeed.features.megatron_lm import MegatronLMFeature
 
     registry = RecordingRegistry()
+    from feature_ctx import ctx_for
+
     acc = types.SimpleNamespace(name=accelerator_name, device=lambda index=None: CPU)
-    MegatronLMFeature().register_patches(registry, argparse.Namespace(), acc)
+    MegatronLMFeature().register_patches(registry, ctx_for([], acc))
     return {target: (kind, rng) for target, kind, rng in registry.calls}
 
 
@@ -389,14 +391,16 @@ def test_torch_compile_under_the_cuda_shim(mode, tmp_path):
 
 
 def test_missing_load_time_imports_name_the_extra(monkeypatch):
+    from feature_ctx import ctx_for
+
     from npuspeed.features import megatron_lm
     from npuspeed.features.base import FeatureError
 
     monkeypatch.setattr(megatron_lm, "_importable", lambda module: module != "pydantic")
     with pytest.raises(FeatureError, match=r"imports pydantic at load.*npuspeed\[megatron-lm\]"):
-        megatron_lm.MegatronLMFeature().validate(argparse.Namespace(), None)
+        megatron_lm.MegatronLMFeature().validate(ctx_for([], None))
     monkeypatch.setattr(megatron_lm, "_importable", lambda module: True)
-    megatron_lm.MegatronLMFeature().validate(argparse.Namespace(), None)
+    megatron_lm.MegatronLMFeature().validate(ctx_for([], None))
     assert set(megatron_lm.LOAD_TIME_IMPORTS.values()) <= set(_extra("megatron-lm"))
 
 

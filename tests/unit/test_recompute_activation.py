@@ -22,9 +22,11 @@ NUM = "--recompute-activation-function-num-layers"
 
 
 def _stats():
-    from npuspeed.features.recompute_activation.checkpoint import STATS
+    from npuspeed import telemetry
+    from npuspeed.features.recompute_activation.checkpoint import PREFIX
 
-    return dict(STATS)
+    names = ("freed", "freed_bytes", "kept_shared", "recomputed", "inputs_released")
+    return {name: telemetry.get(PREFIX + name) for name in names}
 
 
 def _delta(before: dict) -> dict:
@@ -54,25 +56,24 @@ def _feature():
     ([FLAG, NUM, "0"], f"{NUM} must be a positive number"),
 ])
 def test_bad_flags_are_clear_errors(npuspeed_runtime, argv, message):
-    from npuspeed import arguments
+    from feature_ctx import ctx_for
 
-    args = arguments.parse_args(argv)
+    ctx = ctx_for(argv)
     feature = _feature()
-    assert feature.enabled(args)  # so that the runtime validates it
+    assert feature.enabled(ctx.args)  # so that the runtime validates it
     with pytest.raises(FeatureError, match=message):
-        feature.validate(args, npuspeed_runtime.accelerator)
+        feature.validate(ctx)
 
 
 def test_flags_off_and_on(npuspeed_runtime):
-    from npuspeed import arguments
+    from feature_ctx import ctx_for
 
-    acc = npuspeed_runtime.accelerator
-    off = arguments.parse_args([])
-    assert not _feature().enabled(off) and _feature().path(off, acc) == "off"
-    on = arguments.parse_args([FLAG, NUM, "3"])
-    _feature().validate(on, acc)
-    assert "CheckpointWithoutOutput" in _feature().path(on, acc)
-    assert "first 3 layers of each pipeline stage" in _feature().path(on, acc)
+    off = ctx_for([])
+    assert not _feature().enabled(off.args) and _feature().path(off) == "off"
+    on = ctx_for([FLAG, NUM, "3"])
+    _feature().validate(on)
+    assert "CheckpointWithoutOutput" in _feature().path(on)
+    assert "first 3 layers of each pipeline stage" in _feature().path(on)
 
 
 def test_num_layers_beyond_the_stage_is_refused_at_build(megatron_mp, with_features):
@@ -168,7 +169,7 @@ def test_mlp_with_fused_swiglu(megatron_mp, with_features, bias, fusion):
         setattr(mlp, ATTR, True)
         got = _run_mlp(mlp, x)
     _assert_bitwise(got, expected)
-    assert _dispatch.CALLS[("swiglu", "cpp")] == 2  # forward + recompute
+    assert _dispatch.calls().get(("swiglu", "cpp"), 0) == 2  # forward + recompute
     assert _delta(before)["recomputed"] == 1
 
 
@@ -231,40 +232,41 @@ def test_first_n_layers_of_each_stage_interleaved_across_virtual_chunks(megatron
 
     with with_features([FLAG]):
         block = _fake_block(8, 4, pp=2)
-        select(block, 3)
+        select(block, 3, [].append)
         assert _selected(block) == [True, True, True, False]
         block = _fake_block(8, 4, pp=2)
-        select(block, None)
+        select(block, None, [].append)
         assert _selected(block) == [True] * 4
         # PP2 x VPP2, 8 layers: a stage holds two chunks of 2; N=3 takes positions 0 of both
         # chunks, then position 1 of chunk 0.
         chunks = [_fake_block(8, 2, pp=2, vpp=2, vp_stage=v) for v in (0, 1)]
         for chunk in chunks:
-            select(chunk, 3)
+            select(chunk, 3, [].append)
         assert [_selected(c) for c in chunks] == [[True, True], [True, False]]
         with pytest.raises(FeatureError, match=f"{NUM} 5 is larger than the 4"):
-            select(_fake_block(8, 2, pp=2, vpp=2, vp_stage=0), 5)
+            select(_fake_block(8, 2, pp=2, vpp=2, vp_stage=0), 5, [].append)
 
 
 def test_full_recompute_wins_offloading_excludes_and_both_say_so(megatron_mp, with_features):
-    from npuspeed import runtime
     from npuspeed.features.recompute_activation.layers import select
+
+    notes = []
 
     with with_features([FLAG]):
         block = _fake_block(4, 4, recompute_granularity="full", recompute_method="block", recompute_num_layers=2)
-        select(block, None)
+        select(block, None, notes.append)
         assert _selected(block) == [False, False, True, True]
         block = _fake_block(4, 4, recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-        select(block, None)
+        select(block, None, notes.append)
         assert _selected(block) == [False] * 4
         block = _fake_block(4, 4, recompute_granularity="selective")
-        select(block, None)
+        select(block, None, notes.append)
         assert _selected(block) == [True] * 4
         block = _fake_block(4, 4, cpu_offloading=True)
-        select(block, None)
+        select(block, None, notes.append)
         assert _selected(block) == [False] * 4
-    assert any("full recompute wins" in n for n in runtime.state().notes)
-    assert any("offloaded to the host" in n for n in runtime.state().notes)
+    assert any("full recompute wins" in n for n in notes)
+    assert any("offloaded to the host" in n for n in notes)
 
 
 # -- a whole GPT -------------------------------------------------------------------------------
@@ -369,11 +371,10 @@ def test_gpt_memory_saved_is_the_activations(megatron_mp, with_features):
 
 
 def test_moe_layers_are_excluded_and_said(megatron_mp, with_features):
-    from npuspeed import runtime
 
     (base_loss, _, _, _), (loss, _, _, _), delta = _gpt_pair(
         with_features, [FLAG], num_moe_experts=2, moe_router_topk=2, add_bias_linear=False,
         moe_token_dispatcher_type="alltoall", moe_ffn_hidden_size=4 * HIDDEN)
     assert torch.equal(loss, base_loss)
     assert delta["freed"] == 0
-    assert any("MoE/expert MLPs are not covered" in n for n in runtime.state().notes)
+    assert any("MoE/expert MLPs are not covered" in n for n in with_features.ctx.notes)

@@ -19,6 +19,7 @@ def test_masters_are_freed_at_rest_and_rebuilt_exactly():
     assert shared.pairs[0].residual.numel() == 1000
     shared.materialize()
     assert torch.equal(main.view(torch.int32), exact.view(torch.int32))
+    assert shared.pairs[0].residual is None  # during the step: master, no residual
     # A step: new masters; Megatron copies them into the bf16 params before release.
     main.add_(0.125)
     model.copy_(main)
@@ -32,12 +33,13 @@ def test_masters_are_freed_at_rest_and_rebuilt_exactly():
 def test_flag_rejects_fp16_and_fp32(with_features, monkeypatch):
     from npuspeed.features.reuse_fp32_param import ReuseFp32ParamFeature
 
-    monkeypatch.setattr("sys.argv", ["train.py", "--fp16", "--reuse-fp32-param"])
+    from feature_ctx import ctx_for
+
+    monkeypatch.setattr("sys.argv", ["train.py"])  # the context's argv counts, not sys.argv
     feature = ReuseFp32ParamFeature()
-    args = type("A", (), {"reuse_fp32_param": True})()
     with pytest.raises(FeatureError, match="--reuse-fp32-param works with --bf16 only"):
-        feature.validate(args, None)
-    monkeypatch.setattr("sys.argv", ["train.py"])
+        feature.validate(ctx_for(["--fp16", "--reuse-fp32-param"], None))
+    feature.validate(ctx_for(["--bf16", "--reuse-fp32-param"], None))
     with with_features(["--reuse-fp32-param"]):
         from megatron.core.optimizer.optimizer import FP32Optimizer
 

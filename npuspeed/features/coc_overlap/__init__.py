@@ -15,25 +15,13 @@ default). Shapes N does not divide use the nearest divisor, logged (chunking.py)
 """
 from __future__ import annotations
 
-import argparse
-
 from npuspeed.features.base import Feature, FeatureError
-from npuspeed.features.coc_overlap.comm import STATS
 from npuspeed.features.coc_overlap.layers import (
     Settings, build_module_wrapper, column_forward_wrapper, init_wrapper, row_forward_wrapper, use_mc2,
 )
 
 LAYERS = "megatron.core.tensor_parallel.layers"
 MEGATRON_RANGE = ">=0.12,<0.17"  # forward(input_, weight, runtime_gather_output) / forward(input_)
-
-
-def _tp_size_from_argv() -> int | None:
-    """--tensor-model-parallel-size from the command line, if given (Megatron's flag)."""
-    from npuspeed.arguments import argv_with_env
-
-    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    parser.add_argument("--tensor-model-parallel-size", type=int, default=None)
-    return parser.parse_known_args(argv_with_env())[0].tensor_model_parallel_size
 
 
 class CocFeature(Feature):
@@ -51,12 +39,13 @@ class CocFeature(Feature):
                            help="With --use-coc on an NPU: torch_npu's fused MC2 kernels "
                                 "(npu_all_gather_base_mm, npu_mm_reduce_scatter_base) instead of chunks.")
 
-    def enabled(self, args: argparse.Namespace) -> bool:
+    def enabled(self, args) -> bool:
         # The companion flags alone turn the feature on, so validate() can refuse them.
         return bool(getattr(args, "use_coc", False) or getattr(args, "use_ascend_mc2", False)
                     or getattr(args, "coc_parallel_num", None) is not None)
 
-    def validate(self, args: argparse.Namespace, accelerator) -> None:
+    def validate(self, ctx) -> None:
+        args = ctx.args
         if not args.use_coc:
             given = [f for f, on in (("--coc-parallel-num", args.coc_parallel_num is not None),
                                      ("--use-ascend-mc2", args.use_ascend_mc2)) if on]
@@ -67,28 +56,29 @@ class CocFeature(Feature):
             got = "not given" if n is None else f"got {n}"
             raise FeatureError(f"--use-coc needs --coc-parallel-num N with N > 1 ({got}): one chunk "
                                "leaves nothing to overlap. Add e.g. --coc-parallel-num 2, or drop --use-coc.")
-        tp = _tp_size_from_argv()
+        tp = ctx.megatron.tensor_model_parallel_size
         if tp is not None and tp <= 1:
             raise FeatureError(f"--use-coc overlaps tensor-parallel communication, but "
                                f"--tensor-model-parallel-size is {tp}; use a size > 1 or drop --use-coc.")
 
-    def prepare(self, args, accelerator) -> None:
-        from npuspeed import runtime
-
+    def prepare(self, ctx) -> None:
+        args, accelerator = ctx.args, ctx.accelerator
         if args.use_ascend_mc2 and not use_mc2(Settings(args.coc_parallel_num, True, accelerator)):
-            runtime.note(f"--use-ascend-mc2: no torch_npu MC2 kernels on {accelerator.name}; "
-                         f"--use-coc runs the chunked path (N={args.coc_parallel_num}).")
+            ctx.note(f"--use-ascend-mc2: no torch_npu MC2 kernels on {accelerator.name}; "
+                     f"--use-coc runs the chunked path (N={args.coc_parallel_num}).")
 
-    def register_patches(self, registry, args, accelerator) -> None:
-        settings = Settings(args.coc_parallel_num, bool(args.use_ascend_mc2), accelerator)
+    def register_patches(self, registry, ctx) -> None:
+        args = ctx.args
+        settings = Settings(args.coc_parallel_num, bool(args.use_ascend_mc2), ctx.accelerator, ctx.note)
         kw = dict(feature=self.name, megatron=MEGATRON_RANGE)
         registry.register(f"{LAYERS}.ColumnParallelLinear.forward", wrapper=column_forward_wrapper(settings), **kw)
         registry.register(f"{LAYERS}.RowParallelLinear.forward", wrapper=row_forward_wrapper(settings), **kw)
-        registry.register(f"{LAYERS}.ColumnParallelLinear.__init__", wrapper=init_wrapper("ColumnParallelLinear"), **kw)
-        registry.register(f"{LAYERS}.RowParallelLinear.__init__", wrapper=init_wrapper("RowParallelLinear"), **kw)
+        registry.register(f"{LAYERS}.ColumnParallelLinear.__init__", wrapper=init_wrapper("ColumnParallelLinear", ctx.note), **kw)
+        registry.register(f"{LAYERS}.RowParallelLinear.__init__", wrapper=init_wrapper("RowParallelLinear", ctx.note), **kw)
         registry.register("megatron.core.transformer.spec_utils.build_module", wrapper=build_module_wrapper, **kw)
 
-    def path(self, args, accelerator) -> str:
+    def path(self, ctx) -> str:
+        args, accelerator = ctx.args, ctx.accelerator
         if not self.enabled(args):
             return "off"
         n = args.coc_parallel_num
@@ -103,4 +93,4 @@ class CocFeature(Feature):
                 f"{accelerator.dist_backend} collectives {where}{mc2}; {target}")
 
 
-__all__ = ["CocFeature", "STATS"]
+__all__ = ["CocFeature"]

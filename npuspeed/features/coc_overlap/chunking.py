@@ -11,8 +11,10 @@ from __future__ import annotations
 import functools
 import logging
 
+from npuspeed import telemetry
+
 log = logging.getLogger("npuspeed")
-_LOGGED: set = set()
+ONCE = "coc.chunks"  # telemetry.once key prefix of the shapes already logged
 
 
 @functools.lru_cache(maxsize=256)
@@ -29,22 +31,17 @@ def nearest_divisor(m: int, n: int) -> int:
     return min(divisors, key=lambda k: (abs(k - n), -k))
 
 
-def chunk_count(m: int, n: int, where: str) -> int:
-    """Chunks for `m` rows when `n` were asked for; logs once per (where, m, n) if it differs."""
+def chunk_count(m: int, n: int, where: str, note=None) -> int:
+    """Chunks for `m` rows when `n` were asked for; says so once per (where, m, n) if it
+    differs, through `note` (the run's note sink) or the log."""
     chosen = nearest_divisor(m, n)
-    if chosen != n and (where, m, n) not in _LOGGED:
-        _LOGGED.add((where, m, n))
+    if chosen != n and telemetry.once((ONCE, where, m, n)):
         message = (f"--coc-parallel-num {n}: {where} has {m} rows per rank, not divisible by {n}; "
                    f"using {chosen} chunk{'s' if chosen != 1 else ''} of {m // chosen} rows for this shape")
-        from npuspeed import runtime
-
-        if runtime.state() is not None:
-            runtime.note(message)
-        else:
-            log.warning(message)
+        (note or log.warning)(message)
     return chosen
 
 
 def logged_shapes() -> set:
     """(where, m, n) of every fallback logged so far (tests)."""
-    return set(_LOGGED)
+    return {key[1:] for key in telemetry.seen_once(ONCE)}

@@ -6,32 +6,30 @@ multiplies the next chunk. On CUDA/NPU it is launched from a separate communicat
 (`get_accelerator().Stream()`), which first waits for the compute stream (its input is
 ready), and the compute stream waits for it back before the result is read.
 
-Every launch is counted in `STATS`, so a test can prove that N chunked collectives ran.
+Every launch is counted (telemetry `coc.collective.<kind>`), so a test can prove that N
+chunked collectives ran; layer passes are `coc.call.<path>`.
 """
 from __future__ import annotations
 
-from collections import Counter
-from dataclasses import dataclass, field
-
 import torch
 
+from npuspeed import telemetry
 from npuspeed.accelerator.base import NullStream
 from npuspeed.features.coc_overlap.chunking import chunk_count
 
-
-@dataclass
-class CocStats:
-    #: collectives launched, by kind ("all_gather", "reduce_scatter", "all_reduce", "mc2:<op>")
-    collectives: Counter = field(default_factory=Counter)
-    #: layer passes, by path ("column_sp.forward", "row_ar.backward", ...)
-    calls: Counter = field(default_factory=Counter)
-
-    def reset(self) -> None:
-        self.collectives.clear()
-        self.calls.clear()
+#: counter prefixes: collectives launched by kind ("all_gather", "reduce_scatter",
+#: "all_reduce", "mc2:<op>"), and layer passes by path ("column_sp.forward", ...)
+COLLECTIVE, CALL = "coc.collective.", "coc.call."
 
 
-STATS = CocStats()
+def counted(prefix: str) -> dict[str, int]:
+    """The counters under COLLECTIVE or CALL, by kind/path."""
+    return {name[len(prefix):]: n for name, n in telemetry.snapshot(prefix).items()}
+
+
+def reset_counts() -> None:
+    telemetry.reset(COLLECTIVE)
+    telemetry.reset(CALL)
 _COMM_STREAMS: dict = {}
 
 
@@ -60,7 +58,7 @@ class Collectives:
         self.stream = _comm_stream(acc)
 
     def _launch(self, kind: str, value, call, keep=()) -> Pending:
-        STATS.collectives[kind] += 1
+        telemetry.count(COLLECTIVE + kind)
         if self.stream is None:
             return Pending(value, [call()], keep=keep)
         self.stream.wait_stream(self.acc.current_stream())
@@ -130,13 +128,13 @@ class ChunkedEngine:
 
     name = "chunked"
 
-    def __init__(self, n: int, comm: Collectives):
-        self.n, self.comm = n, comm
+    def __init__(self, n: int, comm: Collectives, note=None):
+        self.n, self.comm, self.note = n, comm, note
 
     def ag_mm(self, x: torch.Tensor, w_t: torch.Tensor, keep_gathered: bool = False):
         """(all_gather(x) @ w_t, all_gather(x) or None); x holds this rank's m rows."""
         p, (m, k) = self.comm.size, x.shape
-        n = chunk_count(m, self.n, "all-gather+matmul")
+        n = chunk_count(m, self.n, "all-gather+matmul", self.note)
         c = m // n
         x = x.contiguous()
         gathered = None
@@ -164,7 +162,7 @@ class ChunkedEngine:
         """reduce_scatter(x @ w_t): x holds all p*m rows; rank r gets rows r*m..(r+1)*m."""
         p = self.comm.size
         m = x.shape[0] // p
-        n = chunk_count(m, self.n, "matmul+reduce-scatter")
+        n = chunk_count(m, self.n, "matmul+reduce-scatter", self.note)
         c = m // n
         x = x.contiguous()
         parts = x.new_empty(n, p * c, w_t.shape[1])  # the size of Megatron's unreduced output
@@ -179,7 +177,7 @@ class ChunkedEngine:
     def mm_ar(self, x: torch.Tensor, w_t: torch.Tensor) -> Pending:
         """all_reduce(x @ w_t), chunk by chunk of rows."""
         m = x.shape[0]
-        n = chunk_count(m, self.n, "matmul+all-reduce")
+        n = chunk_count(m, self.n, "matmul+all-reduce", self.note)
         c = m // n
         out = x.new_empty(m, w_t.shape[1])
         pending = []

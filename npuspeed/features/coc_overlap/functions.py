@@ -24,7 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-from npuspeed.features.coc_overlap.comm import STATS, gather_buffer
+from npuspeed import telemetry
+from npuspeed.features.coc_overlap.comm import CALL, gather_buffer
 
 
 @dataclass(frozen=True)
@@ -82,10 +83,10 @@ class ColumnLinear(torch.autograd.Function):
         _save(ctx, spec, x2d, weight)
         ctx.use_bias = bias is not None
         if spec.sequence_parallel:
-            STATS.calls["column_sp.forward"] += 1
+            telemetry.count(CALL + "column_sp.forward")
             out, _ = spec.engine.ag_mm(x2d, weight.t())
         else:
-            STATS.calls["column_ar.forward"] += 1
+            telemetry.count(CALL + "column_ar.forward")
             out = torch.matmul(x2d, weight.t())
         if bias is not None:
             out = out + bias
@@ -96,7 +97,7 @@ class ColumnLinear(torch.autograd.Function):
         x2d, weight = ctx.saved_tensors
         spec, comm = ctx.spec, ctx.spec.engine.comm
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        STATS.calls[("column_sp" if spec.sequence_parallel else "column_ar") + ".backward"] += 1
+        telemetry.count(CALL + ("column_sp" if spec.sequence_parallel else "column_ar") + ".backward")
         g2d = grad_output.contiguous()
         gather = None
         if need_dw and spec.sequence_parallel:  # re-gather x for dW, under the dgrad matmuls
@@ -122,9 +123,9 @@ class RowLinear(torch.autograd.Function):
     def forward(ctx, x2d, weight, spec: LinearSpec):
         _save(ctx, spec, x2d, weight)
         if spec.sequence_parallel:
-            STATS.calls["row_sp.forward"] += 1
+            telemetry.count(CALL + "row_sp.forward")
             return spec.engine.mm_rs(x2d, weight.t()).wait()
-        STATS.calls["row_ar.forward"] += 1
+        telemetry.count(CALL + "row_ar.forward")
         return spec.engine.mm_ar(x2d, weight.t()).wait()
 
     @staticmethod
@@ -135,14 +136,14 @@ class RowLinear(torch.autograd.Function):
         g2d = grad_output.contiguous()
         grad_input = grad_weight = None
         if spec.sequence_parallel:
-            STATS.calls["row_sp.backward"] += 1
+            telemetry.count(CALL + "row_sp.backward")
             if need_dx:
                 grad_input, g_full = spec.engine.ag_mm(g2d, weight, keep_gathered=need_dw)
             elif need_dw:  # frozen input: only dW needs the gathered gradient
                 g_full = g2d.new_empty(g2d.shape[0] * spec.engine.comm.size, g2d.shape[1])
                 spec.engine.comm.all_gather(g_full, g2d).wait()
         else:
-            STATS.calls["row_ar.backward"] += 1
+            telemetry.count(CALL + "row_ar.backward")
             g_full = g2d
             grad_input = g2d.matmul(weight) if need_dx else None
         if need_dw:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 import re
 from dataclasses import dataclass
 
@@ -23,6 +24,7 @@ from npuspeed.features.coc_overlap.comm import ChunkedEngine, Collectives
 from npuspeed.features.coc_overlap.functions import ColumnLinear, LinearSpec, RowLinear
 from npuspeed.features.coc_overlap.mc2 import Mc2Engine
 
+log = logging.getLogger("npuspeed")
 FLAG = "--use-coc"
 _LINEAR_NAME = re.compile(r"(Column|Row)ParallelLinear$")
 
@@ -32,6 +34,8 @@ class Settings:
     n: int
     mc2: bool
     accelerator: object
+    #: the run's note sink (ctx.note); None logs instead
+    note: object = None
 
 
 def tp_group(layer):
@@ -52,7 +56,7 @@ def use_mc2(settings: Settings) -> bool:
 
 
 def make_engine(group, settings: Settings):
-    chunked = ChunkedEngine(settings.n, Collectives(group, settings.accelerator))
+    chunked = ChunkedEngine(settings.n, Collectives(group, settings.accelerator), settings.note)
     if use_mc2(settings):
         return Mc2Engine(settings.accelerator.torch_npu, chunked, group, settings.accelerator)
     return chunked
@@ -129,7 +133,7 @@ def row_forward_wrapper(settings: Settings):
     return wrapper
 
 
-def init_wrapper(kind: str):
+def init_wrapper(kind: str, note=None):
     """After Megatron's __init__: refuse what the chunked path cannot do, at model build."""
 
     def wrapper(original):
@@ -137,7 +141,7 @@ def init_wrapper(kind: str):
         def __init__(self, *args, **kwargs):
             original(self, *args, **kwargs)
             if getattr(self, "explicit_expert_comm", False):  # nothing to chunk in the linear
-                _note(f"--use-coc: MoE expert {kind}s communicate outside the linear (token "
+                (note or log.warning)(f"--use-coc: MoE expert {kind}s communicate outside the linear (token "
                       "dispatcher); they run Megatron's own forward")
                 return
             if tp_group(self).size() == 1:
@@ -153,12 +157,6 @@ def init_wrapper(kind: str):
         return __init__
 
     return wrapper
-
-
-def _note(message: str) -> None:
-    from npuspeed import runtime
-
-    runtime.note(message)
 
 
 def check_linear_class(cls) -> None:

@@ -17,11 +17,11 @@ import logging
 
 import torch
 
-from npuspeed.features.coc_overlap.comm import STATS, ChunkedEngine, Pending
+from npuspeed import telemetry
+from npuspeed.features.coc_overlap.comm import COLLECTIVE, ChunkedEngine, Pending
 
 log = logging.getLogger("npuspeed")
 OPS = ("npu_all_gather_base_mm", "npu_mm_reduce_scatter_base")
-_LOGGED: set = set()
 
 
 def hccl_comm_name(group, acc) -> str:
@@ -64,11 +64,9 @@ class Mc2Engine:
         why = None if hasattr(self.npu, op) else f"this torch_npu has no {op}"
         why = why or unsupported(x, w_t, self.size)
         if why is None:
-            STATS.collectives[f"mc2:{op}"] += 1
+            telemetry.count(f"{COLLECTIVE}mc2:{op}")
             return True
-        key = (op, tuple(x.shape), x.dtype)
-        if key not in _LOGGED:
-            _LOGGED.add(key)
+        if telemetry.once(("coc.mc2", op, tuple(x.shape), x.dtype)):
             log.warning("--use-ascend-mc2: %s for %s %s; this shape runs the chunked path", why,
                         op, tuple(x.shape))
         return False

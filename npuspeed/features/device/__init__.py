@@ -7,7 +7,6 @@ HCCL for NCCL, plus the points it misses. CUDA: only the backend-independent fix
 """
 from __future__ import annotations
 
-import argparse
 import logging
 
 from npuspeed.features.base import Feature
@@ -30,17 +29,21 @@ class DeviceFeature(Feature):
             help="Accelerator to run on (overrides NPUSPEED_DEVICE; default: detect).",
         )
 
-    def prepare(self, args: argparse.Namespace, accelerator) -> None:
+    def prepare(self, ctx) -> None:
         """Side effects that must precede patching: the apex guard, NPU's own remapping,
         CPU memory tracking (only storages allocated after this are counted) and its block cache."""
-        self.apex_warning = guard_apex()
+        accelerator = ctx.accelerator
+        warning = guard_apex()  # logs it
+        if warning and warning not in ctx.notes:
+            ctx.notes.append(warning)
         if accelerator.name == "npu":
             accelerator.transfer_to_npu()
         if accelerator.name == "cpu":
             accelerator.enable_memory_tracking()
             accelerator.configure_host_cache()
 
-    def register_patches(self, registry, args, accelerator) -> None:
+    def register_patches(self, registry, ctx) -> None:
+        accelerator = ctx.accelerator
         # Backend-independent: WrappedTorchNorm's SP refusal, MoE split sizes off-CUDA.
         registry.register(
             "megatron.core.transformer.torch_norm.WrappedTorchNorm.__new__",
@@ -66,7 +69,8 @@ class DeviceFeature(Feature):
             rng.register(registry, self.name)
             megatron_fixes.register(registry, accelerator, self.name)
 
-    def path(self, args, accelerator) -> str:
+    def path(self, ctx) -> str:
+        accelerator = ctx.accelerator
         return {
             "cpu": "cpu: torch.cuda shim + targeted Megatron patches, gloo, device RNG, tracking allocator; "
                    + "block cache: " + accelerator.host_cache(),

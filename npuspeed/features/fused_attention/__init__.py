@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import argparse
 
-from npuspeed.arguments import argv_with_env
 from npuspeed.features.base import Feature, FeatureError
-from npuspeed.features.fused_attention.forward import STATS, KernelChoice, init_wrapper, make_forward
+from npuspeed.features.fused_attention.forward import KernelChoice, init_wrapper, kernel_calls, make_forward
 from npuspeed.features.fused_attention.plan import BandOptions
 from npuspeed.ops import flash_attention as cpu_flash
 
@@ -47,7 +46,8 @@ class FusedAttentionFeature(Feature):
             getattr(args, a, None) is not None for a in ("pre_tockens", "next_tockens", "sparse_mode")
         )
 
-    def validate(self, args: argparse.Namespace, accelerator) -> None:
+    def validate(self, ctx) -> None:
+        args, accelerator = ctx.args, ctx.accelerator
         given = [f for f, a in (("--pre-tockens", "pre_tockens"), ("--next-tockens", "next_tockens"),
                                 ("--sparse-mode", "sparse_mode")) if getattr(args, a, None) is not None]
         if not getattr(args, "use_flash_attn", False):
@@ -65,18 +65,17 @@ class FusedAttentionFeature(Feature):
                                f"{accelerator.name} there is none. Drop --sparse-mode (the band flags "
                                "--pre-tockens/--next-tockens work on every backend).")
 
-    def prepare(self, args, accelerator) -> None:
-        from npuspeed import runtime
-
+    def prepare(self, ctx) -> None:
+        accelerator = ctx.accelerator
         if accelerator.name == "npu" and not accelerator.has_fused_attention():
-            runtime.note("--use-flash-attn: this torch_npu has no npu_fusion_attention; attention runs "
+            ctx.note("--use-flash-attn: this torch_npu has no npu_fusion_attention; attention runs "
                          "torch's scaled_dot_product_attention on the NPU instead.")
         elif not accelerator.has_fused_attention():
-            runtime.note(f"--use-flash-attn: {accelerator.name} has no fused attention kernel; "
+            ctx.note(f"--use-flash-attn: {accelerator.name} has no fused attention kernel; "
                          "scaled_dot_product_attention runs its math backend (S x S scores).")
-        reason = cpu_flash.machine_reason() if accelerator.name == "cpu" and "--bf16" in argv_with_env() else None
+        reason = cpu_flash.machine_reason() if accelerator.name == "cpu" and ctx.megatron.bf16 else None
         if reason:
-            runtime.note("--use-flash-attn: bf16 attention runs PyTorch's scaled_dot_product_attention "
+            ctx.note("--use-flash-attn: bf16 attention runs PyTorch's scaled_dot_product_attention "
                          f"(about 2x slower on bf16), not npuspeed's CPU flash kernel: {reason}.")
 
     @staticmethod
@@ -85,7 +84,8 @@ class FusedAttentionFeature(Feature):
             return "npu_fusion_attention"
         return "sdpa"
 
-    def register_patches(self, registry, args, accelerator) -> None:
+    def register_patches(self, registry, ctx) -> None:
+        args, accelerator = ctx.args, ctx.accelerator
         choice = KernelChoice(
             kernel=self._kernel(accelerator),
             band=BandOptions(args.pre_tockens, args.next_tockens),
@@ -95,7 +95,19 @@ class FusedAttentionFeature(Feature):
         registry.register(f"{TARGET}.forward", make_forward(choice), feature=self.name, megatron=MEGATRON_RANGE)
         registry.register(f"{TARGET}.__init__", wrapper=init_wrapper, feature=self.name, megatron=MEGATRON_RANGE)
 
-    def path(self, args, accelerator) -> str:
+    def check_built(self, block, ctx) -> str | None:
+        from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+        if any(isinstance(m, DotProductAttention) for m in block.modules()):
+            return None
+        kinds = sorted({type(m).__name__ for m in block.modules() if "Attention" in type(m).__name__})
+        return ("--use-flash-attn replaces Megatron-Core's local DotProductAttention, and this block has "
+                f"none (attention modules: {', '.join(kinds) or 'none'}; a Transformer Engine spec keeps "
+                "TE's own kernel): build the model with the local spec (--transformer-impl local) or "
+                "drop --use-flash-attn")
+
+    def path(self, ctx) -> str:
+        args, accelerator = ctx.args, ctx.accelerator
         band = ""
         if args.pre_tockens is not None or args.next_tockens is not None:
             band = f"; band pre_tockens={args.pre_tockens} next_tockens={args.next_tockens}"
@@ -113,4 +125,4 @@ class FusedAttentionFeature(Feature):
         return text
 
 
-__all__ = ["FusedAttentionFeature", "STATS"]
+__all__ = ["FusedAttentionFeature", "kernel_calls"]

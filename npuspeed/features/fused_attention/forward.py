@@ -5,14 +5,15 @@ number under `apply_query_key_layer_scaling` and multiplied back by the softmax,
 product is what the kernel gets. Dropout is drawn as upstream draws it: inside the
 model-parallel RNG tracker's fork unless sequence parallelism is on (then the transformer
 block has already forked), so tensor-parallel ranks stay consistent and reproducible.
-Every call is counted in `STATS`, so a test can prove the fused path ran.
+Every call is counted by kernel (telemetry `attention.kernel.<kernel>`) and its details kept
+(`telemetry.last("attention")`), so a test can prove the fused path ran.
 """
 from __future__ import annotations
 
-import collections
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from npuspeed import telemetry
 from npuspeed.features.base import FeatureError
 from npuspeed.features.fused_attention.npu import npu_attention
 from npuspeed.features.fused_attention.plan import BandOptions, plan_masks
@@ -23,19 +24,13 @@ SUPPORTED_MASK_TYPES = ("causal", "padding", "no_mask", "arbitrary")
 CPU_FLASH = "npuspeed_flash_bf16"  # csrc/cpu/flash_attention.cpp, for the calls it covers
 
 
-@dataclass
-class AttentionStats:
-    """How often each implementation ran, and what the last call looked like."""
-
-    calls: collections.Counter = field(default_factory=collections.Counter)
-    last: dict = field(default_factory=dict)
-
-    def reset(self) -> None:
-        self.calls.clear()
-        self.last = {}
+KERNEL = "attention.kernel."  # counter prefix, one counter per kernel
+LAST = "attention"  # telemetry.last(LAST): the latest call's kernel, mask, shapes
 
 
-STATS = AttentionStats()
+def kernel_calls() -> dict[str, int]:
+    """Calls so far by kernel name ("sdpa", CPU_FLASH, "npu_fusion_attention")."""
+    return {name[len(KERNEL):]: n for name, n in telemetry.snapshot(KERNEL).items()}
 
 
 @dataclass(frozen=True)
@@ -121,12 +116,12 @@ def make_forward(choice: KernelChoice):
                 context = run()
         else:
             context = run()
-        STATS.calls[kernel] += 1
-        STATS.last = {
-            "kernel": kernel, "mask": plan.source, "causal": plan.causal,
-            "band": plan.band, "masked": masked, "gqa": query.shape[2] != key.shape[2], "dropout_p": dropout_p,
-            "scale": scale, "dtype": str(query.dtype), "shape": tuple(query.shape),
-        }
+        telemetry.count(KERNEL + kernel)
+        telemetry.record(
+            LAST, kernel=kernel, mask=plan.source, causal=plan.causal,
+            band=plan.band, masked=masked, gqa=query.shape[2] != key.shape[2], dropout_p=dropout_p,
+            scale=scale, dtype=str(query.dtype), shape=tuple(query.shape),
+        )
         return context
 
     return forward

@@ -3,6 +3,8 @@
 computation to an `npuspeed.ops` front end (C++ on CPU, torch_npu on NPU, reference else)."""
 from __future__ import annotations
 
+from npuspeed import telemetry
+from npuspeed.features.base import FeatureError
 from npuspeed.features.fused_ops import rmsnorm, rope, swiglu
 from npuspeed.features.fused_ops.base import FusedOpFeature
 
@@ -14,9 +16,15 @@ class FusedRMSNormFeature(FusedOpFeature):
     replaces = "the torch.nn.RMSNorm of --normalization RMSNorm"
     patches = rmsnorm
 
-    def path(self, args, accelerator) -> str:
-        base = super().path(args, accelerator)
-        return base if base == "off" else f"{base}; {rmsnorm.SWAPPED['count']} norms fused"
+    def validate(self, ctx) -> None:
+        norm = ctx.megatron.normalization
+        if norm is not None and norm != "RMSNorm":
+            raise FeatureError(f"--use-fused-rmsnorm fuses RMSNorm, but --normalization is {norm}: "
+                               "use --normalization RMSNorm or drop --use-fused-rmsnorm")
+
+    def path(self, ctx) -> str:
+        base = super().path(ctx)
+        return base if base == "off" else f"{base}; {telemetry.get(rmsnorm.SWAPPED)} norms fused"
 
 
 class FusedSwiGLUFeature(FusedOpFeature):
@@ -33,6 +41,13 @@ class FusedRoPEFeature(FusedOpFeature):
     op, npu_kernel, source = "rotary_pos_emb", "npu_rotary_mul", "csrc/cpu/rope.cpp"
     replaces = "Megatron's unfused rotary position embedding (--position-embedding-type rope)"
     patches = rope
+
+    def validate(self, ctx) -> None:
+        kind = ctx.megatron.position_embedding_type
+        if kind in ("learned_absolute", "none"):  # rope, yarn, mrope rotate
+            raise FeatureError(f"--use-fused-rotary-pos-emb fuses rotary embeddings, but "
+                               f"--position-embedding-type is {kind}: use --position-embedding-type "
+                               "rope or drop --use-fused-rotary-pos-emb")
 
 
 FEATURES = (FusedRMSNormFeature, FusedSwiGLUFeature, FusedRoPEFeature)

@@ -1,5 +1,6 @@
 """What the three fused-op features share: one flag each, the implementation they report,
-and the notice when the fast kernel is absent (the reference then runs; training goes on)."""
+the notice when the fast kernel is absent (the reference then runs; training goes on), and
+the refusal when the model never builds what the flag fuses (a flag never silently idles)."""
 from __future__ import annotations
 
 import argparse
@@ -19,7 +20,7 @@ class FusedOpFeature(Feature):
     #: the module whose `register(registry, feature)` installs this feature's patches
     patches = None
 
-    def register_patches(self, registry, args, accelerator) -> None:
+    def register_patches(self, registry, ctx) -> None:
         self.patches.register(registry, self.name)
 
     @property
@@ -34,16 +35,21 @@ class FusedOpFeature(Feature):
     def enabled(self, args: argparse.Namespace) -> bool:
         return bool(getattr(args, self.dest, False))
 
-    def prepare(self, args, accelerator) -> None:
-        from npuspeed import runtime
-
-        path = self.path(args, accelerator)
+    def prepare(self, ctx) -> None:
+        path = self.path(ctx)
         if "reference" in path:
-            runtime.note(f"{self.flags[0]}: {path}")
+            ctx.note(f"{self.flags[0]}: {path}")
 
-    def path(self, args, accelerator) -> str:
-        if not self.enabled(args):
+    def check_built(self, block, ctx) -> str | None:
+        acts_in = getattr(self.patches, "acts_in", None)  # None: not knowable from a block
+        if acts_in is None or acts_in(block):
+            return None
+        return f"{self.flags[0]}: {self.patches.NEEDS} (this block has none: {self.patches.found_in(block)})"
+
+    def path(self, ctx) -> str:
+        if not self.enabled(ctx.args):
             return "off"
+        accelerator = ctx.accelerator
         if accelerator.name == "npu":
             if hasattr(accelerator.torch_npu, self.npu_kernel):
                 return f"torch_npu.{self.npu_kernel}"

@@ -12,11 +12,15 @@ import functools
 
 import torch
 
+from npuspeed import telemetry
 from npuspeed.ops.rms_norm import rms_norm
 
 TARGET = "megatron.core.transformer.torch_norm.WrappedTorchNorm.__new__"
-#: how many norms were made fused in this process (the report shows it)
-SWAPPED = {"count": 0}
+#: counter: how many norms were made fused in this process (the report shows it)
+SWAPPED = "rmsnorm.swapped"
+#: what the flag needs, for the error when a built block has no such norm
+NEEDS = ("needs RMSNorm built by Megatron's local spec (--normalization RMSNorm, "
+         "--transformer-impl local)")
 
 
 class FusedRMSNorm(torch.nn.RMSNorm):
@@ -35,10 +39,19 @@ def fused_norm(new):
         norm = new(cls, config, *args, **kwargs)
         if type(norm) is torch.nn.RMSNorm:
             norm.__class__ = FusedRMSNorm
-            SWAPPED["count"] += 1
+            telemetry.count(SWAPPED)
         return norm
 
     return __new__
+
+
+def acts_in(block) -> bool:
+    return any(isinstance(m, FusedRMSNorm) for m in block.modules())
+
+
+def found_in(block) -> str:
+    norms = sorted({type(m).__name__ for m in block.modules() if "norm" in type(m).__name__.lower()})
+    return f"normalization={getattr(block.config, 'normalization', '?')}, norm modules: {', '.join(norms) or 'none'}"
 
 
 def register(registry, feature: str) -> None:

@@ -15,12 +15,15 @@ import functools
 
 import torch.nn.functional as F
 
+from npuspeed import telemetry
 from npuspeed.ops.swiglu import swiglu
 
 BIAS_SWIGLU = "megatron.core.fusions.fused_bias_swiglu.bias_swiglu_impl"
 MLP_INIT = "megatron.core.transformer.mlp.MLP.__init__"
-#: MLPs routed to the fused activation in this process (the report shows it)
-ROUTED = {"count": 0}
+#: counter: MLPs routed to the fused activation in this process
+ROUTED = "swiglu.routed"
+#: what the flag needs, for the error when a built block has no such MLP
+NEEDS = "needs a gated SiLU MLP (--swiglu) built by Megatron's local spec"
 
 
 def fused_bias_swiglu(original):
@@ -53,9 +56,29 @@ def route_mlp(init):
             fused = copy.copy(self.config)
             object.__setattr__(fused, "bias_activation_fusion", True)
             self.config = fused
-            ROUTED["count"] += 1
+            telemetry.count(ROUTED)
 
     return __init__
+
+
+def _fused_swiglu_mlp(module) -> bool:
+    """An MLP whose forward reaches bias_swiglu_impl (routed here, or fused by its config)."""
+    from megatron.core.transformer.mlp import MLP
+
+    config = getattr(module, "config", None)
+    return (isinstance(module, MLP) and getattr(config, "gated_linear_unit", False)
+            and getattr(config, "bias_activation_fusion", False)
+            and getattr(module, "activation_func", getattr(config, "activation_func", None)) is F.silu)
+
+
+def acts_in(block) -> bool:
+    return any(_fused_swiglu_mlp(m) for m in block.modules())
+
+
+def found_in(block) -> str:
+    config = block.config
+    act = getattr(getattr(config, "activation_func", None), "__name__", "?")
+    return f"gated_linear_unit={getattr(config, 'gated_linear_unit', '?')}, activation={act}"
 
 
 def register(registry, feature: str) -> None:

@@ -19,10 +19,9 @@ from __future__ import annotations
 
 import importlib.util
 
-from npuspeed.arguments import megatron_lm_parse_args_wrapper
 from npuspeed.features.base import Feature, FeatureError
 from npuspeed.features.device.module_proxy import DeviceMappedTorch
-from npuspeed.features.megatron_lm import build_helpers, device_fixes, load_stubs, validate
+from npuspeed.features.megatron_lm import build_helpers, device_fixes, load_stubs, parser, validate
 from npuspeed.features.megatron_lm.tensor_cuda import cuda_calls_on_device
 
 #: Megatron-LM versions (read from the checkout's megatron/core/package_info.py) whose
@@ -54,7 +53,7 @@ class MegatronLMFeature(Feature):
     def enabled(self, args) -> bool:
         return megatron_lm_present()
 
-    def validate(self, args, accelerator) -> None:
+    def validate(self, ctx) -> None:
         missing = [pip for module, pip in LOAD_TIME_IMPORTS.items() if not _importable(module)]
         if missing:
             raise FeatureError(
@@ -62,14 +61,14 @@ class MegatronLMFeature(Feature):
                 f"load, which {'is' if len(missing) == 1 else 'are'} not installed: "
                 "`pip install 'npuspeed[megatron-lm]'` (or `pip install " + " ".join(missing) + "`)")
 
-    def prepare(self, args, accelerator) -> None:
+    def prepare(self, ctx) -> None:
         load_stubs.install()
 
-    def register_patches(self, registry, args, accelerator) -> None:
-        reg = registry.register
+    def register_patches(self, registry, ctx) -> None:
+        reg, accelerator = registry.register, ctx.accelerator
         name, rng = self.name, MEGATRON_LM_RANGE
-        reg(f"{MLT}.arguments.parse_args", wrapper=megatron_lm_parse_args_wrapper, feature=name)
-        reg(f"{MLT}.arguments.validate_args", wrapper=validate.validate_args_wrapper(accelerator.name),
+        reg(f"{MLT}.arguments.parse_args", wrapper=parser.parse_args_wrapper(ctx.extend_parser), feature=name)
+        reg(f"{MLT}.arguments.validate_args", wrapper=validate.validate_args_wrapper(accelerator.name, ctx.note),
             feature=name, megatron=rng)
         reg("megatron.core.datasets.utils.compile_helpers", build_helpers.compile_helpers,
             feature=name, megatron=rng)
@@ -77,7 +76,7 @@ class MegatronLMFeature(Feature):
             return
         reg(f"{MLT}.utils.get_device_arch_version", validate.device_arch_version, feature=name,
             megatron=rng)
-        reg("megatron.legacy.fused_kernels.load", device_fixes.skip_fused_kernels, feature=name,
+        reg("megatron.legacy.fused_kernels.load", device_fixes.fused_kernels_skipper(ctx.note), feature=name,
             megatron=rng)
         if accelerator.name != "cpu":
             return  # NPU: transfer_to_npu maps factories and Tensor.cuda itself
@@ -88,7 +87,8 @@ class MegatronLMFeature(Feature):
             reg(f"{MLT}.{target}", wrapper=cuda_calls_on_device(accelerator.device), feature=name,
                 megatron=rng)
 
-    def path(self, args, accelerator) -> str:
+    def path(self, ctx) -> str:
+        accelerator = ctx.accelerator
         stubs = load_stubs.installed()
         extra = f"; stand-ins: {', '.join(stubs)}" if stubs else ""
         return (f"megatron.training found: its parser learns npuspeed's flags, validation and "

@@ -19,8 +19,6 @@ see `shim_names_needed()`, checked by the tests.
 """
 from __future__ import annotations
 
-from npuspeed import runtime
-
 MLT = "megatron.training"
 
 # Modules whose `torch` global becomes the factory-mapping proxy (CPU).
@@ -40,7 +38,11 @@ def shim_names_needed() -> tuple[str, ...]:
     return SHIM_NAMES_NEEDED
 
 
-def skip_fused_kernels(args) -> None:
-    """Replacement for megatron.legacy.fused_kernels.load off CUDA."""
-    runtime.note("npuspeed: Megatron's legacy CUDA fused kernels (megatron/legacy/fused_kernels) "
-                 "are not built off CUDA; megatron.core models do not use them")
+def fused_kernels_skipper(note):
+    """The replacement for megatron.legacy.fused_kernels.load off CUDA; says so through `note`."""
+
+    def skip_fused_kernels(args) -> None:
+        note("npuspeed: Megatron's legacy CUDA fused kernels (megatron/legacy/fused_kernels) "
+             "are not built off CUDA; megatron.core models do not use them")
+
+    return skip_fused_kernels

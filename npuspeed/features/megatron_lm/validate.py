@@ -10,7 +10,7 @@ assertion against `persist_layer_norm`, "apply_rope_fusion is not available" wit
 in bf16/fp16 attention).
 
 The wrapper below turns each of those defaults into the portable choice before upstream
-validates, and says so in the log and in `npuspeed report` (runtime.note). An explicit
+validates, and says so in the log and in `npuspeed report` (the run's note sink). An explicit
 setting the machine cannot honour is switched the same way, with the note naming it.
 """
 from __future__ import annotations
@@ -18,8 +18,6 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
-
-from npuspeed import runtime
 
 _CONNECTIONS = "CUDA_DEVICE_MAX_CONNECTIONS"
 
@@ -71,8 +69,9 @@ def _uses_rope(args) -> bool:
         args.position_embedding_type in ("rope", "mrope", "yarn")
 
 
-def portable_defaults(args, accelerator_name: str) -> list[str]:
-    """Switch the settings this machine cannot run; returns the notes given (also recorded)."""
+def portable_defaults(args, accelerator_name: str, note=None) -> list[str]:
+    """Switch the settings this machine cannot run; returns the notes given (each also passed
+    to `note`, the run's note sink, when given)."""
     notes = []
     if args.transformer_impl == "transformer_engine" and not have_transformer_engine():
         args.transformer_impl = "local"
@@ -106,18 +105,18 @@ def portable_defaults(args, accelerator_name: str) -> list[str]:
         os.environ[_CONNECTIONS] = "1"
         notes.append(f"npuspeed: {_CONNECTIONS}=1 set for TP/CP (the CPU runs collectives and "
                      "compute in one in-order queue, which is what the variable asks of a GPU)")
-    for message in notes:
-        runtime.note(message)
+    for message in notes if note else ():
+        note(message)
     return notes
 
 
-def validate_args_wrapper(accelerator_name: str):
+def validate_args_wrapper(accelerator_name: str, note=None):
     """Wrapper for `megatron.training.arguments.validate_args`."""
 
     def wrap(validate_args):
         @functools.wraps(validate_args)
         def wrapped(args, defaults={}, *rest, **kwargs):
-            portable_defaults(args, accelerator_name)
+            portable_defaults(args, accelerator_name, note)
             return validate_args(args, defaults, *rest, **kwargs)
 
         return wrapped

@@ -32,7 +32,8 @@ class RecomputeActivationFeature(Feature):
         return bool(getattr(args, "recompute_activation_function", False)) or \
             getattr(args, "recompute_activation_function_num_layers", None) is not None
 
-    def validate(self, args, accelerator) -> None:
+    def validate(self, ctx) -> None:
+        args = ctx.args
         num = getattr(args, "recompute_activation_function_num_layers", None)
         if not getattr(args, "recompute_activation_function", False):
             raise FeatureError(f"{NUM} {num} is given without {MAIN}; add {MAIN} (or drop {NUM})")
@@ -42,16 +43,18 @@ class RecomputeActivationFeature(Feature):
                 f"drop it to recompute the activation of every layer"
             )
 
-    def register_patches(self, registry, args, accelerator) -> None:
+    def register_patches(self, registry, ctx) -> None:
         from npuspeed.features.recompute_activation import layers, mlp
 
         registry.register(mlp.TARGET, wrapper=mlp.recompute_activation, feature=self.name)
-        registry.register(layers.TARGET, wrapper=layers.selector(args.recompute_activation_function_num_layers),
-                          feature=self.name)
+        registry.register(layers.TARGET, wrapper=layers.selector(
+            ctx.args.recompute_activation_function_num_layers, ctx.note), feature=self.name)
 
-    def path(self, args, accelerator) -> str:
+    def path(self, ctx) -> str:
+        args = ctx.args
         if not getattr(args, "recompute_activation_function", False):
             return "off"
+        from npuspeed import telemetry
         from npuspeed.features.recompute_activation.layers import SELECTED
 
         num = args.recompute_activation_function_num_layers
@@ -59,7 +62,7 @@ class RecomputeActivationFeature(Feature):
         return (f"megatron.core.tensor_parallel.CheckpointWithoutOutput, reused (fp8=None; storage "
                 f"resize_(0) after fc2, recompute from a grad hook on fc2's output, early release of "
                 f"fc1's output and the recomputed copy); {which}; MLPs selected in this process: "
-                f"{SELECTED['count']}")
+                f"{telemetry.get(SELECTED)}")
 
 
 __all__ = ["RecomputeActivationFeature", "FeatureError"]

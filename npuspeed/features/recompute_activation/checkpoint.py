@@ -25,8 +25,11 @@ import inspect
 import torch
 from megatron.core.tensor_parallel.random import CheckpointWithoutOutput
 
-#: what ran in this process (the tests' proof that the storages were really freed/recomputed)
-STATS = {"freed": 0, "freed_bytes": 0, "kept_shared": 0, "recomputed": 0, "inputs_released": 0}
+from npuspeed import telemetry
+
+#: counter prefix of what ran (the tests' proof that the storages were really freed/recomputed):
+#: recompute.freed, .freed_bytes, .kept_shared, .recomputed, .inputs_released
+PREFIX = "recompute."
 
 
 def _ptr(t: torch.Tensor) -> int:
@@ -73,7 +76,7 @@ class ActivationCheckpoint(CheckpointWithoutOutput):
                 # bias) are leaves of the forward graph and never released.
                 if activation and _ptr(t) not in saved | out_ptrs and self._sole(t):
                     t.untyped_storage().resize_(0)
-                    STATS["inputs_released"] += 1
+                    telemetry.count(PREFIX + "inputs_released")
             self._needed = saved | {_ptr(t) for t in inputs if isinstance(t, torch.Tensor)}
             return out
 
@@ -95,10 +98,10 @@ class ActivationCheckpoint(CheckpointWithoutOutput):
             super().discard_output_and_register_recompute(hook_tensor)
             self.freed = all(t.untyped_storage().nbytes() == 0 for t in self.outputs)
             if self.freed:
-                STATS["freed"] += 1
-                STATS["freed_bytes"] += nbytes
+                telemetry.count(PREFIX + "freed")
+                telemetry.count(PREFIX + "freed_bytes", nbytes)
             return
-        STATS["kept_shared"] += 1
+        telemetry.count(PREFIX + "kept_shared")
         if hook_tensor.requires_grad:  # still needed: the checkpoint's backward reads ctx.outputs
             hook_tensor.register_hook(self._recompute)
 
@@ -107,7 +110,7 @@ class ActivationCheckpoint(CheckpointWithoutOutput):
         super()._recompute(grad)
         if ctx is None or self.ctx is not None:
             return  # nothing was recomputed (done already, or a cuda-graph warm-up)
-        STATS["recomputed"] += 1
+        telemetry.count(PREFIX + "recomputed")
         outputs = ctx.outputs if isinstance(ctx.outputs, tuple) else (ctx.outputs,)
         for out in outputs:
             if isinstance(out, torch.Tensor) and _ptr(out) not in self._needed and self._sole(out):

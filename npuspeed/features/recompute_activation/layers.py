@@ -20,12 +20,13 @@ from __future__ import annotations
 import functools
 import math
 
+from npuspeed import telemetry
 from npuspeed.features.base import FeatureError
 
 TARGET = "megatron.core.transformer.transformer_block.TransformerBlock.__init__"
 FLAG = "--recompute-activation-function-num-layers"
-#: MLPs selected in this process (for the report and the tests)
-SELECTED = {"count": 0}
+#: counter: MLPs selected in this process (for the report and the tests)
+SELECTED = "recompute.selected"
 
 
 def layers_per_stage(config) -> int:
@@ -60,16 +61,16 @@ def _fully_recomputed(config, index: int) -> bool:
     return True
 
 
-def select(block, num_layers: int | None) -> None:
+def select(block, num_layers: int | None, note) -> None:
+    """Mark this block's MLPs that recompute; `note` records each reason a layer is skipped."""
     from megatron.core.transformer.mlp import MLP
 
-    from npuspeed import runtime
     from npuspeed.features.recompute_activation.mlp import ATTR
 
     config = block.config
     check_num_layers(num_layers, config)
     if getattr(config, "cpu_offloading", False) or getattr(config, "fine_grained_activation_offloading", False):
-        runtime.note("--recompute-activation-function: off where activations are offloaded to the host "
+        note("--recompute-activation-function: off where activations are offloaded to the host "
                      "(cpu_offloading / fine_grained_activation_offloading): the offload hooks read them")
         return
     vpp = config.virtual_pipeline_model_parallel_size or 1
@@ -80,36 +81,36 @@ def select(block, num_layers: int | None) -> None:
             continue
         if not (isinstance(mlp, MLP) and type(mlp).forward is MLP.forward):
             if mlp is not None and type(mlp).__name__ != "IdentityOp":
-                runtime.note(
+                note(
                     "--recompute-activation-function: MoE/expert MLPs are not covered (per-token "
                     "router scales, variable token counts); Megatron-Core's recompute_modules="
                     "['moe_act'] recomputes expert activations"
                 )
             continue
         if _fully_recomputed(config, index):
-            runtime.note(
+            note(
                 "--recompute-activation-function: --recompute-granularity full recomputes whole "
                 "layers; full recompute wins and those layers keep Megatron's behaviour"
             )
             continue
         if getattr(layer, "recompute_mlp", False):
-            runtime.note(
+            note(
                 "--recompute-activation-function: selective recompute of 'mlp' recomputes the "
                 "whole MLP; it wins in those layers"
             )
             continue
         setattr(mlp, ATTR, True)
-        SELECTED["count"] += 1
+        telemetry.count(SELECTED)
 
 
-def selector(num_layers: int | None):
+def selector(num_layers: int | None, note):
     """Wrapper for TransformerBlock.__init__: select this block's MLPs once it is built."""
 
     def wrap(init):
         @functools.wraps(init)
         def __init__(self, *args, **kwargs):
             init(self, *args, **kwargs)
-            select(self, num_layers)
+            select(self, num_layers, note)
 
         return __init__
 

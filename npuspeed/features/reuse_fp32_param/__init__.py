@@ -9,7 +9,6 @@ the same for TE's fused Adam only; without TE (CPU, NPU) this is the path.
 """
 from __future__ import annotations
 
-from npuspeed.arguments import argv_with_env
 from npuspeed.features.base import Feature, FeatureError
 from npuspeed.features.reuse_fp32_param import patches
 
@@ -26,16 +25,15 @@ class ReuseFp32ParamFeature(Feature):
     def enabled(self, args) -> bool:
         return bool(getattr(args, "reuse_fp32_param", False))
 
-    def validate(self, args, accelerator) -> None:
-        argv = argv_with_env()
-        if "--fp16" in argv:
+    def validate(self, ctx) -> None:
+        if ctx.megatron.fp16:
             raise FeatureError("--reuse-fp32-param works with --bf16 only (bf16 is the top half of "
                                "fp32; fp16 is not): replace --fp16 with --bf16 or drop the flag")
 
-    def register_patches(self, registry, args, accelerator) -> None:
+    def register_patches(self, registry, ctx) -> None:
         patches.register(registry, self.name)
 
-    def path(self, args, accelerator) -> str:
+    def path(self, ctx) -> str:
         from npuspeed.ops._extension import has_op
 
         codec = "C++ npuspeed::fp32_split/fp32_merge" if has_op("fp32_split") else "pure-PyTorch codec"

@@ -1,0 +1,40 @@
+"""The Megatron flags npuspeed reads, parsed from the same argv as npuspeed's own.
+
+Features need a few of Megatron's choices before Megatron parses anything (is it bf16? what
+TP size? which normalization?). They get them here, from the argv given to
+`runtime.initialize(argv)` (the command line plus NPUSPEED_ARGS), never from `sys.argv`
+behind the caller's back. A flag that is not on the command line is None: "not said", which
+a feature must not read as Megatron's default, because a megatron.core script may set the
+same thing in code. This module imports nothing from npuspeed.
+"""
+from __future__ import annotations
+
+import argparse
+
+#: dest -> (flag, argparse keyword arguments); booleans are store_const True (None = not given).
+FLAGS: dict[str, tuple[str, dict]] = {
+    "bf16": ("--bf16", {"action": "store_const", "const": True}),
+    "fp16": ("--fp16", {"action": "store_const", "const": True}),
+    "tensor_model_parallel_size": ("--tensor-model-parallel-size", {"type": int}),
+    "pipeline_model_parallel_size": ("--pipeline-model-parallel-size", {"type": int}),
+    "context_parallel_size": ("--context-parallel-size", {"type": int}),
+    "expert_model_parallel_size": ("--expert-model-parallel-size", {"type": int}),
+    "sequence_parallel": ("--sequence-parallel", {"action": "store_const", "const": True}),
+    "normalization": ("--normalization", {"type": str}),
+    "swiglu": ("--swiglu", {"action": "store_const", "const": True}),
+    "position_embedding_type": ("--position-embedding-type", {"type": str}),
+    "transformer_impl": ("--transformer-impl", {"type": str}),
+    "num_experts": ("--num-experts", {"type": int}),
+    "num_attention_heads": ("--num-attention-heads", {"type": int}),
+    "num_query_groups": ("--num-query-groups", {"type": int}),
+    "seq_length": ("--seq-length", {"type": int}),
+    "attention_dropout": ("--attention-dropout", {"type": float}),
+}
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    """Megatron's flags in `argv` that npuspeed reads; everything else is ignored."""
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    for dest, (flag, kwargs) in FLAGS.items():
+        parser.add_argument(flag, dest=dest, default=None, **kwargs)
+    return parser.parse_known_args(list(argv))[0]
