@@ -102,6 +102,9 @@ def stop_cleanly(progress: Progress):
                 cause = cause.split("message='", 1)[1].rsplit("'", 1)[0]
             _leave(f"{where}: {cause}; the step was not applied (--check-for-nan-in-loss-and-grad). Lower --lr "
                    f"or check the data; {resume_hint(progress.args)}")
+        if progress.saving and not is_peer_failure(exc):  # a full disk, a vanished directory, ...
+            _leave(f"{where}: the save failed [{cause}]; nothing was renamed into place, so "
+                   f"{resume_hint(progress.args)}")
         if is_peer_failure(exc):
             _leave(f"{where}: a collective failed because another rank died or did not answer within the "
                    f"timeout ({_timeout(progress.args)}, --distributed-timeout-minutes) [{cause}]; "

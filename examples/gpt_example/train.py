@@ -38,17 +38,27 @@ def init_distributed(args) -> None:
     acc = get_accelerator()
     if acc.name != "cpu":
         acc.set_device(int(os.environ["LOCAL_RANK"]))
+    backend = args.distributed_backend or acc.dist_backend
     minutes = getattr(args, "distributed_timeout_minutes", None)
     torch.distributed.init_process_group(
-        backend=args.distributed_backend or acc.dist_backend,
-        timeout=None if minutes is None else datetime.timedelta(minutes=minutes),
+        backend=backend, timeout=None if minutes is None else datetime.timedelta(minutes=minutes),
     )
-    mpu.initialize_model_parallel(
+    # Megatron's own groups (TP, PP, DP, ...) take the same timeout: a hung peer is noticed in
+    # any collective. Unset, it is torch.distributed's default for the backend, as above.
+    mpu.initialize_model_parallel(**_supported(mpu.initialize_model_parallel, dict(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=_vpp(args),
         expert_model_parallel_size=args.expert_model_parallel_size,
-    )
+        distributed_timeout_minutes=minutes if minutes is not None else _default_minutes(backend),
+    )))
+
+
+def _default_minutes(backend: str) -> float:
+    from torch.distributed import constants
+
+    default = getattr(constants, "default_pg_nccl_timeout", None) if backend == "nccl" else None
+    return (default or constants.default_pg_timeout).total_seconds() / 60
 
 
 def _vpp(args):
