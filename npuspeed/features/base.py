@@ -34,8 +34,10 @@ class PlanEffect:
     #: one line for the plan: what it removes or costs
     summary: str = ""
 
+from npuspeed.errors import UserError
 
-class FeatureError(ValueError):
+
+class FeatureError(UserError, ValueError):
     """A flag combination the feature cannot honour; the message names the flag and the fix."""
 
 
