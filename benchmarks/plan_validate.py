@@ -56,7 +56,7 @@ CONFIGS = [
     ("selective recompute fp32", 1, ["--recompute-granularity", "selective"]),
     ("flash-attn fp32", 1, ["--use-flash-attn"] + NODROP),
     ("flash-attn bf16", 1, ["--use-flash-attn", "--bf16"] + NODROP),
-    ("flash-attn fp32 with dropout (SDPA math)", 1, ["--use-flash-attn"]),
+    ("flash-attn fp32 with dropout", 1, ["--use-flash-attn"]),
     ("llama fp32", 1, LLAMA),
     ("llama bf16 fused ops + flash", 1, LLAMA + FUSED + ["--use-flash-attn", "--bf16"] + NODROP),
     ("llama tp2 sp bf16 recompute-activation", 2, LLAMA + ["--tensor-model-parallel-size", "2",

@@ -191,3 +191,27 @@ def test_search_ranks_only_what_fits_and_prints_runnable_flags(capsys):
         spec, _, _ = parse(cand["flags"].split() + ["--nproc-per-node", "2"])
         assert plan(cand["flags"].split() + ["--nproc-per-node", "2"], with_removes=False).ok
     assert any("does not fit" in r["reason"] for r in out["rejected"])
+
+
+def test_cpu_memory_limit_refuses_allocations_above_it(monkeypatch):
+    import torch
+
+    from npuspeed.accelerator.base import AcceleratorError
+    from npuspeed.accelerator.cpu import LIMIT_ENV, CpuAccelerator
+    from npuspeed.ops import memory_tracker
+
+    acc = CpuAccelerator()
+    acc.enable_memory_tracking()
+    monkeypatch.setenv(LIMIT_ENV, "lots")
+    with pytest.raises(AcceleratorError, match=LIMIT_ENV):
+        acc.configure_memory_limit()
+    try:
+        monkeypatch.setenv(LIMIT_ENV, str((memory_tracker.allocated() + (8 << 20)) / 2**20))
+        assert "MiB of live tensors" in acc.configure_memory_limit()
+        small = torch.empty(1 << 20, dtype=torch.uint8)  # 1 MiB: under the limit
+        with pytest.raises(torch.OutOfMemoryError, match="npuspeed CPU memory limit"):
+            torch.empty(16 << 20, dtype=torch.uint8)
+        del small
+    finally:
+        monkeypatch.setenv(LIMIT_ENV, "0")
+        assert acc.configure_memory_limit() == "none" and memory_tracker.limit() == 0

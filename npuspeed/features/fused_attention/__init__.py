@@ -123,16 +123,23 @@ class FusedAttentionFeature(Feature):
     def plan_effect(self, model, ctx):
         from npuspeed.features.base import PlanEffect
 
-        if ctx.accelerator.name == "cpu" and model.model.attention_dropout > 0:
-            return PlanEffect(
-                variants={"core_attention": "sdpa_math"}, kernels={"attention": "sdpa_math"},
-                summary="CPU scaled_dot_product_attention with attention dropout runs torch's math "
-                        "backend: the S x S softmax, dropout mask and dropped probabilities stay (in "
-                        "fp32, with fp32 copies of q, k, v); --attention-dropout 0 runs the flash kernel")
-        return PlanEffect(
+        flash = PlanEffect(
             variants={"core_attention": "flash"}, kernels={"attention": "flash"},
             summary="no S x S tensors: the score buffer, softmax, dropout mask and dropped probabilities "
                     "of every layer go; q, k, v, the output and a [b, heads, s] log-sum-exp stay")
+        if ctx.accelerator.name != "cpu":
+            return flash
+        bf16 = model.batch.dtype == "bf16"
+        reason = cpu_flash.machine_reason() if bf16 else cpu_flash.fp32_reason()
+        if reason is None and bf16 and model.model.kv_channels % 16:
+            reason = f"head dim {model.model.kv_channels} is not a multiple of 16"
+        if reason is None or model.model.attention_dropout <= 0:
+            return flash  # npuspeed's CPU kernels (dropout inside), or SDPA's flash kernel
+        return PlanEffect(
+            variants={"core_attention": "sdpa_math"}, kernels={"attention": "sdpa_math"},
+            summary=f"npuspeed's CPU kernel cannot run here ({reason}) and scaled_dot_product_attention "
+                    "with dropout runs torch's math backend: the S x S softmax, mask and dropped "
+                    "probabilities stay, in fp32 with fp32 copies of q, k, v")
 
     def path(self, ctx) -> str:
         args, accelerator = ctx.args, ctx.accelerator
