@@ -129,10 +129,6 @@ def save(root: str, iteration: int, model, optimizer, scheduler, args=None) -> s
     return path
 
 
-def latest_iteration(root: str) -> int | None:
-    return ckpt_verify.choose(root, None, fresh_ok=True) if os.path.isdir(root) else None
-
-
 def _rank0_print(message: str) -> None:
     if torch.distributed.get_rank() == 0:
         print(message, flush=True)
