@@ -83,8 +83,9 @@ class FusedAttentionFeature(Feature):
                          "scaled_dot_product_attention runs its math backend (S x S scores).")
         reason = cpu_flash.machine_reason() if accelerator.name == "cpu" and ctx.megatron.bf16 else None
         if reason:
-            ctx.note("--use-flash-attn: bf16 attention runs PyTorch's scaled_dot_product_attention or "
-                     f"Megatron's unfused path (measured), not npuspeed's bf16 CPU kernel: {reason}.")
+            instead = ("npuspeed's portable fp32 kernel on fp32 copies of q/k/v" if cpu_flash.fp32_reason() is None
+                       else "scaled_dot_product_attention or Megatron's unfused path (measured)")
+            ctx.note(f"--use-flash-attn: bf16 attention runs {instead}, not npuspeed's bf16 CPU kernel: {reason}.")
         fp32 = cpu_flash.fp32_reason() if accelerator.name == "cpu" else None
         if fp32:
             ctx.note("--use-flash-attn: fp32 attention runs scaled_dot_product_attention or Megatron's "
