@@ -24,7 +24,8 @@ from gpt_example.failures import NonFiniteError, Progress, check_for_nan, report
 from gpt_example.model import (
     _supported, build_model, initialize_by_global_name, padded_vocab_size, transformer_config,
 )
-from npuspeed import get_accelerator
+from npuspeed import get_accelerator, telemetry
+from npuspeed.features.fused_attention.forward import attention_calls
 from npuspeed.memory import weight_bytes
 
 
@@ -275,6 +276,10 @@ def _train(args, progress) -> dict:
         # mean on a shared machine, where a burst of other work lands on a few steps
         "step_ms": step_times,
         "median_step_ms": statistics.median(measured) if measured else 0.0,
+        # rank 0's npuspeed counters (which kernels ran), and its attention calls with the reason
+        # for each kernel (--use-flash-attn)
+        "npuspeed_counters": telemetry.snapshot(),
+        "attention_calls": attention_calls(),
         "skipped_iterations": skipped,
         # iterations whose loss or gradient was NaN/Inf (reported in the log as they happen)
         "nonfinite_iterations": nonfinite,
