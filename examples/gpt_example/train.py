@@ -43,7 +43,10 @@ def init_distributed(args) -> None:
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=_vpp(args),
-        expert_model_parallel_size=args.expert_model_parallel_size,
+        **_supported(mpu.initialize_model_parallel, dict(
+            expert_model_parallel_size=args.expert_model_parallel_size,
+            expert_tensor_parallel_size=args.expert_tensor_parallel_size,
+        )),
     )
 
 

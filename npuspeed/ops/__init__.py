@@ -14,7 +14,9 @@ def catalog() -> list[dict]:
                          ("rms_norm", "csrc/cpu/rms_norm.cpp"), ("swiglu", "csrc/cpu/swiglu.cpp"),
                          ("rotary_pos_emb", "csrc/cpu/rope.cpp"),
                          ("fp32_split", "csrc/cpu/fp32_split.cpp"), ("fp32_merge", "csrc/cpu/fp32_split.cpp"),
-                         ("flash_attention", "csrc/cpu/flash_attention.cpp")]:
+                         ("flash_attention", "csrc/cpu/flash_attention.cpp"),
+                         ("moe_permute", "csrc/cpu/moe_permute.cpp"), ("moe_unpermute", "csrc/cpu/moe_permute.cpp"),
+                         ("moe_weighted_swiglu", "csrc/cpu/moe_swiglu.cpp")]:
         op = "memory_tracker_enable" if name == "memory_tracker" else name
         compiled = lib["compiled"] and hasattr(torch.ops.npuspeed, op)
         impl = (f"C++ {source} ({lib['source']}, {lib.get('cpu_capability')})" if compiled
