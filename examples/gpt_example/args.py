@@ -45,6 +45,8 @@ def _model(p):
     g.add_argument("--moe-pad-expert-input-to-capacity", action="store_true",
                    help="with a capacity factor: pad every expert's input to its capacity")
     g.add_argument("--moe-token-drop-policy", choices=["probs", "position"], default="probs")
+    g.add_argument("--moe-router-pre-softmax", action="store_true",
+                   help="softmax over all experts before top-k (Megatron requires it for top-1)")
     g.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None,
                    help="FFN size of the shared experts every token also goes through (default: none)")
     g.add_argument("--moe-shared-expert-overlap", action="store_true")

@@ -69,6 +69,7 @@ def transformer_config(args) -> TransformerConfig:
         moe_expert_capacity_factor=args.moe_expert_capacity_factor,
         moe_pad_expert_input_to_capacity=args.moe_pad_expert_input_to_capacity,
         moe_token_drop_policy=args.moe_token_drop_policy,
+        moe_router_pre_softmax=args.moe_router_pre_softmax,
         moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
         moe_shared_expert_overlap=args.moe_shared_expert_overlap,
         moe_router_load_balancing_type=args.moe_router_load_balancing_type,

@@ -7,7 +7,8 @@ on NCCL/HCCL it runs on the backend's communication stream and `wait()` orders t
 stream after it.
 
 Backward mirrors it: `finish`'s backward launches the reverse all-to-all of the gradient
-and `start`'s backward waits for it. Autograd runs ready nodes latest-created first, so the
+(into a buffer the flight holds; the gradient itself passes on as a same-shaped token) and
+`start`'s backward waits for it and returns that buffer. Autograd runs ready nodes latest-created first, so the
 gradient work recorded between the two in forward (the next chunk's experts, the shared
 experts) runs while that reverse transfer is in flight.
 """
@@ -24,7 +25,7 @@ class Flight:
 
     def __init__(self, group, out_splits: list[int], in_splits: list[int], label: str):
         self.group, self.out_splits, self.in_splits, self.label = group, out_splits, in_splits, label
-        self.work = self.grad_work = None
+        self.work = self.grad_work = self.grad_in = None
         self.keep = ()
 
     def launch(self, x: torch.Tensor, out_splits, in_splits, backward: bool = False):
@@ -34,7 +35,7 @@ class Flight:
                                       input_split_sizes=list(in_splits), group=self.group, async_op=True)
         telemetry.count(f"moe.a2a.{self.label}{'.backward' if backward else ''}")
         if backward:
-            self.grad_work, self.keep = work, (x,)
+            self.grad_work, self.grad_in, self.keep = work, out, (x,)
         else:
             self.work, self.keep = work, (x,)
         return out
@@ -47,11 +48,12 @@ class _Start(torch.autograd.Function):
         return flight.launch(x, flight.out_splits, flight.in_splits)
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, _token):
         flight = ctx.flight
         flight.grad_work.wait()
-        flight.grad_work, flight.keep = None, ()
-        return grad, None
+        grad_in = flight.grad_in
+        flight.grad_work, flight.grad_in, flight.keep = None, None, ()
+        return grad_in, None
 
 
 class _Finish(torch.autograd.Function):
@@ -65,7 +67,8 @@ class _Finish(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         flight = ctx.flight  # reverse direction: what arrived from each rank goes back to it
-        return flight.launch(grad, flight.in_splits, flight.out_splits, backward=True), None
+        flight.launch(grad, flight.in_splits, flight.out_splits, backward=True)
+        return grad, None
 
 
 def start(x: torch.Tensor, group, out_splits, in_splits, label: str):
