@@ -124,3 +124,18 @@ def test_example_refuses_bad_moe_layout_before_training():
     assert proc.returncode != 0
     assert "FeatureError" in proc.stderr and "does not divide --num-experts 6" in proc.stderr
     assert "iteration" not in proc.stdout
+
+
+@pytest.mark.parametrize("feature, argv, release", [
+    (GroupedGemmFeature(), ["--moe-grouped-gemm"], "0.12.0"),
+    (FusedPermuteFeature(), ["--use-fused-moe-token-permute-and-unpermute"], "0.12.0"),
+    (AllToAllOverlapFeature(), ["--moe-alltoall-overlap-comm"], "0.15.0"),
+])
+def test_older_megatron_is_a_start_up_error_not_a_skipped_patch(monkeypatch, feature, argv, release):
+    from packaging.version import Version
+
+    import npuspeed.patching.versions as versions
+
+    monkeypatch.setattr(versions, "megatron_version", lambda: Version(release))
+    with pytest.raises(FeatureError, match=f"{argv[0]} needs megatron-core >="):
+        _validate(feature, argv)

@@ -5,6 +5,18 @@ from __future__ import annotations
 from npuspeed.features.base import Feature, FeatureError
 from npuspeed.features.moe import grouped_mlp, overlap, permute, tp_extend_ep
 from npuspeed.features.moe.layout import Layout, layers_of
+from npuspeed.patching.versions import in_range, megatron_version
+
+#: the megatron-core releases whose MoE code each patch is written against
+GROUPED_MLP_RANGE = grouped_mlp.MEGATRON_RANGE
+OVERLAP_RANGE = overlap.MEGATRON_RANGE
+PERMUTE_RANGE = permute.MEGATRON_RANGE
+
+
+def _needs_release(flag: str, spec: str, why: str) -> None:
+    if not in_range(spec):
+        raise FeatureError(f"{flag} needs megatron-core {spec} ({why}); this is {megatron_version()}: upgrade "
+                           "megatron-core or drop the flag")
 
 
 def _needs_moe(flag: str, block) -> str | None:
@@ -28,6 +40,7 @@ class GroupedGemmFeature(Feature):
         return bool(getattr(args, "moe_grouped_gemm", False))
 
     def validate(self, ctx) -> None:
+        _needs_release("--moe-grouped-gemm", GROUPED_MLP_RANGE, "GroupedMLP takes the router probabilities")
         lay = Layout.from_ctx(ctx)
         if lay.experts is not None and not lay.bias_disabled:
             raise FeatureError("--moe-grouped-gemm: the grouped expert MLP has no bias; add --disable-bias-linear "
@@ -91,6 +104,8 @@ class FusedPermuteFeature(Feature):
         return bool(getattr(args, "use_fused_moe_token_permute_and_unpermute", False))
 
     def validate(self, ctx) -> None:
+        _needs_release("--use-fused-moe-token-permute-and-unpermute", PERMUTE_RANGE,
+                       "permute returns the permuted probabilities")
         if Layout.from_ctx(ctx).dispatcher == "flex":
             raise FeatureError("--use-fused-moe-token-permute-and-unpermute: the flex dispatcher permutes inside "
                                "DeepEP/HybridEP; use --moe-token-dispatcher-type alltoall or allgather")
@@ -145,6 +160,7 @@ class AllToAllOverlapFeature(Feature):
         if not ctx.args.moe_alltoall_overlap_comm:
             raise FeatureError("--moe-alltoall-chunks only applies with --moe-alltoall-overlap-comm: add it or drop "
                                "--moe-alltoall-chunks")
+        _needs_release("--moe-alltoall-overlap-comm", OVERLAP_RANGE, "MoELayer's route/preprocess/dispatch steps")
         if self.chunks(ctx) < 2:
             raise FeatureError(f"--moe-alltoall-chunks must be >= 2 (got {ctx.args.moe_alltoall_chunks}): one chunk "
                                "leaves the all-to-all nothing to overlap with")

@@ -21,6 +21,7 @@ from npuspeed.features.moe.grouped_gemm import grouped_mm
 from npuspeed.ops.moe_swiglu import weighted_swiglu
 
 EXPERTS = "megatron.core.transformer.moe.experts"
+MEGATRON_RANGE = ">=0.13,<0.17"  # forward(hidden, tokens_per_expert, permuted_probs) since 0.13
 GG_UTIL = "megatron.core.transformer.moe.grouped_gemm_util"
 
 
@@ -89,7 +90,7 @@ def count_built(init):
 
 
 def register(registry, feature: str) -> None:
-    kw = dict(feature=feature, megatron=">=0.12,<0.17")
+    kw = dict(feature=feature, megatron=MEGATRON_RANGE)
     registry.register(f"{GG_UTIL}.assert_grouped_gemm_is_available", assert_grouped_gemm_available, **kw)
     registry.register(f"{GG_UTIL}.grouped_gemm_is_available", grouped_gemm_available, **kw)
     registry.register(f"{EXPERTS}.GroupedMLP.forward", forward, **kw)

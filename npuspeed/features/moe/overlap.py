@@ -17,6 +17,7 @@ from npuspeed import telemetry
 from npuspeed.features.moe import pipeline
 
 MOE_LAYER = "megatron.core.transformer.moe.moe_layer"
+MEGATRON_RANGE = ">=0.16,<0.17"  # route / preprocess / combine_postprocess as separate steps
 
 
 def unsupported(layer, intermediate_tensors) -> str | None:
@@ -104,4 +105,4 @@ def _shared_experts(layer, hidden_states):
 
 def register(registry, feature: str, chunks: int, note) -> None:
     registry.register(f"{MOE_LAYER}.MoELayer.forward", wrapper=forward_wrapper(chunks, note), feature=feature,
-                      megatron=">=0.16,<0.17")
+                      megatron=MEGATRON_RANGE)

@@ -16,6 +16,7 @@ import functools
 from npuspeed.ops.moe_permute import moe_permute, moe_unpermute
 
 MOE_UTILS = "megatron.core.transformer.moe.moe_utils"
+MEGATRON_RANGE = ">=0.13,<0.17"  # permute returns (tokens, probs, sorted_indices) since 0.13
 
 
 def permute_wrapper(original):
@@ -45,6 +46,6 @@ def unpermute_wrapper(original):
 
 
 def register(registry, feature: str) -> None:
-    kw = dict(feature=feature, megatron=">=0.12,<0.17")
+    kw = dict(feature=feature, megatron=MEGATRON_RANGE)
     registry.register(f"{MOE_UTILS}.permute", wrapper=permute_wrapper, **kw)
     registry.register(f"{MOE_UTILS}.unpermute", wrapper=unpermute_wrapper, **kw)
