@@ -1,4 +1,4 @@
-"""--reuse-fp32-param: weight bytes and step time of the example with and without it.
+"""--reuse-fp32-param: weight bytes, optimizer-step peak and step time of the example with and without it.
 
 Whole bf16 training runs (subprocesses, the example's --summary-json), baseline and
 feature alternated `--rounds` times. A run's step time is the median of its iterations (the
@@ -86,11 +86,16 @@ def main() -> None:
                        "weight_ratio": round(reuse["weight_bytes"] / base["weight_bytes"], 4),
                        "hidden": opts.hidden, "layers": opts.layers, "iters": opts.iters,
                        "codec_ms_per_step": round(codec_ms, 2),
+                       "baseline_step_peak_bytes": base["optimizer_step_peak_bytes"],
+                       "feature_step_peak_bytes": reuse["optimizer_step_peak_bytes"],
+                       "step_peak_ratio": round(reuse["optimizer_step_peak_bytes"]
+                                                / base["optimizer_step_peak_bytes"], 4),
                        "codec_share_of_step": round(codec_ms / base_ms, 4),
                        "run_medians_ms": {k: [round(r["median_step_ms"], 1) for r in v] for k, v in runs.items()}},
             )
             print(f"[reuse_fp32_param] {case}: weight bytes {base['weight_bytes']} -> {reuse['weight_bytes']} "
-                  f"({row.extra['weight_ratio']:.3f}x), speed {row.speedup:.3f}x, bitwise losses; the codec alone "
+                  f"({row.extra['weight_ratio']:.3f}x), optimizer-step peak {row.extra['step_peak_ratio']:.4f}x, "
+                  f"speed {row.speedup:.3f}x, bitwise losses; the codec alone "
                   f"{codec_ms:.1f} ms per step = {100 * codec_ms / base_ms:.1f}% of the baseline step")
     bench.finish()
 

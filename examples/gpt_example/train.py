@@ -188,6 +188,7 @@ def main(args) -> dict:
     rank0 = torch.distributed.get_rank() == 0
     forward_backward = get_forward_backward_func()
     losses, step_times, skipped = [], [], 0
+    run_peak = step_peak = 0  # the run's peak, and the largest optimizer-step peak (above the step's start)
     tokens_per_iter = args.global_batch_size * args.seq_length
     start_iteration = iteration
     while iteration < args.train_iters:
@@ -201,7 +202,10 @@ def main(args) -> dict:
             seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
             decoder_seq_length=args.seq_length, forward_only=False,
         )
+        run_peak = max(run_peak, acc.max_memory_allocated())
+        acc.reset_peak_memory_stats()
         ok, grad_norm, _ = optimizer.step()
+        step_peak = max(step_peak, acc.max_memory_allocated())
         if ok:
             scheduler.step(increment=args.global_batch_size)
         else:
@@ -213,7 +217,7 @@ def main(args) -> dict:
         losses.append(loss)
         step_times.append(step_ms)
         if iteration % args.log_interval == 0:
-            peak = _max_over_ranks(acc.max_memory_allocated())
+            peak = _max_over_ranks(max(run_peak, acc.max_memory_allocated()))
             if rank0:
                 print(log_line(iteration, args, step_ms, optimizer.param_groups[0]["lr"], loss,
                                float(grad_norm or 0.0), peak, tokens_per_iter / (step_ms / 1000.0), skipped),
@@ -231,7 +235,10 @@ def main(args) -> dict:
         "first_iteration": start_iteration + 1,
         "mean_step_ms": mean_ms,
         "tokens_per_s": tokens_per_iter / (mean_ms / 1000.0) if mean_ms else 0.0,
-        "peak_mem_bytes": int(_max_over_ranks(acc.max_memory_allocated())),
+        "peak_mem_bytes": int(_max_over_ranks(max(run_peak, acc.max_memory_allocated()))),
+        # the optimizer step's own peak (largest over iterations and ranks): what masters,
+        # gradients, optimizer state and the step's temporaries need at once
+        "optimizer_step_peak_bytes": int(_max_over_ranks(step_peak)),
         "world_size": torch.distributed.get_world_size(),
         "weight_bytes": int(_max_over_ranks(weight_bytes(model, optimizer))),
         "device": acc.name,

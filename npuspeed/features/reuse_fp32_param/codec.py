@@ -8,6 +8,12 @@ leave an even bf16, so one more bit is needed: the ties that rounded up are reco
 sparse list of indices. Ties are 1 in 65536 of random values, so this costs almost nothing
 (a dense bit mask would cost 1/8 byte per parameter, 6% of the 2 bytes saved). NaNs lose
 their payload in the bf16 rounding; their full patterns are kept the same sparse way.
+
+That is the CPU path (C++, or the reference). On an accelerator a sparse list needs a
+`nonzero`, which waits for the device; there the codec keeps the tie bits densely (1/8 byte
+a parameter) and works in bounded chunks (no full-size int32 temporaries), never syncing.
+What it gives up: a NaN master comes back as a NaN with the canonical bf16 high half
+(infinities, zeros, subnormals and every finite value stay exact).
 """
 from __future__ import annotations
 
@@ -18,8 +24,10 @@ import torch
 from npuspeed import telemetry
 from npuspeed.ops._extension import has_op
 
-#: counter prefix: reuse.codec.<split|merge>.<cpp|reference>, so tests can see the C++ path ran
+#: counter prefix: reuse.codec.<split|merge>.<cpp|reference|device>, so tests can see which ran
 COUNTER = "reuse.codec."
+#: elements per chunk of the device codec: its temporaries stay a few MiB whatever the tensor
+DEVICE_CHUNK = 1 << 20
 
 _LOW = 0xFFFF
 _TIE = 0x8000
@@ -32,9 +40,15 @@ class Exceptions:
     tie_up: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
     nan_index: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
     nan_bits: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int32))
+    #: the device codec's ties instead of `tie_up`: bit i of byte i // 8 set = element i rounded up
+    tie_mask: torch.Tensor | None = None
+
+    def tensors(self) -> list[torch.Tensor]:
+        found = [self.tie_up, self.nan_index, self.nan_bits]
+        return found + ([self.tie_mask] if self.tie_mask is not None else [])
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.tie_up, self.nan_index, self.nan_bits))
+        return sum(t.numel() * t.element_size() for t in self.tensors())
 
 
 def _use_cpp(*tensors: torch.Tensor) -> bool:
@@ -42,7 +56,11 @@ def _use_cpp(*tensors: torch.Tensor) -> bool:
 
 
 def split(master: torch.Tensor, residual: torch.Tensor) -> Exceptions:
-    """Write the low halves of `master` into `residual`; return the exceptions (C++ or reference)."""
+    """Write the low halves of `master` into `residual`; return the exceptions (C++, reference
+    on CPU, the sync-free device codec elsewhere)."""
+    if master.device.type != "cpu":
+        telemetry.count(COUNTER + "split.device")
+        return split_device(master, residual)
     if _use_cpp(master, residual):
         telemetry.count(COUNTER + "split.cpp")
         flat = master.detach().reshape(-1)
@@ -53,7 +71,11 @@ def split(master: torch.Tensor, residual: torch.Tensor) -> Exceptions:
 
 
 def merge(bf16: torch.Tensor, residual: torch.Tensor, exceptions: Exceptions, out: torch.Tensor) -> None:
-    """Rebuild the exact fp32 values into `out` (C++ or reference)."""
+    """Rebuild the exact fp32 values into `out` (C++, reference or device codec, as `split` chose)."""
+    if exceptions.tie_mask is not None:
+        telemetry.count(COUNTER + "merge.device")
+        merge_device(bf16, residual, exceptions, out)
+        return
     if _use_cpp(bf16, residual, out):
         telemetry.count(COUNTER + "merge.cpp")
         torch.ops.npuspeed.fp32_merge(bf16.detach().reshape(-1), residual.view(-1), exceptions.tie_up,
@@ -89,3 +111,48 @@ def merge_reference(bf16: torch.Tensor, residual: torch.Tensor, exceptions: Exce
     if exceptions.nan_index.numel():
         words[exceptions.nan_index] = exceptions.nan_bits
     out.view(-1).view(torch.int32).copy_(words)
+
+
+_BIT_WEIGHTS: dict = {}
+
+
+def _bit_weights(device) -> torch.Tensor:
+    if device not in _BIT_WEIGHTS:
+        _BIT_WEIGHTS[device] = torch.tensor([1 << i for i in range(8)], dtype=torch.int32, device=device)
+    return _BIT_WEIGHTS[device]
+
+
+def split_device(master: torch.Tensor, residual: torch.Tensor) -> Exceptions:
+    """`split` without a host sync: low halves to `residual`, tie bits packed densely."""
+    bits = master.detach().reshape(-1).view(torch.int32)
+    res = residual.view(-1)
+    n = bits.numel()
+    mask = torch.zeros((n + 7) // 8, dtype=torch.uint8, device=bits.device)
+    weights = _bit_weights(bits.device)
+    for lo in range(0, n, DEVICE_CHUNK):  # DEVICE_CHUNK is a multiple of 8
+        hi = min(n, lo + DEVICE_CHUNK)
+        word = bits[lo:hi]
+        low = word & _LOW
+        res[lo:hi].copy_(low)  # int32 -> int16 keeps the low 16 bits
+        tie = (low == _TIE) & (((word >> 16) & 1) == 1)
+        pad = (-tie.numel()) % 8
+        if pad:
+            tie = torch.cat([tie, tie.new_zeros(pad)])
+        mask[lo // 8:(hi + 7) // 8] = (tie.view(-1, 8).to(torch.int32) * weights).sum(1).to(torch.uint8)
+    return Exceptions(tie_mask=mask)
+
+
+def merge_device(bf16: torch.Tensor, residual: torch.Tensor, exceptions: Exceptions, out: torch.Tensor) -> None:
+    """`merge` for `split_device`'s exceptions, chunk by chunk, without a host sync."""
+    high16 = bf16.detach().reshape(-1).view(torch.int16)
+    res = residual.view(-1)
+    words = out.view(-1).view(torch.int32)
+    shifts = torch.arange(8, dtype=torch.int32, device=words.device)
+    n = words.numel()
+    for lo in range(0, n, DEVICE_CHUNK):
+        hi = min(n, lo + DEVICE_CHUNK)
+        low = res[lo:hi].to(torch.int32) & _LOW
+        tie = (exceptions.tie_mask[lo // 8:(hi + 7) // 8].to(torch.int32)[:, None] >> shifts) & 1
+        carry = (low > _TIE).to(torch.int32) | tie.reshape(-1)[:hi - lo]
+        word = ((high16[lo:hi].to(torch.int32) & _LOW) - carry) << 16
+        words[lo:hi] = word | low
