@@ -82,7 +82,14 @@ def forward_wrapper(chunks: int, note):
             shared = None
             if self.use_shared_expert:
                 shared = functools.partial(_shared_experts, self, hidden_states)
-            rows, shared_out = pipeline.run(self.experts, tokens, probs, plan, disp.ep_group, shared)
+            # Off NPU the unpermute takes sorted_indices as "row r belongs to token idx[r]", so the
+            # chunk-major rows go straight in with the index composed (no reordering copy).
+            compose = plan.to_chunks is not None and tokens.device.type != "npu"
+            rows, shared_out = pipeline.run(self.experts, tokens, probs, plan, disp.ep_group, shared,
+                                            restore_order=not compose)
+            if compose:
+                disp.reversed_local_input_permutation_mapping = (
+                    disp.reversed_local_input_permutation_mapping.index_select(0, plan.to_chunks))
             disp.tokens_per_expert = None
             output = disp.combine_postprocess(rows)
             if shared_out is not None:

@@ -85,16 +85,36 @@ def make_plan(send: list[list[int]], recv: list[list[int]], chunks: int, device)
     return Plan(chunks, send_splits, recv_splits, tpe, to_chunks_d, from_chunks_d, by_expert, by_source)
 
 
-def _take(x: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
-    return x if index is None else x.index_select(0, index)
+class _Reorder(torch.autograd.Function):
+    """Rows in a new order; the gradient goes back by the inverse order (a gather, where
+    index_select's own backward zero-fills and scatter-adds)."""
+
+    @staticmethod
+    def forward(ctx, x, index, inverse):
+        ctx.save_for_backward(inverse)
+        return x.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (inverse,) = ctx.saved_tensors
+        return grad.index_select(0, inverse), None, None
 
 
-def run(experts, tokens: torch.Tensor, probs: torch.Tensor, plan: Plan, group, shared=None):
-    """Permuted tokens/probs (this rank's, expert-major) -> expert outputs in the same row
-    order, plus the shared experts' output (`shared()` runs while chunk 0 is in flight)."""
+def _take(x: torch.Tensor, index: torch.Tensor | None, inverse: torch.Tensor | None = None) -> torch.Tensor:
+    if index is None:
+        return x
+    return _Reorder.apply(x, index, inverse)
+
+
+def run(experts, tokens: torch.Tensor, probs: torch.Tensor, plan: Plan, group, shared=None,
+        restore_order: bool = True):
+    """Permuted tokens/probs (this rank's, expert-major) -> expert outputs, plus the shared
+    experts' output (`shared()` runs while chunk 0 is in flight). The outputs come back in
+    the permuted row order, or, with `restore_order=False`, in the chunk-major order
+    `plan.to_chunks` gives (for an unpermute that takes the composed index instead)."""
     send_rows = [sum(s) for s in plan.send_splits]
-    tok_chunks = _take(tokens, plan.to_chunks).split(send_rows)
-    prob_chunks = _take(probs, plan.to_chunks).split(send_rows)
+    tok_chunks = _take(tokens, plan.to_chunks, plan.from_chunks).split(send_rows)
+    prob_chunks = _take(probs, plan.to_chunks, plan.from_chunks).split(send_rows)
 
     def dispatch(c):
         telemetry.count("moe.a2a_overlap.dispatch_chunks")
@@ -113,11 +133,14 @@ def run(experts, tokens: torch.Tensor, probs: torch.Tensor, plan: Plan, group, s
         (t, tf), (p, pf) = in_flight
         t, p = a2a.finish(t, tf), a2a.finish(p, pf)
         counts = torch.tensor(plan.tokens_per_expert[c], dtype=torch.long)
-        out, bias = experts(_take(t, plan.by_expert[c]), counts, _take(p, plan.by_expert[c]))
+        by_expert, by_source = plan.by_expert[c], plan.by_source[c]
+        out, bias = experts(_take(t, by_expert, by_source), counts, _take(p, by_expert, by_source))
         assert bias is None, "expert bias is not supported with the all-to-all dispatcher"
-        combines.append(a2a.start(_take(out, plan.by_source[c]), group, plan.send_splits[c],
+        combines.append(a2a.start(_take(out, by_source, by_expert), group, plan.send_splits[c],
                                   plan.recv_splits[c], "combine"))
         telemetry.count("moe.a2a_overlap.combine_chunks")
         in_flight = following
     rows = torch.cat([a2a.finish(y, flight) for y, flight in combines])
-    return _take(rows, plan.from_chunks), shared_out
+    if restore_order:
+        rows = _take(rows, plan.from_chunks, plan.to_chunks)
+    return rows, shared_out
