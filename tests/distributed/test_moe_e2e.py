@@ -36,9 +36,9 @@ LAYOUTS = {
 }
 
 
-def model(topk: int, experts: int, capacity: bool = False, shared: bool = False) -> list[str]:
+def model(topk: int, experts: int, capacity: bool = False, shared: bool = False, swiglu: bool = False) -> list[str]:
     args = ["--num-experts", str(experts), "--moe-router-topk", str(topk), "--disable-bias-linear",
-            "--train-iters", "8"]
+            "--train-iters", "8"] + (["--swiglu"] if swiglu else [])
     if topk == 1:
         args += ["--moe-router-pre-softmax"]  # Megatron requires it for top-1
     if capacity:
@@ -133,10 +133,9 @@ pytest.importorskip("megatron.core")
 
 
 @pytest.mark.parametrize("layout,moe,overlap", [
-    ("ep2", model(2, 4), True),
-    ("ep2", model(2, 4, capacity=True), True),
-    ("ep2tp2-ext", model(1, 8, shared=True), True),
-], ids=["ep2-top2-e4", "ep2-top2-e4-capacity", "ep2tp2-ext-top1-e8-shared"])
+    ("ep2", model(2, 4, swiglu=True), True),
+    ("ep2tp2-ext", model(1, 8, capacity=True, shared=True), True),
+], ids=["ep2-top2-e4-swiglu", "ep2tp2-ext-top1-e8-capacity-shared"])
 def test_moe_flags_match_megatron(tmp_path_factory, layout, moe, overlap):
     check_case(tmp_path_factory, layout, moe, overlap)
 
@@ -153,3 +152,29 @@ MATRIX = [(layout, topk, experts, capacity, shared)
 def test_moe_matrix(tmp_path_factory, layout, topk, experts, capacity, shared):
     overlap = layout in ("ep2", "ep2tp2-ext")  # the chunked all-to-all needs EP > 1 and whole experts
     check_case(tmp_path_factory, layout, model(topk, experts, capacity, shared), overlap)
+
+
+@pytest.mark.slow
+def test_moe_swiglu_experts_split_by_expert_tp(tmp_path_factory):
+    """GroupedMLP's SwiGLU fc1 split over expert-TP 2 ([gate_r; up_r] per rank) against SequentialMLP's."""
+    check_case(tmp_path_factory, "ep2tp2", model(2, 4, swiglu=True), overlap=False)
+
+
+@pytest.mark.slow
+def test_moe_composes_with_pipeline_and_fused_ops(tmp_path_factory):
+    """EP2 x PP2 (4 ranks), Llama-style, every MoE flag together with fused attention, RMSNorm and
+    RoPE, against the same layout with no npuspeed flag (1e-4: the fused ops round differently,
+    as in their own e2e test). (--use-fused-swiglu would refuse: with grouped GEMM the model has
+    no dense SwiGLU MLP left, the experts' SwiGLU is fused by the grouped path itself.)"""
+    from launch import LLAMA
+
+    layout = ["--expert-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--num-layers", "4"]
+    moe = model(2, 4) + LLAMA
+    base = train(tmp_path_factory, moe + layout, 4)
+    run = train(tmp_path_factory, moe + layout + FLAGS + OVERLAP + [
+        "--use-flash-attn", "--use-fused-rmsnorm", "--use-fused-rotary-pos-emb"], 4)
+    assert max_abs_diff(run["losses"], base["losses"]) <= 1e-4
+    for c in counters(run):
+        assert c.get("moe.grouped_gemm.torch", 0) > 0 and c.get("moe.a2a_overlap.dispatch_chunks", 0) > 0, c
+        assert c.get("ops.rms_norm.cpp", 0) > 0 and c.get("ops.moe_permute.cpp", 0) > 0, c
+        assert c.get("ops.moe_weighted_swiglu.cpp", 0) > 0, c

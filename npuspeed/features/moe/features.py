@@ -79,9 +79,9 @@ class GroupedGemmFeature(Feature):
         else:
             import torch
 
-            from npuspeed.features.moe.grouped_gemm import _probe_torch
+            from npuspeed.features.moe.grouped_gemm import torch_grouped_mm_runs
 
-            usable = _probe_torch(acc.device(), torch.float32) if acc.name == "cpu" else None
+            usable = torch_grouped_mm_runs(acc.device(), torch.float32) if acc.name == "cpu" else None
             kernel = ("torch._grouped_mm (torch grouped mm) where the device/dtype runs it, else one mm per expert"
                       if usable is not False else "one mm per expert into one output (no torch grouped mm here)")
         from npuspeed.ops.moe_swiglu import OP

@@ -30,7 +30,7 @@ def _torch_grouped_mm():
     return getattr(torch, "_grouped_mm", None)
 
 
-def _probe_torch(device: torch.device, dtype: torch.dtype) -> bool:
+def torch_grouped_mm_runs(device: torch.device, dtype: torch.dtype) -> bool:
     """Does torch's grouped mm run forward and backward here (with an empty group)?"""
     fn = _torch_grouped_mm()
     if fn is None:
@@ -53,7 +53,7 @@ def backend_for(x: torch.Tensor) -> str:
         npu = sys.modules.get("torch_npu")
         if x.device.type == "npu" and npu is not None and hasattr(npu, "npu_grouped_matmul"):
             _CHOSEN[key] = "npu"
-        elif _probe_torch(x.device, x.dtype):
+        elif torch_grouped_mm_runs(x.device, x.dtype):
             _CHOSEN[key] = "torch"
         else:
             _CHOSEN[key] = "loop"
