@@ -14,7 +14,10 @@ layer in the same run, interleaved by the shared harness:
 - all together, and all together with shared experts (both sides with shared experts)
 - the grouped matmul alone: torch grouped mm vs the per-expert loop fallback
 
-tokens/s = tokens of all ranks / step time. Same weights on both sides of every row.
+tokens/s = tokens of all ranks / step time. Same weights on both sides of every row. Each row
+also records the median CPU seconds a step costs this process (`cpu_ms_*`, all its threads):
+on a machine shared with other jobs, time slices taken by others inflate wall time but not
+CPU time, so that ratio is the steadier one there.
 """
 from __future__ import annotations
 
@@ -22,7 +25,9 @@ import argparse
 import contextlib
 import os
 import socket
+import statistics
 import sys
+import time
 
 import torch
 
@@ -120,13 +125,17 @@ def _rank(rank: int, world: int, port: int, args) -> None:
             base.load_state_dict(default.state_dict())
             copy_weights(base, fast)
 
-            def step(layer, overlap=False, permute=False):
+            cpu_ms: dict = {}
+
+            def step(layer, overlap=False, permute=False, side="baseline"):
+                start = time.process_time()
                 with fused_permute(permute):
                     inp = x.detach().requires_grad_(True)
                     out, _ = chunked(layer, inp) if overlap else layer(inp)
                     out.float().sum().backward()
                 for p in layer.parameters():
                     p.grad = None
+                cpu_ms.setdefault(side, []).append((time.process_time() - start) * 1e3)
 
             extra = {"tokens_per_rank": args.tokens, "hidden": args.hidden, "ffn": args.ffn, "experts": args.experts,
                      "topk": args.topk, "ep": world, "chunks": args.chunks, "shared_experts": shared}
@@ -135,15 +144,21 @@ def _rank(rank: int, world: int, port: int, args) -> None:
             # default); each feature alone is against Megatron's all-to-all dispatcher path
             all_on = dict(overlap=True, permute=True)
             rows = [("all vs Megatron default (allgather)", default, fast, all_on),
-                    ("all vs Megatron alltoall", base, fast, all_on)]
+                    ("all vs Megatron alltoall", base, fast, all_on),
+                    ("grouped GEMM + fused permute vs alltoall", base, fast, dict(permute=True))]
             if not shared:
                 rows += [("grouped GEMM", base, fast, {}), ("fused permute", base, base, dict(permute=True)),
                          (f"a2a overlap N={args.chunks}", base, base, dict(overlap=True))]
             for label, ref, layer, opts in rows:
                 before = telemetry.snapshot("moe.")
+                cpu_ms.clear()
                 case = f"{label}{' +shared' if shared else ''}"
                 row = bench.compare(case, dname, baseline=lambda ref=ref: step(ref),
-                                    feature=lambda layer=layer, opts=opts: step(layer, **opts), extra=dict(extra))
+                                    feature=lambda layer=layer, opts=opts: step(layer, side="feature", **opts),
+                                    extra=dict(extra))
+                for side in ("baseline", "feature"):
+                    row.extra[f"cpu_ms_{side}"] = round(statistics.median(cpu_ms[side]), 1)
+                row.extra["cpu_speedup"] = round(row.extra["cpu_ms_baseline"] / row.extra["cpu_ms_feature"], 3)
                 ran = telemetry.since(before, "moe.")
                 row.extra["counters"] = ran
                 row.extra["tokens_per_s_baseline"] = round(tokens / (row.baseline_ms / 1e3), 1)
@@ -164,8 +179,9 @@ def _rank(rank: int, world: int, port: int, args) -> None:
     if rank == 0:
         for r in bench.rows:
             if "tokens_per_s_baseline" in r.extra:
-                print(f"{r.case:<36} {r.dtype}: tokens/s {r.extra['tokens_per_s_baseline']:>9.1f} -> "
-                      f"{r.extra['tokens_per_s_feature']:>9.1f}  x{r.speedup:.2f}  peak x{r.mem_ratio or 0:.2f}")
+                print(f"{r.case:<42} {r.dtype}: tokens/s {r.extra['tokens_per_s_baseline']:>9.1f} -> "
+                      f"{r.extra['tokens_per_s_feature']:>9.1f}  x{r.speedup:.2f}  CPU/step x{r.extra['cpu_speedup']:.2f}"
+                      f"  peak x{r.mem_ratio or 0:.2f}")
         bench.finish()
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()

@@ -117,3 +117,24 @@ def test_grouped_mlp_with_no_tokens_keeps_gradients(megatron_mp, with_features):
         out.sum().backward()
     assert out.shape == (0, 16)
     assert grouped.weight1.grad is not None and torch.count_nonzero(grouped.weight1.grad) == 0
+
+
+@pytest.mark.parametrize("backend", ["torch", "loop"])
+def test_calls_sharing_a_grad_sink_hand_autograd_one_summed_gradient(backend):
+    """Three chunks of one weight (one with no rows): the gradient autograd gets is the sum,
+    handed over once, equal to that of the unchunked call."""
+    from npuspeed.features.moe.grouped_gemm import GradSink
+
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(3, 8, 12, generator=gen, requires_grad=True)
+    chunks = [([2, 0, 3], torch.randn(5, 8, generator=gen)), ([0, 0, 0], torch.zeros(0, 8)),
+              ([1, 4, 2], torch.randn(7, 8, generator=gen))]
+    seen = []
+    w.register_hook(lambda g: seen.append(g.clone()))
+    sink = GradSink(len(chunks))
+    total = sum((grouped_mm(x, w, counts, backend=backend, sink=sink) ** 2).sum() for counts, x in chunks)
+    total.backward()
+    assert len(seen) == 1 and sink.grad is None and sink.seen == 3
+    w_ref = w.detach().clone().requires_grad_()
+    sum((grouped_mm(x, w_ref, counts, backend=backend) ** 2).sum() for counts, x in chunks).backward()
+    torch.testing.assert_close(w.grad, w_ref.grad, atol=1e-5, rtol=1e-5)

@@ -13,6 +13,11 @@ w [G, K, N] one weight per group. Backends, chosen once per (device type, dtype)
   and backward (benchmarks/bench_moe.py measures it against the others).
 
 Each call is counted (`moe.grouped_gemm.<backend>`) so tests prove which one ran.
+
+A weight used by several calls in one step (the chunks of the overlapped all-to-all) can
+share a `GradSink`: the first backward to run writes its weight gradient, the others add
+theirs into it inside the matmul (addmm, no extra pass), and only the last one hands the sum
+to autograd, instead of autograd adding one full weight-sized gradient per chunk.
 """
 from __future__ import annotations
 
@@ -72,10 +77,36 @@ def _check(x, w, counts):
         raise ValueError(f"grouped_mm: counts {counts} must be >= 0 and sum to the {x.shape[0]} rows of x")
 
 
+class GradSink:
+    """The weight gradient of `expected` grouped matmuls of one weight, summed in place."""
+
+    def __init__(self, expected: int):
+        self.expected, self.seen, self.grad = expected, 0, None
+
+    def take(self, x, grad, counts, w, fresh):
+        """This call's weight gradient: added into the sum; the sum once every call gave one."""
+        if self.grad is None:
+            self.grad = fresh()
+        else:
+            for g, (xs, gs) in enumerate(zip(x.split(counts), grad.split(counts))):
+                if xs.shape[0]:
+                    torch.addmm(self.grad[g], xs.t(), gs, out=self.grad[g])
+        self.seen += 1
+        if self.seen < self.expected:
+            return None
+        total, self.grad = self.grad, None
+        return total
+
+
+def _dw(ctx, x, grad, w, fresh):
+    sink = ctx.sink
+    return fresh() if sink is None else sink.take(x, grad, ctx.counts, w, fresh)
+
+
 class _LoopGMM(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w, counts):
-        ctx.counts = counts
+    def forward(ctx, x, w, counts, sink):
+        ctx.counts, ctx.sink = counts, sink
         ctx.save_for_backward(x, w)
         out = x.new_empty(x.shape[0], w.shape[2])
         for xs, wg, os_ in zip(x.split(counts), w, out.split(counts)):
@@ -94,8 +125,8 @@ class _LoopGMM(torch.autograd.Function):
                 if gs.shape[0]:
                     torch.mm(gs, wg.t(), out=ds)
         if ctx.needs_input_grad[1]:
-            dw = _weight_grads(x, grad, ctx.counts, w)
-        return dx, dw, None
+            dw = _dw(ctx, x, grad, w, lambda: _weight_grads(x, grad, ctx.counts, w))
+        return dx, dw, None, None
 
 
 def _weight_grads(x, grad, counts, w):
@@ -108,7 +139,8 @@ def _weight_grads(x, grad, counts, w):
 
 class _TorchGMM(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w, offs):
+    def forward(ctx, x, w, offs, counts, sink):
+        ctx.counts, ctx.sink = counts, sink
         ctx.save_for_backward(x, w, offs)
         return _torch_grouped_mm()(x, w, offs=offs)
 
@@ -116,18 +148,19 @@ class _TorchGMM(torch.autograd.Function):
     def backward(ctx, grad):
         x, w, offs = ctx.saved_tensors
         if x.shape[0] == 0:  # no rows: zero, defined weight gradients
-            return x.new_zeros(x.shape), torch.zeros_like(w), None
+            dw = _dw(ctx, x, grad, w, lambda: torch.zeros_like(w)) if ctx.needs_input_grad[1] else None
+            return x.new_zeros(x.shape), dw, None, None, None
         grad = grad.contiguous()
         fn = _torch_grouped_mm()
         dx = fn(grad, w.transpose(-2, -1), offs=offs) if ctx.needs_input_grad[0] else None
-        dw = fn(x.t(), grad, offs=offs) if ctx.needs_input_grad[1] else None
-        return dx, dw, None
+        dw = _dw(ctx, x, grad, w, lambda: fn(x.t(), grad, offs=offs)) if ctx.needs_input_grad[1] else None
+        return dx, dw, None, None, None
 
 
 class _NpuGMM(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w, counts):
-        ctx.counts = counts
+    def forward(ctx, x, w, counts, sink):
+        ctx.counts, ctx.sink = counts, sink
         ctx.save_for_backward(x, w)
         return _npu_gmm(x, w, counts)
 
@@ -136,8 +169,8 @@ class _NpuGMM(torch.autograd.Function):
         x, w = ctx.saved_tensors
         grad = grad.contiguous()
         dx = _npu_gmm(grad, w.transpose(1, 2), ctx.counts) if ctx.needs_input_grad[0] else None
-        dw = _weight_grads(x, grad, ctx.counts, w) if ctx.needs_input_grad[1] else None
-        return dx, dw, None
+        dw = _dw(ctx, x, grad, w, lambda: _weight_grads(x, grad, ctx.counts, w)) if ctx.needs_input_grad[1] else None
+        return dx, dw, None, None
 
 
 def _npu_gmm(x, w, counts):
@@ -147,8 +180,10 @@ def _npu_gmm(x, w, counts):
                                   group_list_type=1)[0]
 
 
-def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts, backend: str | None = None) -> torch.Tensor:
-    """[M, N]: each group's rows of x times its weight; `counts` per group (list or tensor)."""
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts, backend: str | None = None,
+               sink: GradSink | None = None) -> torch.Tensor:
+    """[M, N]: each group's rows of x times its weight; `counts` per group (list or tensor);
+    `sink`: shared with the other calls of this weight in the step (see GradSink)."""
     counts = _counts(counts)
     _check(x, w, counts)
     backend = backend or backend_for(x)
@@ -158,7 +193,7 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts, backend: str | None = N
     x = x.contiguous()
     if backend == "torch":
         offs = torch.tensor(counts, dtype=torch.int64).cumsum(0).to(device=x.device, dtype=torch.int32)
-        return _TorchGMM.apply(x, w, offs)
+        return _TorchGMM.apply(x, w, offs, counts, sink)
     if backend == "npu":
-        return _NpuGMM.apply(x, w, counts)
-    return _LoopGMM.apply(x, w, counts)
+        return _NpuGMM.apply(x, w, counts, sink)
+    return _LoopGMM.apply(x, w, counts, sink)

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from npuspeed import telemetry
-from npuspeed.features.moe.grouped_gemm import grouped_mm
+from npuspeed.features.moe.grouped_gemm import GradSink, grouped_mm
 from npuspeed.ops.moe_swiglu import weighted_swiglu
 
 EXPERTS = "megatron.core.transformer.moe.experts"
@@ -66,16 +66,30 @@ def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_prob
     # Experts with no tokens get zero weight gradients from the grouped mm itself.
     w1 = self.weight1.view(self.num_local_experts, config.hidden_size, -1)
     w2 = self.weight2.view(self.num_local_experts, -1, config.hidden_size)
-    fc1 = grouped_mm(x, w1, counts)
+    sink1, sink2 = getattr(self, "npuspeed_grad_sinks", (None, None))
+    fc1 = grouped_mm(x, w1, counts, sink=sink1)
     act = functools.partial(_activation_with_probs, config)
     if self.activation_recompute:
         self.activation_checkpoint = tensor_parallel.CheckpointWithoutOutput()
         inter = self.activation_checkpoint.checkpoint(act, fc1, probs)
-        out = grouped_mm(inter, w2, counts)
+        out = grouped_mm(inter, w2, counts, sink=sink2)
         self.activation_checkpoint.discard_output_and_register_recompute(out)
     else:
-        out = grouped_mm(act(fc1, probs), w2, counts)
+        out = grouped_mm(act(fc1, probs), w2, counts, sink=sink2)
     return out, None
+
+
+def share_weight_grads(experts, calls: int):
+    """Before `calls` forward calls of one GroupedMLP in a step (chunks): their weight
+    gradients are summed in place (GradSink); returns the undo. Other experts: nothing to do."""
+    if calls < 2 or not hasattr(experts, "weight1"):
+        return lambda: None
+    experts.npuspeed_grad_sinks = (GradSink(calls), GradSink(calls))
+
+    def undo():
+        experts.__dict__.pop("npuspeed_grad_sinks", None)
+
+    return undo
 
 
 def count_built(init):

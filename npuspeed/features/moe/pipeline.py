@@ -16,6 +16,7 @@ import torch
 
 from npuspeed import telemetry
 from npuspeed.features.moe import a2a
+from npuspeed.features.moe.grouped_mlp import share_weight_grads
 
 
 def _cut(n: int, c: int, chunks: int) -> tuple[int, int]:
@@ -128,18 +129,22 @@ def run(experts, tokens: torch.Tensor, probs: torch.Tensor, plan: Plan, group, s
         shared_out = shared()
         telemetry.count("moe.a2a_overlap.shared_experts_overlapped")
     combines = []
-    for c in range(plan.chunks):
-        following = dispatch(c + 1) if c + 1 < plan.chunks else None
-        (t, tf), (p, pf) = in_flight
-        t, p = a2a.finish(t, tf), a2a.finish(p, pf)
-        counts = torch.tensor(plan.tokens_per_expert[c], dtype=torch.long)
-        by_expert, by_source = plan.by_expert[c], plan.by_source[c]
-        out, bias = experts(_take(t, by_expert, by_source), counts, _take(p, by_expert, by_source))
-        assert bias is None, "expert bias is not supported with the all-to-all dispatcher"
-        combines.append(a2a.start(_take(out, by_source, by_expert), group, plan.send_splits[c],
-                                  plan.recv_splits[c], "combine"))
-        telemetry.count("moe.a2a_overlap.combine_chunks")
-        in_flight = following
+    undo = share_weight_grads(experts, plan.chunks)  # a GroupedMLP sums its chunks' weight grads in place
+    try:
+        for c in range(plan.chunks):
+            following = dispatch(c + 1) if c + 1 < plan.chunks else None
+            (t, tf), (p, pf) = in_flight
+            t, p = a2a.finish(t, tf), a2a.finish(p, pf)
+            counts = torch.tensor(plan.tokens_per_expert[c], dtype=torch.long)
+            by_expert, by_source = plan.by_expert[c], plan.by_source[c]
+            out, bias = experts(_take(t, by_expert, by_source), counts, _take(p, by_expert, by_source))
+            assert bias is None, "expert bias is not supported with the all-to-all dispatcher"
+            combines.append(a2a.start(_take(out, by_source, by_expert), group, plan.send_splits[c],
+                                      plan.recv_splits[c], "combine"))
+            telemetry.count("moe.a2a_overlap.combine_chunks")
+            in_flight = following
+    finally:
+        undo()
     rows = torch.cat([a2a.finish(y, flight) for y, flight in combines])
     if restore_order:
         rows = _take(rows, plan.from_chunks, plan.to_chunks)
