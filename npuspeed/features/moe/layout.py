@@ -8,6 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from npuspeed.features.base import FeatureError
+from npuspeed.patching.versions import in_range, megatron_version
+
 
 @dataclass
 class Layout:
@@ -52,3 +55,19 @@ def layers_of(block):
     """The MoE layers (those with a token dispatcher) of a built TransformerBlock."""
     return [layer.mlp for layer in getattr(block, "layers", ()) if hasattr(getattr(layer, "mlp", None),
                                                                          "token_dispatcher")]
+
+
+def needs_experts(flag: str, block) -> str | None:
+    """A model without experts gives the flag nothing to do (a pipeline stage may still hold
+    only dense layers of a MoE model: that is fine)."""
+    if not getattr(getattr(block, "config", None), "num_moe_experts", None):
+        return f"{flag}: the model has no experts (needs --num-experts with a MoE layer spec)"
+    return None
+
+
+def needs_release(flag: str, spec: str, why: str) -> None:
+    """A flag whose patches are written for releases `spec` refuses others at start-up
+    (a skipped patch would leave the flag doing nothing)."""
+    if not in_range(spec):
+        raise FeatureError(f"{flag} needs megatron-core {spec} ({why}); this is {megatron_version()}: upgrade "
+                           "megatron-core or drop the flag")

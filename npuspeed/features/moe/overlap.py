@@ -82,9 +82,11 @@ def forward_wrapper(chunks: int, note):
             shared = None
             if self.use_shared_expert:
                 shared = functools.partial(_shared_experts, self, hidden_states)
-            # Off NPU the unpermute takes sorted_indices as "row r belongs to token idx[r]", so the
-            # chunk-major rows go straight in with the index composed (no reordering copy).
-            compose = plan.to_chunks is not None and tokens.device.type != "npu"
+            # Megatron's unfused unpermute and npuspeed's CPU op read sorted_indices as "row r
+            # belongs to token idx[r]", so the chunk-major rows go straight in with the index
+            # composed (no reordering copy); torch_npu's and TE's fused ops keep their own maps.
+            compose = (plan.to_chunks is not None and tokens.device.type != "npu"
+                       and not self.config.moe_permute_fusion)
             rows, shared_out = pipeline.run(self.experts, tokens, probs, plan, disp.ep_group, shared,
                                             restore_order=not compose)
             if compose:
