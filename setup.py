@@ -7,7 +7,6 @@ npuspeed/ops/_extension.py). NPUSPEED_DISABLE_CPP=1 skips the build. The SIMD le
 the build machine's unless NPUSPEED_CPU_CAPABILITY says otherwise (npuspeed/ops/build_flags.py):
 set it to `default` when building a wheel for other machines.
 """
-import glob
 import os
 import sys
 
@@ -41,9 +40,9 @@ def _extensions():
     spec = importlib.util.spec_from_file_location("_npuspeed_build_flags", "npuspeed/ops/build_flags.py")
     flags = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(flags)
-    sources = sorted(glob.glob("csrc/cpu/*.cpp"))
+    sources = flags.source_files("csrc")  # csrc/cpu everywhere, csrc/x86 on x86_64 only
     ext = CppExtension("npuspeed._C", sources, extra_compile_args=flags.compile_args(),
-                       extra_link_args=flags.link_args(), depends=sorted(glob.glob("csrc/cpu/*.h")))
+                       extra_link_args=flags.link_args(), depends=flags.header_files("csrc"))
     return [ext], {"build_ext": BuildExtension.with_options(no_python_abi_suffix=True)}
 
 

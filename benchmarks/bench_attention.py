@@ -1,12 +1,13 @@
 """Fused attention benchmark: Megatron's DotProductAttention unfused vs --use-flash-attn.
 
-    python benchmarks/bench_attention.py [--seq-lengths 1024 2048] [--dtypes fp32 bf16]
+    python benchmarks/bench_attention.py [--seq-lengths 1024 2048] [--dtypes fp32 bf16] [--dropouts 0 0.1]
 
 One step = forward + backward of one causal DotProductAttention layer (b=1, 8 heads, d=64)
-on a 1-rank gloo group. Baseline is Megatron's own forward (the registry's original), the
+on a 1-rank gloo group, in training mode, without dropout and with Megatron's default
+attention dropout 0.1 (drawn inside the model-parallel RNG tracker on both sides). Baseline is Megatron's own forward (the registry's original), the
 feature is the patched one; both run on the same module and inputs in one process, through
 the shared harness (interleaved timing, peak memory, CSV + PNG under benchmarks/results/).
-Where bf16 runs npuspeed's CPU kernel, one more row measures it against PyTorch's
+Where npuspeed's CPU kernel runs, one more row (no dropout) measures it against PyTorch's
 scaled_dot_product_attention on the same layer.
 """
 from __future__ import annotations
@@ -26,21 +27,23 @@ def _init_megatron():
     return init_single_rank_megatron(["--use-flash-attn"])
 
 
-def _layer(heads: int, d: int, dtype: torch.dtype):
+def _layer(heads: int, d: int, dtype: torch.dtype, dropout: float = 0.0):
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     cfg = TransformerConfig(num_layers=1, hidden_size=heads * d, num_attention_heads=heads, kv_channels=d,
-                            attention_dropout=0.0, use_cpu_initialization=True,
+                            attention_dropout=dropout, use_cpu_initialization=True,
                             bf16=dtype == torch.bfloat16, params_dtype=dtype)
-    return DotProductAttention(cfg, 1, AttnMaskType.causal, "self")
+    return DotProductAttention(cfg, 1, AttnMaskType.causal, "self").train()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seq-lengths", type=int, nargs="+", default=[1024, 2048])
     parser.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), default=["fp32", "bf16"])
+    parser.add_argument("--dropouts", type=float, nargs="+", default=[0.0, 0.1],
+                        help="attention dropout (0.1 is Megatron's default)")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=64)
@@ -51,13 +54,14 @@ def main() -> None:
     bench = Bench("attention", warmup=args.warmup, repeat=args.repeat)
     _init_megatron()
     from npuspeed.features.fused_attention import kernel_calls
-    from npuspeed.features.fused_attention.forward import CPU_FLASH
+    from npuspeed.features.fused_attention.forward import CPU_FLASH, CPU_FLASH_FP32
     from npuspeed.patching import registry
 
     unfused_forward = registry.original(TARGET)
-    for dtype_name in args.dtypes:
+    for dtype_name, p in [(n, p) for p in args.dropouts for n in args.dtypes]:
         dtype = DTYPES[dtype_name]
-        layer = _layer(args.heads, args.head_dim, dtype)
+        layer = _layer(args.heads, args.head_dim, dtype, p)
+        tag = f" dropout {p:g}" if p else ""
         for s in args.seq_lengths:
             gen = torch.Generator().manual_seed(s)
             shape = (s, args.batch, args.heads, args.head_dim)
@@ -73,30 +77,32 @@ def main() -> None:
 
             calls = kernel_calls()
             row = bench.compare(
-                f"causal S={s}", dtype_name,
+                f"causal S={s}{tag}", dtype_name,
                 baseline=step(lambda *a: unfused_forward(layer, *a)), feature=step(layer),
-                extra={"S": s, "b": args.batch, "heads": args.heads, "d": args.head_dim, "threads": torch.get_num_threads(), "torch": torch.__version__},
+                extra={"S": s, "b": args.batch, "heads": args.heads, "d": args.head_dim, "dropout": p,
+                       "threads": torch.get_num_threads(), "torch": torch.__version__},
             )
             ran = {k_: n - calls.get(k_, 0) for k_, n in kernel_calls().items() if n != calls.get(k_, 0)}
             assert ran, "the fused path never ran"
             row.extra["kernel"] = ",".join(sorted(ran))
-            if CPU_FLASH in ran:  # npuspeed's own bf16 kernel: also against PyTorch's SDPA
+            ours = {CPU_FLASH, CPU_FLASH_FP32} & set(ran)
+            if ours and not p:  # npuspeed's own kernel: also against PyTorch's SDPA (its flash kernel)
                 bench.compare(f"causal S={s} vs SDPA", dtype_name, baseline=step(sdpa_only(layer)),
-                              feature=step(layer), extra={"S": s, "kernel": CPU_FLASH, "baseline": "sdpa"})
+                              feature=step(layer), extra={"S": s, "kernel": ours.pop(), "baseline": "sdpa"})
     bench.finish()
 
 
 def sdpa_only(layer):
-    """The patched layer with npuspeed's CPU kernel ruled out: PyTorch's SDPA runs instead."""
-    from npuspeed.ops import flash_attention as cpu_flash
+    """The layer on PyTorch's SDPA (what --use-flash-attn ran before npuspeed's CPU kernel)."""
+    import functools
 
-    def forward(*args):
-        saved = cpu_flash.machine_reason
-        cpu_flash.machine_reason = lambda: "benchmark baseline: scaled_dot_product_attention"
-        try:
-            return layer(*args)
-        finally:
-            cpu_flash.machine_reason = saved
+    from npuspeed.features.fused_attention.plan import MaskPlan
+    from npuspeed.features.fused_attention.sdpa import sdpa_attention
+
+    def forward(q, k, v, _mask):
+        return sdpa_attention(q, k, v, MaskPlan(causal=True), scale=layer.softmax_scale, dropout_p=0.0)
+
+    return functools.partial(forward)
 
     return forward
 

@@ -19,6 +19,11 @@ run, all off with NPUSPEED_CPU_CACHE_MB=0, shows what it alone is worth.
 All off and all on run --repeats times each (alternating) and the fastest of each counts,
 so that one slow draw of the shared machine does not make the headline ratio.
     python benchmarks/bench_e2e.py [--iters 8] [--seq 2048] [--layers 8] [--repeats 2]
+
+Megatron's defaults (`--megatron-defaults`: attention dropout 0.1, hidden dropout 0.1, as a
+new user gets them) with `--dtype bf16` or `fp32` (fp32 leaves out --reuse-fp32-param, which
+needs bf16): all off vs all on only, case names and files tagged "defaults".
+    python benchmarks/bench_e2e.py --megatron-defaults [--dtype fp32] --only
 """
 from __future__ import annotations
 
@@ -63,7 +68,7 @@ def model_args(opts, dtype: str = "--bf16") -> list[str]:
             "--micro-batch-size", "1", "--global-batch-size", "2", "--train-iters", str(opts.iters),
             "--lr", "3e-4", "--lr-warmup-iters", "2",
             "--tensor-model-parallel-size", "2", "--sequence-parallel", "--use-cpu-initialization",
-            "--hidden-dropout", "0", "--attention-dropout", "0", "--log-interval", "1"]
+            "--hidden-dropout", str(opts.dropout), "--attention-dropout", str(opts.dropout), "--log-interval", "1"]
 
 
 def plot(runs: dict, path: Path) -> None:
@@ -105,12 +110,22 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2,
                         help="runs of all off and of all on (alternating); the fastest of each counts")
     parser.add_argument("--no-fp32-reference", action="store_true", help="skip the all-off fp32 run")
+    parser.add_argument("--megatron-defaults", action="store_true",
+                        help="attention and hidden dropout 0.1 (Megatron's defaults) instead of 0")
+    parser.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
     opts = parser.parse_args()
-    configs = {"all off": [], "all on": [f for flags in FEATURES.values() for f in flags]}
-    configs.update({name: flags for name, flags in FEATURES.items()})
-    if opts.only:
+    opts.dropout = 0.1 if opts.megatron_defaults else 0
+    fp32 = opts.dtype == "fp32"
+    features = {k: v for k, v in FEATURES.items() if not (fp32 and k == "reuse-fp32-param")}
+    configs = {"all off": [], "all on": [f for flags in features.values() for f in flags]}
+    configs.update({name: flags for name, flags in features.items()})
+    if opts.only is not None:
         configs = {k: v for k, v in configs.items() if k in opts.only or k in ("all off", "all on")}
-    bench = Bench("e2e")
+    tag = f"defaults_{opts.dtype}" if opts.megatron_defaults or fp32 else ""
+    bench = Bench(f"e2e_{tag}" if tag else "e2e")
+    dtype_flag = "" if fp32 else "--bf16"
+    if tag:  # a reference and a no-cache run belong to the headline bench only
+        opts.no_fp32_reference = opts.no_cache_run = True
     runs = {}
     tries: dict[str, list[float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -119,14 +134,16 @@ def main() -> None:
         order = [n for _ in range(opts.repeats) for n in ("all off", "all on")] + list(configs)[2:]
         for name in order:
             flags = configs[name]
-            run = run_example(model_args(opts) + flags, Path(tmp), nproc=2, name=name.replace(" ", "_"),
+            run = run_example(model_args(opts, dtype_flag) + flags, Path(tmp), nproc=2, name=name.replace(" ", "_"),
                               timeout=3600)
             tries.setdefault(name, []).append(round(run["tokens_per_s"], 1))
             if name not in runs or run["tokens_per_s"] > runs[name]["tokens_per_s"]:
                 runs[name] = run
+            kernels = (run.get("attention_calls") or {}).get("calls") or {}
             print(f"[e2e] {name}: {run['tokens_per_s']:.1f} tokens/s, peak "
                   f"{run['peak_mem_bytes'] / 2**20:.1f} MiB/rank, weights "
-                  f"{run['weight_bytes'] / 2**20:.1f} MiB/rank", flush=True)
+                  f"{run['weight_bytes'] / 2**20:.1f} MiB/rank"
+                  + (f", attention kernels {kernels}" if kernels else ""), flush=True)
         if not opts.no_cache_run:
             runs[NO_CACHE] = run_example(model_args(opts), Path(tmp), nproc=2, name="no_cache", timeout=3600,
                                          env={"NPUSPEED_CPU_CACHE_MB": "0"})
@@ -139,17 +156,19 @@ def main() -> None:
             continue
         diff = max_diff(run["losses"], base["losses"])
         ref_diff = max_diff(run["losses"], ref["losses"]) if ref else None
-        bench.add(name, "bf16", baseline_ms=base["mean_step_ms"], feature_ms=run["mean_step_ms"],
+        case = f"{name} (dropout {opts.dropout})" if opts.megatron_defaults else name
+        bench.add(case, opts.dtype, baseline_ms=base["mean_step_ms"], feature_ms=run["mean_step_ms"],
                   baseline_peak_bytes=base["peak_mem_bytes"], feature_peak_bytes=run["peak_mem_bytes"],
                   extra={"tokens_per_s": round(run["tokens_per_s"], 2),
                          "weight_bytes": run["weight_bytes"], "max_loss_diff_vs_off": diff,
                          "max_loss_diff_vs_fp32": ref_diff, "median_step_ms": run.get("median_step_ms"),
-                         "seq": opts.seq, "layers": opts.layers, "iters": opts.iters,
-                         "tokens_per_s_runs": tries.get(name, [round(run["tokens_per_s"], 1)])})
+                         "seq": opts.seq, "layers": opts.layers, "iters": opts.iters, "dropout": opts.dropout,
+                         "tokens_per_s_runs": tries.get(name, [round(run["tokens_per_s"], 1)]),
+                         "attention_kernels": (run.get("attention_calls") or {}).get("calls")})
     csv_path = bench.finish()
-    png = csv_path.parent / f"e2e_{bench.acc.name}.png"
+    png = csv_path.parent / f"e2e_{tag + '_' if tag else ''}{bench.acc.name}.png"
     plot(runs, png)
-    curves = csv_path.parent / f"e2e_{bench.acc.name}_losses.json"
+    curves = csv_path.parent / f"e2e_{tag + '_' if tag else ''}{bench.acc.name}_losses.json"
     curves.write_text(json.dumps({name: run["losses"] for name, run in runs.items()}, indent=1))
     print("\nmax |loss difference| over the iterations (bf16 unless named):")
     for name, run in runs.items():

@@ -41,7 +41,15 @@ def collect() -> dict:
         "notes": list(state.notes),
         "late_import": state.late_import,
         "counters": telemetry.snapshot(),
+        "attention_calls": _attention_calls(),
     }
+
+
+def _attention_calls() -> dict:
+    """Which kernel each --use-flash-attn call ran so far in this process, and why."""
+    from npuspeed.features.fused_attention.forward import attention_calls
+
+    return attention_calls()
 
 
 def _table(rows: list[list[str]], headers: list[str]) -> str:
@@ -66,6 +74,10 @@ def render(data: dict) -> str:
         _table([[p["target"], p["feature"], p["kind"], p["status"] + (f" ({p['reason']})" if p["reason"] else "")]
                 for p in data["patches"]], ["patch target", "feature", "kind", "status"]),
     ]
+    calls = data.get("attention_calls") or {}
+    if calls.get("calls"):
+        out += ["", "attention calls (kernel: count, why):"]
+        out += [f"  - {k}: {n} ({calls['reasons'].get(k, '')})" for k, n in sorted(calls["calls"].items())]
     if data["notes"]:
         out += ["", "notes:"] + [f"  - {n}" for n in data["notes"]]
     return "\n".join(out)

@@ -3,6 +3,7 @@
 #include <torch/library.h>
 
 #include <string>
+#include <vector>
 
 namespace npuspeed {
 namespace {
@@ -17,9 +18,19 @@ std::string cpu_capability() {
 #endif
 }
 
+// Which source sets this library holds: "cpu" (portable) always, "x86" (intrinsics) where built.
+std::vector<std::string> kernel_sets() {
+#if defined(NPUSPEED_NO_X86)
+  return {"cpu"};
+#else
+  return {"cpu", "x86"};
+#endif
+}
+
 }  // namespace
 }  // namespace npuspeed
 
 TORCH_LIBRARY_FRAGMENT(npuspeed, m) {
   m.def("cpu_capability() -> str", &npuspeed::cpu_capability);
+  m.def("kernel_sets() -> str[]", &npuspeed::kernel_sets);
 }

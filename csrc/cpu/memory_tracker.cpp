@@ -17,6 +17,7 @@
 #include <c10/core/CPUAllocator.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstring>
 #include <map>
@@ -197,6 +198,13 @@ void reset_peak() {
   g_peak_reserved.store(g_reserved.load());
 }
 
+// Put back peaks read before a measurement that reset them (a kernel choice timed once per
+// shape), so the run's own peak statistics do not lose what came before it.
+void restore_peak(int64_t peak, int64_t peak_reserved) {
+  g_peak.store(std::max(peak, g_current.load()));
+  g_peak_reserved.store(std::max(peak_reserved, g_reserved.load()));
+}
+
 }  // namespace
 }  // namespace npuspeed
 
@@ -204,6 +212,7 @@ TORCH_LIBRARY_FRAGMENT(npuspeed, m) {
   m.def("memory_tracker_enable() -> bool", &npuspeed::enable);
   m.def("memory_tracker_stats() -> int[]", &npuspeed::stats);
   m.def("memory_tracker_reset_peak() -> ()", &npuspeed::reset_peak);
+  m.def("memory_tracker_restore_peak(int peak, int peak_reserved) -> ()", &npuspeed::restore_peak);
   m.def("memory_tracker_set_cache_limit(int bytes) -> ()", &npuspeed::set_cache_limit);
   m.def("memory_tracker_empty_cache() -> ()", &npuspeed::empty_cache);
 }

@@ -3,7 +3,9 @@
 Order: the library built by `pip install` (npuspeed/_C*.so), else a JIT build of csrc/
 into a cache directory, else nothing, and every caller runs its pure-PyTorch reference.
 What happened is kept in `status()` for `npuspeed report`, and the fallback is logged once.
-`NPUSPEED_DISABLE_CPP=1` stands in for a machine without a compiler.
+`NPUSPEED_DISABLE_CPP=1` stands in for a machine without a compiler; `NPUSPEED_JIT=1` skips
+the pip-built library and JIT-builds csrc/ (with NPUSPEED_NO_X86=1: the portable set only, as
+an Arm host builds it; the tests use this).
 
 torch's JIT builder guards its build folder with a lock file that a killed build leaves
 behind, after which every later build waits forever. We serialise builds with our own
@@ -33,10 +35,12 @@ def cpp_disabled() -> bool:
 
 
 def source_files() -> list[str]:
-    return sorted(glob.glob(str(_CSRC / "cpu" / "*.cpp")))
+    return build_flags.source_files(str(_CSRC))
 
 
 def _prebuilt() -> str | None:
+    if os.environ.get("NPUSPEED_JIT", "0") not in ("", "0", "false", "False"):
+        return None
     hits = sorted(glob.glob(str(_PACKAGE_DIR / "_C*.so")))
     return hits[0] if hits else None
 
@@ -44,7 +48,7 @@ def _prebuilt() -> str | None:
 def _cache_dir(sources: list[str]) -> Path:
     digest = hashlib.sha256(torch.__version__.encode())
     digest.update(" ".join(build_flags.compile_args()).encode())
-    for src in sources + sorted(glob.glob(str(_CSRC / "cpu" / "*.h"))):
+    for src in sources + build_flags.header_files(str(_CSRC)):
         digest.update(Path(src).read_bytes())
     root = Path(os.environ.get("NPUSPEED_CACHE", Path.home() / ".cache" / "npuspeed"))
     return root / f"build-{digest.hexdigest()[:16]}"

@@ -10,10 +10,16 @@ time; we compile once). `NPUSPEED_CPU_CAPABILITY` chooses the level:
   `unsupported_capability`, and falls back to the references rather than crash).
 - `avx512`, `avx2`: that level; `default`: no SIMD flags (portable, slower) for wheels.
 
+Sources come in two sets (`source_files`): csrc/cpu/ builds anywhere (portable C++ and
+`at::vec`), csrc/x86/ uses x86 intrinsics (AVX512-BF16 attention) and is compiled only on
+x86_64 hosts, or never with NPUSPEED_NO_X86=1 (which is how the tests prove an Arm-style
+build works here).
+
 This module imports nothing from npuspeed so that setup.py can load it by path.
 """
 from __future__ import annotations
 
+import glob
 import os
 import platform
 
@@ -25,6 +31,31 @@ LEVELS = {
              ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]),
     "default": ((), []),
 }
+
+
+def is_x86_64() -> bool:
+    return platform.machine().lower() in ("x86_64", "amd64")
+
+
+def x86_kernels_excluded() -> str | None:
+    """Why the x86-only sources are left out of this build, or None when they are built."""
+    if os.environ.get("NPUSPEED_NO_X86", "0") not in ("", "0", "false", "False"):
+        return "not built for this CPU (NPUSPEED_NO_X86=1 left out the x86 kernels)"
+    if not is_x86_64():
+        return f"not built for this CPU ({platform.machine()}): the kernel uses x86 AVX-512 intrinsics"
+    return None
+
+
+def source_files(csrc: str) -> list[str]:
+    """The .cpp files to compile: csrc/cpu always, csrc/x86 on x86_64 unless excluded."""
+    files = sorted(glob.glob(os.path.join(csrc, "cpu", "*.cpp")))
+    if x86_kernels_excluded() is None:
+        files += sorted(glob.glob(os.path.join(csrc, "x86", "*.cpp")))
+    return files
+
+
+def header_files(csrc: str) -> list[str]:
+    return sorted(glob.glob(os.path.join(csrc, "*", "*.h")))
 
 
 def cpu_flags() -> set[str]:
@@ -45,7 +76,7 @@ def choose_capability() -> str:
         return wanted
     if wanted != "auto":
         raise ValueError(f"NPUSPEED_CPU_CAPABILITY={wanted!r}: use auto, avx512, avx2 or default")
-    if platform.machine().lower() not in ("x86_64", "amd64"):
+    if not is_x86_64():
         return "default"
     have = cpu_flags()
     for level in ("avx512", "avx2"):
@@ -58,7 +89,8 @@ def compile_args() -> list[str]:
     """-O3; OpenMP (at::parallel_for is inline and runs serially without it); no implicit
     fused multiply-adds (GCC contracts a*b+c across intrinsics otherwise, and the kernels
     promise eager PyTorch's fp32 rounding where they say so); the SIMD level."""
-    return ["-O3", "-fopenmp", "-ffp-contract=off", *LEVELS[choose_capability()][1]]
+    args = ["-O3", "-fopenmp", "-ffp-contract=off", *LEVELS[choose_capability()][1]]
+    return args + (["-DNPUSPEED_NO_X86"] if x86_kernels_excluded() else [])
 
 
 def link_args() -> list[str]:

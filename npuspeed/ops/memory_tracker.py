@@ -64,6 +64,13 @@ def peak_reserved() -> int:
     return _stats()[8]
 
 
+def restore_peak(peak_bytes: int, peak_reserved_bytes: int) -> None:
+    """Peaks back to at least these values (after a measurement that reset them)."""
+    ops = _ops()
+    if ops is not None:
+        ops.memory_tracker_restore_peak(int(peak_bytes), int(peak_reserved_bytes))
+
+
 def set_cache_limit(nbytes: int) -> None:
     """Keep freed blocks of >= 1 MiB up to `nbytes` in all (0: no cache)."""
     ops = _ops()

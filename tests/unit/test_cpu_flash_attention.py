@@ -1,4 +1,4 @@
-"""npuspeed's bf16 CPU flash attention kernel (csrc/cpu/flash_attention.cpp).
+"""npuspeed's bf16 CPU flash attention kernel (csrc/x86/flash_attention_bf16.cpp).
 
 Against fp32 attention on the same bf16 inputs: output and all three gradients must be as
 close as PyTorch's own bf16 kernel gets (its rms error, +10%; its largest error within one
@@ -109,21 +109,22 @@ def test_same_bits_at_any_thread_count():
 
 def test_unsupported_calls_name_their_reason(monkeypatch):
     monkeypatch.setattr(cpu_flash, "machine_reason", lambda: None)
+    monkeypatch.setattr(cpu_flash, "fp32_reason", lambda: None)
     q = torch.randn(32, 1, 2, 16)
     qb = q.bfloat16()
 
     def why(t, **kw):
-        args = dict(causal=True, masked=False, dropout_p=0.0) | kw
+        args = dict(masked=False, dropout_p=0.0) | kw
         return cpu_flash.unsupported(t, t, **args)
 
-    assert why(qb) is None
-    assert "bf16" in why(q)
-    assert "dropout" in why(qb, dropout_p=0.1)
-    assert "mask" in why(qb, causal=False, masked=True)
+    assert why(qb) is None and why(q) is None  # bf16 and fp32 kernels
+    assert why(qb, dropout_p=0.1) is None  # dropout runs inside the kernels
+    assert "bf16 or fp32" in why(q.half())
+    assert "per-row key ranges" in why(qb, masked=True)
     assert "multiple of 16" in why(torch.randn(32, 1, 2, 24).bfloat16())
-    assert "sq != sk" in cpu_flash.unsupported(qb, qb[:16], causal=True, masked=False, dropout_p=0.0)
+    assert why(torch.randn(32, 1, 2, 24)) is None  # the fp32 kernel takes any head dim
     monkeypatch.setattr(cpu_flash, "machine_reason", lambda: "this CPU lacks AVX512-BF16")
-    assert why(qb) == "this CPU lacks AVX512-BF16"
+    assert why(qb) == "this CPU lacks AVX512-BF16" and why(q) is None
     with pytest.raises(ValueError, match="cannot run this call: this CPU lacks"):
         cpu_flash.flash_attention(qb, qb, qb, scale=0.25, causal=True)
 
@@ -136,4 +137,5 @@ def test_report_row_says_which_kernel(monkeypatch):
     assert ("AVX512-BF16" in row["implementation"]) if reason is None else (reason in row["implementation"])
     monkeypatch.setattr(cpu_flash, "machine_reason", lambda: "this CPU lacks AVX512-BF16")
     row = next(r for r in catalog() if r["name"] == "flash_attention")
-    assert row["implementation"].startswith("scaled_dot_product_attention (npuspeed's kernel unavailable: this CPU")
+    assert row["implementation"].startswith("scaled_dot_product_attention or Megatron's unfused path, measured "
+                                            "(npuspeed's kernel unavailable: this CPU")

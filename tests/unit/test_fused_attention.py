@@ -12,7 +12,8 @@ import contextlib
 import pytest
 import torch
 
-from npuspeed.features.fused_attention.forward import CPU_FLASH
+from npuspeed.features.fused_attention.fallback import SDPA, UNFUSED
+from npuspeed.features.fused_attention.forward import CPU_FLASH, CPU_FLASH_FP32
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
@@ -50,8 +51,10 @@ def run(module, q, k, v, grad, mask):
     return out.detach(), q.grad, k.grad, v.grad
 
 
-def compare(module, inputs, mask, with_features, flags=("--use-flash-attn",), dtype=torch.float32):
-    """Unfused vs fused on the same module; returns the fused call record."""
+def compare(module, inputs, mask, with_features, flags=("--use-flash-attn",), dtype=torch.float32,
+            arbitrary=False):
+    """Unfused vs fused on the same module; returns the fused call record. `arbitrary`: the
+    mask is not per-row key ranges, so the call goes to the measured fallback."""
     from npuspeed import telemetry
     from npuspeed.features.fused_attention import kernel_calls
 
@@ -61,7 +64,7 @@ def compare(module, inputs, mask, with_features, flags=("--use-flash-attn",), dt
         got = run(module, *inputs, mask)
         assert sum(kernel_calls().get(k, 0) for k in FUSED_KERNELS) == before + 1, "the fused path did not run"
         record = telemetry.last("attention")
-        assert record["kernel"] == expected_kernel(dtype, record["masked"], record["dropout_p"])
+        assert record["kernel"] in expected_kernels(dtype, arbitrary), record
     for name, a, b in zip(("out", "dq", "dk", "dv"), ref, got):
         assert a.shape == b.shape and a.dtype == b.dtype, name
         err = (a.float() - b.float()).abs().max().item()
@@ -70,16 +73,18 @@ def compare(module, inputs, mask, with_features, flags=("--use-flash-attn",), dt
 
 
 DTYPES = [torch.float32, torch.bfloat16]
-FUSED_KERNELS = ("sdpa", CPU_FLASH)
+FUSED_KERNELS = (SDPA, UNFUSED, CPU_FLASH, CPU_FLASH_FP32)
 
 
-def expected_kernel(dtype, masked: bool, dropout_p: float) -> str:
-    """bf16 causal/unmasked calls without dropout run npuspeed's CPU kernel where it can."""
-    from npuspeed.ops.flash_attention import machine_reason
+def expected_kernels(dtype, arbitrary: bool) -> set:
+    """npuspeed's CPU kernel for its dtype where the mask is per-row key ranges, else the
+    measured fallback (SDPA or Megatron's unfused forward)."""
+    from npuspeed.ops.flash_attention import fp32_reason, machine_reason
 
-    if dtype == torch.bfloat16 and not masked and not dropout_p and machine_reason() is None:
-        return CPU_FLASH
-    return "sdpa"
+    reason = machine_reason() if dtype == torch.bfloat16 else fp32_reason()
+    if arbitrary or reason is not None:
+        return {SDPA, UNFUSED}
+    return {CPU_FLASH if dtype == torch.bfloat16 else CPU_FLASH_FP32}
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
@@ -102,6 +107,23 @@ def test_padding_mask_parity(megatron_mp, with_features, dtype, s):
     assert record["mask"] == "attention_mask" and not record["causal"]
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_packed_documents_and_causal_padding_masks_run_the_kernel(megatron_mp, with_features, dtype):
+    """Megatron's reset-attention-mask masks (block-diagonal causal documents) and causal |
+    key padding are one key interval per row: npuspeed's kernel runs them, with dropout off,
+    matching Megatron; the mask is read into ranges once and reused by the next layer."""
+    s = 40
+    causal = torch.ones(s, s, dtype=torch.bool).triu(1)
+    doc = torch.tensor([0] * 13 + [1] * 20 + [2] * 7)
+    packed = (~(doc[:, None] == doc[None, :]) | causal)[None, None].expand(2, 1, s, s)
+    record = compare(make_attention(groups=2, dtype=dtype), make_inputs(s, 2, 4, 2, 16, dtype, seed=6), packed,
+                     with_features, dtype=dtype)
+    assert record["mask"] == "attention_mask" and record["masked"]
+    pad = torch.arange(s)[None, :] >= torch.tensor([s, 29])[:, None]
+    mixed = (causal[None] | pad[:, None, :])[:, None]
+    compare(make_attention(dtype=dtype), make_inputs(s, 2, 4, 4, 16, dtype, seed=7), mixed, with_features, dtype=dtype)
+
+
 def test_query_and_key_padding_has_fully_masked_rows(megatron_mp, with_features):
     """Padded query rows are masked entirely: Megatron gives them mean(V); so must we."""
     s = 19
@@ -115,7 +137,8 @@ def test_arbitrary_mask_and_no_mask(megatron_mp, with_features):
     s = 21
     gen = torch.Generator().manual_seed(3)
     mask = torch.rand(2, 1, s, s, generator=gen) < 0.3
-    compare(make_attention(mask_type="arbitrary"), make_inputs(s, 2, 4, 4, 16, torch.float32), mask, with_features)
+    compare(make_attention(mask_type="arbitrary"), make_inputs(s, 2, 4, 4, 16, torch.float32), mask, with_features,
+            arbitrary=True)
     record = compare(make_attention(mask_type="no_mask"), make_inputs(s, 2, 4, 4, 16, torch.float32), None,
                      with_features)
     assert record["mask"] == "none" and not record["causal"]
@@ -330,22 +353,43 @@ def test_patch_is_removed_after_the_context(megatron_mp, with_features):
     assert DotProductAttention.forward is original
 
 
-def test_bf16_dropout_and_masks_run_sdpa(megatron_mp, with_features):
-    """npuspeed's CPU kernel takes no dropout and no explicit mask: those bf16 calls run SDPA."""
+def test_dropout_runs_in_the_kernel_and_arbitrary_masks_take_the_measured_fallback(megatron_mp, with_features):
+    """Dropout no longer sends a call away from npuspeed's kernel; a mask that is not per-row
+    key ranges goes to SDPA or Megatron's unfused forward, measured once per shape, with the
+    random states and the memory peak put back after the trial."""
     from npuspeed import telemetry
 
-    module = make_attention(dtype=torch.bfloat16, dropout=0.2)
-    module.train()
-    q, k, v, _ = make_inputs(24, 1, 4, 4, 16, torch.bfloat16)
-    with with_features(["--use-flash-attn"]):
-        module(q, k, v, None)
-        assert telemetry.last("attention")["kernel"] == "sdpa" and telemetry.last("attention")["dropout_p"] == pytest.approx(0.2)
+    acc = megatron_mp.accelerator
+    for dtype in DTYPES:
+        module = make_attention(dtype=dtype, dropout=0.2)
+        module.train()
+        q, k, v, _ = make_inputs(24, 1, 4, 4, 16, dtype)
+        with with_features(["--use-flash-attn"]):
+            module(q, k, v, None)
+            last = telemetry.last("attention")
+            assert last["kernel"] in expected_kernels(dtype, False) and last["dropout_p"] == 0.2
     masked = make_attention(dtype=torch.bfloat16, mask_type="arbitrary")
     mask = torch.rand(1, 1, 24, 24, generator=torch.Generator().manual_seed(0)) > 0.7
     mask[..., 0] = False
-    record = compare(masked, make_inputs(24, 1, 4, 4, 16, torch.bfloat16), mask, with_features,
-                     dtype=torch.bfloat16)
-    assert record["kernel"] == "sdpa" and record["masked"]
+    telemetry.reset("attention.fallback")
+    with acc.device_rng_scope():
+        state = acc.get_rng_state().clone()
+        record = compare(masked, make_inputs(24, 1, 4, 4, 16, torch.bfloat16), mask, with_features,
+                         dtype=torch.bfloat16, arbitrary=True)
+        assert torch.equal(acc.get_rng_state(), state), "the trial consumed random state"
+    assert record["masked"] and "measured once for this shape" in record["why"]
+    choice = telemetry.last("attention.fallback")
+    assert {"sdpa_ms", "unfused_ms", "sdpa_bytes", "unfused_bytes"} <= set(choice)
+    faster_and_smaller = choice["sdpa_ms"] <= choice["unfused_ms"] and choice["sdpa_bytes"] <= choice["unfused_bytes"]
+    assert record["kernel"] == (SDPA if faster_and_smaller else UNFUSED)
+
+
+@pytest.mark.parametrize("fixed, kernel", [("sdpa", SDPA), ("unfused", UNFUSED)])
+def test_fallback_flag_fixes_the_choice(megatron_mp, with_features, fixed, kernel):
+    mask = torch.rand(2, 1, 21, 21, generator=torch.Generator().manual_seed(3)) < 0.3
+    record = compare(make_attention(mask_type="arbitrary"), make_inputs(21, 2, 4, 4, 16, torch.float32), mask,
+                     with_features, flags=("--use-flash-attn", "--flash-attn-fallback", fixed), arbitrary=True)
+    assert record["kernel"] == kernel and "--flash-attn-fallback" in record["why"]
 
 
 def test_cpu_without_bf16_kernel_runs_sdpa_and_says_so(megatron_mp, with_features, monkeypatch):
@@ -358,10 +402,32 @@ def test_cpu_without_bf16_kernel_runs_sdpa_and_says_so(megatron_mp, with_feature
     monkeypatch.setattr(cpu_flash, "machine_reason", lambda: "this CPU lacks AVX512-BF16")
     record = compare(make_attention(groups=2, dtype=torch.bfloat16), make_inputs(40, 1, 4, 2, 16, torch.bfloat16), None,
                      with_features, dtype=torch.bfloat16)
-    assert record["kernel"] == "sdpa"
+    assert record["kernel"] in (SDPA, UNFUSED) and "lacks AVX512-BF16" in record["why"]
     feature, acc = FusedAttentionFeature(), get_accelerator()
     monkeypatch.setenv("NPUSPEED_ARGS", "--bf16")
     ctx = ctx_for(["--use-flash-attn"], acc)
     feature.prepare(ctx)
     assert any("lacks AVX512-BF16" in n and "--use-flash-attn" in n for n in ctx.notes)
     assert "kernel unavailable: this CPU lacks AVX512-BF16" in feature.path(ctx)
+
+
+def test_report_lists_the_attention_calls_and_why(megatron_mp, with_features, monkeypatch):
+    import npuspeed
+    from npuspeed import telemetry
+
+    # importing the submodule npuspeed.report rebinds the name npuspeed.report (the function)
+    monkeypatch.setattr(npuspeed, "report", npuspeed.report)
+    from npuspeed.report import collect, render
+
+    telemetry.reset("attention")
+    module = make_attention(dropout=0.1)
+    module.train()
+    with with_features(["--use-flash-attn"]):
+        module(*make_inputs(20, 1, 4, 4, 16, torch.float32)[:3], None)
+        data = collect()
+    calls = data["attention_calls"]
+    (kernel,) = calls["calls"]
+    assert kernel in expected_kernels(torch.float32, False)
+    if kernel == CPU_FLASH_FP32:
+        assert calls["reasons"][kernel] == "causal, float32, dropout 0.1 in the kernel"
+    assert f"{kernel}: 1 (" in render(data)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 
 from npuspeed.features.base import Feature, FeatureError
+from npuspeed.features.fused_attention.fallback import FallbackChooser
 from npuspeed.features.fused_attention.forward import KernelChoice, init_wrapper, kernel_calls, make_forward
 from npuspeed.features.fused_attention.plan import BandOptions
 from npuspeed.ops import flash_attention as cpu_flash
@@ -23,7 +24,7 @@ MEGATRON_RANGE = ">=0.12,<0.17"  # forward(query, key, value, attention_mask, at
 
 class FusedAttentionFeature(Feature):
     name = "fused_attention"
-    flags = ("--use-flash-attn", "--pre-tockens", "--next-tockens", "--sparse-mode")
+    flags = ("--use-flash-attn", "--pre-tockens", "--next-tockens", "--sparse-mode", "--flash-attn-fallback")
 
     def add_arguments(self, group) -> None:
         group.add_argument("--use-flash-attn", action="store_true",
@@ -39,17 +40,24 @@ class FusedAttentionFeature(Feature):
                            help="With --use-flash-attn on NPU: force npu_fusion_attention's sparse_mode "
                                 "(0 full mask, 1 all-mask, 2/3 compressed causal, 4 band). Default: chosen "
                                 "per layer (2 causal, 4 band, 0 explicit mask).")
+        group.add_argument("--flash-attn-fallback", choices=["auto", "sdpa", "unfused"], default=None,
+                           help="With --use-flash-attn: for calls no fused kernel takes (on CPU: masks that "
+                                "are not per-row key ranges, fp16), run scaled_dot_product_attention or "
+                                "Megatron's unfused forward. Default auto: measured once per shape, SDPA only "
+                                "when it is neither slower nor larger.")
 
     def enabled(self, args: argparse.Namespace) -> bool:
         # The tuning flags alone turn the feature on, so validate() can refuse them.
         return bool(getattr(args, "use_flash_attn", False)) or any(
-            getattr(args, a, None) is not None for a in ("pre_tockens", "next_tockens", "sparse_mode")
+            getattr(args, a, None) is not None
+            for a in ("pre_tockens", "next_tockens", "sparse_mode", "flash_attn_fallback")
         )
 
     def validate(self, ctx) -> None:
         args, accelerator = ctx.args, ctx.accelerator
         given = [f for f, a in (("--pre-tockens", "pre_tockens"), ("--next-tockens", "next_tockens"),
-                                ("--sparse-mode", "sparse_mode")) if getattr(args, a, None) is not None]
+                                ("--sparse-mode", "sparse_mode"), ("--flash-attn-fallback", "flash_attn_fallback"))
+                 if getattr(args, a, None) is not None]
         if not getattr(args, "use_flash_attn", False):
             raise FeatureError(f"{', '.join(given)} only apply to fused attention: add --use-flash-attn "
                                "or drop them.")
@@ -75,8 +83,12 @@ class FusedAttentionFeature(Feature):
                          "scaled_dot_product_attention runs its math backend (S x S scores).")
         reason = cpu_flash.machine_reason() if accelerator.name == "cpu" and ctx.megatron.bf16 else None
         if reason:
-            ctx.note("--use-flash-attn: bf16 attention runs PyTorch's scaled_dot_product_attention "
-                         f"(about 2x slower on bf16), not npuspeed's CPU flash kernel: {reason}.")
+            ctx.note("--use-flash-attn: bf16 attention runs PyTorch's scaled_dot_product_attention or "
+                     f"Megatron's unfused path (measured), not npuspeed's bf16 CPU kernel: {reason}.")
+        fp32 = cpu_flash.fp32_reason() if accelerator.name == "cpu" else None
+        if fp32:
+            ctx.note("--use-flash-attn: fp32 attention runs scaled_dot_product_attention or Megatron's "
+                     f"unfused path (measured), not npuspeed's fp32 CPU kernel: {fp32}.")
 
     @staticmethod
     def _kernel(accelerator) -> str:
@@ -86,11 +98,13 @@ class FusedAttentionFeature(Feature):
 
     def register_patches(self, registry, ctx) -> None:
         args, accelerator = ctx.args, ctx.accelerator
+        fixed = getattr(args, "flash_attn_fallback", None)
         choice = KernelChoice(
             kernel=self._kernel(accelerator),
             band=BandOptions(args.pre_tockens, args.next_tockens),
             sparse_mode=args.sparse_mode,
             accelerator=accelerator,
+            fallback=FallbackChooser(None if fixed in (None, "auto") else fixed),
         )
         registry.register(f"{TARGET}.forward", make_forward(choice), feature=self.name, megatron=MEGATRON_RANGE)
         registry.register(f"{TARGET}.__init__", wrapper=init_wrapper, feature=self.name, megatron=MEGATRON_RANGE)
@@ -120,8 +134,15 @@ class FusedAttentionFeature(Feature):
                 f"replaces DotProductAttention.forward: --use-flash-attn on {accelerator.name}")
         if accelerator.name == "cpu":
             reason = cpu_flash.machine_reason()
-            text += ("; bf16 causal/unmasked calls without dropout run npuspeed::flash_attention "
-                     "(AVX512-BF16 tiles)" if reason is None else f"; npuspeed's bf16 CPU kernel unavailable: {reason}")
+            ranges = "causal, padding, bands and interval masks as per-row key ranges, dropout in the kernel"
+            text += ("; bf16 runs npuspeed::flash_attention (AVX512-BF16 tiles)" if reason is None
+                     else f"; npuspeed's bf16 CPU kernel unavailable: {reason}")
+            fp32 = cpu_flash.fp32_reason()
+            text += ("; fp32 runs npuspeed::flash_attention_fp32 (portable at::vec)" if fp32 is None
+                     else f"; npuspeed's fp32 CPU kernel unavailable: {fp32}")
+            fixed = getattr(args, "flash_attn_fallback", None) or "auto"
+            text += (f" ({ranges}); other calls: SDPA or Megatron's unfused forward, "
+                     + ("measured once per shape" if fixed == "auto" else f"--flash-attn-fallback {fixed}"))
         return text
 
 

@@ -1,46 +1,67 @@
-"""The replacement for `DotProductAttention.forward`, and the check of what it can honour.
+"""The replacement for `DotProductAttention.forward`, and the choice of kernel per call.
 
 The scale is Megatron's: `softmax_scale` (1/sqrt(d) unless given), divided by the layer
 number under `apply_query_key_layer_scaling` and multiplied back by the softmax, so the
 product is what the kernel gets. Dropout is drawn as upstream draws it: inside the
 model-parallel RNG tracker's fork unless sequence parallelism is on (then the transformer
-block has already forked), so tensor-parallel ranks stay consistent and reproducible.
-Every call is counted by kernel (telemetry `attention.kernel.<kernel>`) and its details kept
-(`telemetry.last("attention")`), so a test can prove the fused path ran.
+block has already forked), so tensor-parallel ranks stay consistent and reproducible; the
+CPU kernels take a (seed, offset) drawn there (dropout.py) and regenerate the mask in backward.
+
+Per call on CPU: npuspeed's kernel (bf16 or fp32) when the mask is per-row key ranges
+(causal, padding, bands, packed documents: kernel_rows.py), else the measured choice between
+SDPA and Megatron's own unfused forward (fallback.py). Every call is counted by kernel
+(telemetry `attention.kernel.<kernel>`), with why it ran that kernel
+(`telemetry.last("attention.why.<kernel>")`) and the latest call's details
+(`telemetry.last("attention")`), so a test can prove which path ran and the report can say why.
 """
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import torch
 
 from npuspeed import telemetry
 from npuspeed.features.base import FeatureError
+from npuspeed.features.fused_attention.fallback import UNFUSED, FallbackChooser
+from npuspeed.features.fused_attention.kernel_rows import cpu_flash_run, kernel_rows
 from npuspeed.features.fused_attention.npu import npu_attention
 from npuspeed.features.fused_attention.plan import BandOptions, plan_masks
 from npuspeed.features.fused_attention.sdpa import sdpa_attention
 from npuspeed.ops import flash_attention as cpu_flash
 
 SUPPORTED_MASK_TYPES = ("causal", "padding", "no_mask", "arbitrary")
-CPU_FLASH = "npuspeed_flash_bf16"  # csrc/cpu/flash_attention.cpp, for the calls it covers
+CPU_FLASH = "npuspeed_flash_bf16"  # csrc/x86/flash_attention_bf16.cpp, for the calls it covers
+CPU_FLASH_FP32 = "npuspeed_flash_fp32"  # csrc/cpu/flash_attention_fp32.cpp
+TARGET = "megatron.core.transformer.dot_product_attention.DotProductAttention.forward"
 
 
 KERNEL = "attention.kernel."  # counter prefix, one counter per kernel
+WHY = "attention.why."  # telemetry.last(WHY + kernel)["why"]: why the latest call ran it
+FALLBACK = "attention.fallback"  # telemetry.last(FALLBACK): the latest measured fallback choice
 LAST = "attention"  # telemetry.last(LAST): the latest call's kernel, mask, shapes
 
-
 def kernel_calls() -> dict[str, int]:
-    """Calls so far by kernel name ("sdpa", CPU_FLASH, "npu_fusion_attention")."""
+    """Calls so far by kernel name ("sdpa", CPU_FLASH, CPU_FLASH_FP32, "megatron_unfused", ...)."""
     return {name[len(KERNEL):]: n for name, n in telemetry.snapshot(KERNEL).items()}
+
+
+def attention_calls() -> dict:
+    """For the report: calls by kernel, why each kernel ran, the latest measured fallback."""
+    calls = kernel_calls()
+    return {"calls": calls, "reasons": {k: telemetry.last(WHY + k).get("why", "") for k in calls},
+            "fallback": telemetry.last(FALLBACK)}
 
 
 @dataclass(frozen=True)
 class KernelChoice:
     """What `register_patches` decided once: the kernel and the flags that shape it."""
 
-    kernel: str  # "sdpa" | "npu_fusion_attention" (per call, "sdpa" may run CPU_FLASH instead)
+    kernel: str  # "sdpa" | "npu_fusion_attention" (per call, "sdpa" may run a CPU kernel instead)
     band: BandOptions
     sparse_mode: int | None
     accelerator: object
+    fallback: FallbackChooser = field(default_factory=FallbackChooser, compare=False)
 
 
 def check_module(module) -> None:
@@ -76,6 +97,13 @@ def init_wrapper(init):
     return __init__
 
 
+def _unfused(module, attention_mask, attn_mask_type):
+    from npuspeed.patching import registry
+
+    original = registry.original(TARGET)
+    return lambda q, k, v: original(module, q, k, v, attention_mask, attn_mask_type=attn_mask_type)
+
+
 def make_forward(choice: KernelChoice):
     """Build the replacement forward for one kernel choice."""
 
@@ -100,16 +128,33 @@ def make_forward(choice: KernelChoice):
         dropout_p = float(self.attention_dropout.p) if self.training else 0.0
         masked = plan.band is not None or plan.mask is not None
         scale = effective_scale(self)
-        kernel = choice.kernel
+        kernel, why, fork = choice.kernel, "", dropout_p > 0.0 and not self.config.sequence_parallel
         if kernel == "npu_fusion_attention":
+            why = "the NPU's fused kernel"
             run = functools.partial(npu_attention, choice.accelerator.torch_npu, query, key, value, plan,
                                     scale=scale, dropout_p=dropout_p, sparse_mode=choice.sparse_mode)
-        elif cpu_flash.unsupported(query, key, causal=plan.causal, masked=masked, dropout_p=dropout_p) is None:
-            kernel = CPU_FLASH
-            run = functools.partial(cpu_flash.flash_attention, query, key, value, scale=scale, causal=plan.causal)
         else:
-            run = functools.partial(sdpa_attention, query, key, value, plan, scale=scale, dropout_p=dropout_p)
-        if dropout_p > 0.0 and not self.config.sequence_parallel:
+            rows = kernel_rows(plan, attention_mask, query.shape[1], sq, sk)
+            reason = cpu_flash.unsupported(query, key, masked=rows is None, dropout_p=dropout_p)
+            if reason is None:
+                kernel = CPU_FLASH if query.dtype == torch.bfloat16 else CPU_FLASH_FP32
+                why = f"{rows.source}, {str(query.dtype).replace('torch.', '')}" + (
+                    f", dropout {dropout_p:g} in the kernel" if dropout_p else "")
+                run = functools.partial(cpu_flash_run, self, query, key, value, rows, scale=scale,
+                                        dropout_p=dropout_p)
+            else:
+                sdpa = functools.partial(sdpa_attention, plan=plan, scale=scale, dropout_p=dropout_p)
+                unfused = _unfused(self, attention_mask, attn_mask_type)
+                shape_key = (str(query.dtype), tuple(query.shape), tuple(key.shape), plan.source,
+                             dropout_p > 0.0)
+                picked = choice.fallback.choose(shape_key, sdpa, unfused, (query, key, value), choice.accelerator)
+                kernel, why = picked["kernel"], f"{reason}; {picked['why']}"
+                telemetry.record(FALLBACK, shape=str(shape_key), **picked)
+                if kernel == UNFUSED:  # Megatron's forward forks the tracker itself
+                    run, fork = functools.partial(unfused, query, key, value), False
+                else:
+                    run = functools.partial(sdpa, query, key, value)
+        if fork:
             from megatron.core import tensor_parallel
 
             with tensor_parallel.get_cuda_rng_tracker().fork():
@@ -117,8 +162,9 @@ def make_forward(choice: KernelChoice):
         else:
             context = run()
         telemetry.count(KERNEL + kernel)
+        telemetry.record(WHY + kernel, why=why)
         telemetry.record(
-            LAST, kernel=kernel, mask=plan.source, causal=plan.causal,
+            LAST, kernel=kernel, why=why, mask=plan.source, causal=plan.causal,
             band=plan.band, masked=masked, gqa=query.shape[2] != key.shape[2], dropout_p=dropout_p,
             scale=scale, dtype=str(query.dtype), shape=tuple(query.shape),
         )

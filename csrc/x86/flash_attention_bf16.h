@@ -1,5 +1,7 @@
-// Shared by the bf16 CPU flash attention forward and backward (flash_attention*.cpp): the
-// [s, b, h, d] head views, the operand packings of bf16_gemm.h, shape checks.
+// Shared by the bf16 CPU flash attention forward and backward (flash_attention_bf16*.cpp): the
+// [s, b, h, d] head views, the operand packings of bf16_gemm.h, shape checks, and the
+// call's masking (../cpu/attention_rows.h) and dropout (../cpu/philox.h), which the portable
+// fp32 kernel shares so both draw the same masks.
 #pragma once
 // GCC 12's AVX-512 headers start reductions from _mm512_undefined_* and then warn about it.
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
@@ -12,6 +14,8 @@
 #include <limits>
 #include <vector>
 
+#include "../cpu/attention_rows.h"
+#include "../cpu/philox.h"
 #include "bf16_gemm.h"
 
 namespace npuspeed::cpu::flash {
@@ -81,14 +85,32 @@ NPUSPEED_BF16_TARGET inline __mmask16 lanes_below(int64_t c0, int64_t limit) {
   return n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1u);
 }
 
+// Lanes c0 .. c0 + 15 that lie in [lo, hi).
+NPUSPEED_BF16_TARGET inline __mmask16 lanes_within(int64_t c0, int64_t lo, int64_t hi) {
+  return lanes_below(c0, hi) & static_cast<__mmask16>(~lanes_below(c0, lo));
+}
+
 struct Shape {
   int64_t sq, sk, b, hq, hk, d;
   float scale;
   bool causal;
 };
 
+// Everything of one call besides the tensors: masking rows and dropout.
+struct Call {
+  attention::Rows rows;
+  philox::Dropout dropout;
+};
 
-inline void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal) {
+inline Call make_call(const at::Tensor& q, const at::Tensor& k, bool causal, double dropout_p, int64_t seed,
+                      int64_t offset, int64_t q_pos0, int64_t k_pos0, int64_t head0,
+                      const std::optional<at::Tensor>& key_lo, const std::optional<at::Tensor>& key_hi) {
+  TORCH_CHECK(dropout_p >= 0.0 && dropout_p < 1.0, "npuspeed flash attention: dropout_p must be in [0, 1)");
+  return {attention::make_rows(causal, q_pos0, k_pos0, q.size(1), q.size(0), k.size(0), key_lo, key_hi),
+          philox::Dropout(dropout_p, seed, offset, q_pos0, k_pos0, head0)};
+}
+
+inline void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
   TORCH_CHECK(bf16mm::cpu_has_avx512_bf16(),
               "npuspeed::flash_attention needs a CPU with AVX512-BF16; use scaled_dot_product_attention");
   for (const auto* t : {&q, &k, &v}) {
@@ -99,7 +121,6 @@ inline void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Ten
               "npuspeed::flash_attention: query/key/value shapes disagree");
   TORCH_CHECK(q.size(2) % k.size(2) == 0, "npuspeed::flash_attention: query heads must be a multiple of key heads");
   TORCH_CHECK(q.size(3) % 16 == 0, "npuspeed::flash_attention: head dim must be a multiple of 16");
-  TORCH_CHECK(!causal || q.size(0) == k.size(0), "npuspeed::flash_attention: causal needs sq == sk");
   TORCH_CHECK(q.size(0) > 0 && k.size(0) > 0, "npuspeed::flash_attention: empty sequence");
 }
 

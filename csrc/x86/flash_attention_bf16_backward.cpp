@@ -1,10 +1,10 @@
-// Backward of the bf16 CPU flash attention (see flash_attention.cpp): FlashAttention-2 with key
+// Backward of the bf16 CPU flash attention (see flash_attention_bf16.cpp): FlashAttention-2 with key
 // tiles outer. Each (batch, query head) recomputes its probability tiles from the forward's
 // log-sum-exp, accumulates dK/dV for the key tile and dQ^T in fp32, and the group's per-head
 // dK/dV are summed at the end (GQA without K/V copies).
 #include <torch/library.h>
 
-#include "flash_attention_common.h"
+#include "flash_attention_bf16.h"
 
 namespace npuspeed::cpu::flash {
 namespace {
@@ -23,34 +23,55 @@ NPUSPEED_BF16_TARGET inline __m512i interleave_index() {
 struct HeadGrad {
   std::vector<bf16> qt_pack, q_pack, do_pack, dot_pack;  // operands of S^T, dK, dV, dP^T
   std::vector<float> lse2, delta, dq_t;                  // lse in base 2, rowsum(dO * O), dQ^T [d][sqp]
+  std::vector<int32_t> lo, hi;                           // each query row's key range (empty past sq)
+  int64_t b = 0, h = 0;
 };
 
-// dK/dV of one query head for key tile j0 over all its query tiles, and its dQ^T share.
-NPUSPEED_BF16_TARGET void backward_key_tile(const Shape& sh, const HeadView& kv_k, const HeadView& kv_v,
-                                            const bf16* k_t, int64_t j0, HeadGrad& g, float* dk, float* dv) {
+// dK/dV of one query head for key tile j0 over the query tiles that see it, and its dQ^T
+// share. With dropout Z = keep / (1 - p): dV = (P Z)^T dO, dS = P (dP_drop Z - delta), where
+// delta = rowsum(dO * O) of the dropped output O (FlashAttention-2 with dropout).
+NPUSPEED_BF16_TARGET void backward_key_tile(const Shape& sh, const Call& call, const HeadView& kv_k,
+                                            const HeadView& kv_v, const bf16* k_t, int64_t j0, HeadGrad& g,
+                                            float* dk, float* dv) {
   const int64_t d = sh.d, sqp = round_up(sh.sq), skp = round_up(sh.sk);
   const int64_t mk = std::min(kTile, sh.sk - j0);
   alignas(64) float st[kTile * kTile], dpt[kTile * kTile];
   alignas(64) bf16 pt_b[kTile * kTile], dst_b[kTile * kTile], dst_pairs[kTile * kTile];
+  uint64_t keep_t[kTile];
   if (mk < kTile) std::fill(dst_pairs, dst_pairs + kTile * kTile, bf16(0.0f));
   const __m512i interleave = interleave_index();
   const float c = sh.scale * kLog2e;
-  const int64_t i_first = sh.causal ? j0 : 0;
-  for (int64_t i0 = i_first; i0 < sh.sq; i0 += kTile) {
+  const bool dropout = call.dropout.on;
+  const __m512 zscale = _mm512_set1_ps(call.dropout.scale);
+  bool started = false;  // the first query tile seen starts this key tile's dK/dV rows
+  for (int64_t i0 = 0; i0 < sh.sq; i0 += kTile) {
     const int64_t mq = std::min(kTile, sh.sq - i0);
+    if (!attention::any_row_meets(g.lo.data() + i0, g.hi.data() + i0, mq, j0, j0 + mk)) continue;
+    if (dropout) {
+      philox::keep_bits(call.dropout, g.b, g.h, i0, mq, j0, keep_t);
+      std::fill(keep_t + mq, keep_t + kTile, 0ull);
+      philox::transpose64(keep_t);  // keep_t[key] bit r: query row i0 + r
+    }
     bf16mm::gemm(mk, kTile, d, kv_k.row(j0), kv_k.row_stride, g.qt_pack.data() + 2 * i0, 2 * sqp, st, kTile, false);
     bf16mm::gemm(mk, kTile, d, kv_v.row(j0), kv_v.row_stride, g.dot_pack.data() + 2 * i0, 2 * sqp, dpt, kTile, false);
-    for (int64_t cc = 0; cc < mk; ++cc) {  // key j0 + cc sees queries r in [lo, mq)
-      const int64_t lo = sh.causal ? std::max<int64_t>(0, j0 + cc - i0) : 0;
+    for (int64_t cc = 0; cc < mk; ++cc) {  // key j0 + cc sees rows r with lo <= j0 + cc < hi
+      const __m512i key = _mm512_set1_epi32(static_cast<int32_t>(j0 + cc));
       for (int v = 0; v < kTile / 16; ++v) {
         const int64_t r0 = 16 * v;
-        const __mmask16 valid = lanes_below(r0, mq) & ~lanes_below(r0, lo);
+        const __m512i lo = _mm512_loadu_si512(g.lo.data() + i0 + r0), hi = _mm512_loadu_si512(g.hi.data() + i0 + r0);
+        const __mmask16 valid = _mm512_cmple_epi32_mask(lo, key) & _mm512_cmpgt_epi32_mask(hi, key);
         const __m512 x = _mm512_fmsub_ps(_mm512_loadu_ps(st + cc * kTile + r0), _mm512_set1_ps(c),
                                          _mm512_loadu_ps(g.lse2.data() + i0 + r0));
         const __m512 p = _mm512_maskz_mov_ps(valid, bf16mm::exp2_ps(x));
-        const __m512 ds = _mm512_mul_ps(p, _mm512_sub_ps(_mm512_loadu_ps(dpt + cc * kTile + r0),
-                                                         _mm512_loadu_ps(g.delta.data() + i0 + r0)));
-        bf16mm::store_bf16(pt_b + cc * kTile + r0, p);
+        __m512 dp = _mm512_loadu_ps(dpt + cc * kTile + r0);
+        __m512 p_drop = p;
+        if (dropout) {
+          const __mmask16 kept = static_cast<__mmask16>(keep_t[cc] >> r0);
+          p_drop = _mm512_maskz_mul_ps(kept, p, zscale);
+          dp = _mm512_maskz_mul_ps(kept, dp, zscale);
+        }
+        const __m512 ds = _mm512_mul_ps(p, _mm512_sub_ps(dp, _mm512_loadu_ps(g.delta.data() + i0 + r0)));
+        bf16mm::store_bf16(pt_b + cc * kTile + r0, p_drop);
         bf16mm::store_bf16(dst_b + cc * kTile + r0, ds);
       }
     }
@@ -65,10 +86,14 @@ NPUSPEED_BF16_TARGET void backward_key_tile(const Shape& sh, const HeadView& kv_
         _mm512_storeu_si512(dst_pairs + cc * kTile + 32 * v, _mm512_permutexvar_epi16(interleave, both));
       }
     }
-    const bool more = i0 != i_first;  // the first query tile starts this key tile's dK/dV rows
-    bf16mm::gemm(mk, d, kTile, pt_b, kTile, g.do_pack.data() + i0 * d, 2 * d, dv + j0 * d, d, more);
-    bf16mm::gemm(mk, d, kTile, dst_b, kTile, g.q_pack.data() + i0 * d, 2 * d, dk + j0 * d, d, more);
+    bf16mm::gemm(mk, d, kTile, pt_b, kTile, g.do_pack.data() + i0 * d, 2 * d, dv + j0 * d, d, started);
+    bf16mm::gemm(mk, d, kTile, dst_b, kTile, g.q_pack.data() + i0 * d, 2 * d, dk + j0 * d, d, started);
     bf16mm::gemm(d, kTile, kTile, k_t + j0, skp, dst_pairs, 2 * kTile, g.dq_t.data() + i0, sqp, true);
+    started = true;
+  }
+  if (!started) {  // no query sees these keys
+    std::fill(dv + j0 * d, dv + (j0 + mk) * d, 0.0f);
+    std::fill(dk + j0 * d, dk + (j0 + mk) * d, 0.0f);
   }
 }
 
@@ -83,8 +108,11 @@ NPUSPEED_BF16_TARGET void row_dot(const HeadView& a, const HeadView& b, int64_t 
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attention_backward_cpu(
     const at::Tensor& grad_in, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-    const at::Tensor& out, const at::Tensor& lse, double scale, bool causal) {
-  check_inputs(q, k, v, causal);
+    const at::Tensor& out, const at::Tensor& lse, double scale, bool causal, double dropout_p, int64_t seed,
+    int64_t offset, int64_t q_pos0, int64_t k_pos0, int64_t head0, const std::optional<at::Tensor>& key_lo,
+    const std::optional<at::Tensor>& key_hi) {
+  check_inputs(q, k, v);
+  const Call call = make_call(q, k, causal, dropout_p, seed, offset, q_pos0, k_pos0, head0, key_lo, key_hi);
   const at::Tensor grad = grad_in.stride(3) == 1 ? grad_in : grad_in.contiguous();
   TORCH_CHECK(grad.sizes() == q.sizes() && out.sizes() == q.sizes() && grad.scalar_type() == at::kBFloat16 &&
                   out.scalar_type() == at::kBFloat16 && out.stride(3) == 1,
@@ -118,12 +146,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attention_backward_cpu(
       g.lse2.assign(sqp, 0.0f);
       g.delta.assign(sqp, 0.0f);
       g.dq_t.assign(d * sqp, 0.0f);
+      g.lo.assign(sqp, 0);
+      g.hi.assign(sqp, 0);
+      g.b = bi;
+      g.h = h;
+      call.rows.fill(bi, 0, sh.sq, g.lo.data(), g.hi.data());
       for (int64_t t = 0; t < sh.sq; ++t) g.lse2[t] = lse_base[bh * sh.sq + t] * kLog2e;
       row_dot(dov, ov, sh.sq, d, g.delta.data());
       const HeadView kk = head(k, bi, g_kv), vv = head(v, bi, g_kv);
       const bf16* kt = k_t_base + (bi * sh.hk + g_kv) * skp * d;
       for (int64_t j0 = 0; j0 < sh.sk; j0 += kTile)
-        backward_key_tile(sh, kk, vv, kt, j0, g, dk_heads + bh * skp * d, dv_heads + bh * skp * d);
+        backward_key_tile(sh, call, kk, vv, kt, j0, g, dk_heads + bh * skp * d, dv_heads + bh * skp * d);
       at::BFloat16* dq_head = dq_base + bi * dq.stride(1) + h * dq.stride(2);
       for (int64_t t = 0; t < sh.sq; ++t)
         for (int64_t cc = 0; cc < d; ++cc) dq_head[t * dq.stride(0) + cc] = g.dq_t[cc * sqp + t] * sh.scale;
