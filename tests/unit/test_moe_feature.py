@@ -122,7 +122,7 @@ def test_example_refuses_bad_moe_layout_before_training():
            "--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "2"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
-    assert "FeatureError" in proc.stderr and "does not divide --num-experts 6" in proc.stderr
+    assert "npuspeed: error: --moe-tp-extend-ep" in proc.stderr and "does not divide --num-experts 6" in proc.stderr
     assert "iteration" not in proc.stdout
 
 
