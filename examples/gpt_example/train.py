@@ -44,7 +44,12 @@ def init_distributed(args) -> None:
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=_vpp(args),
         expert_model_parallel_size=args.expert_model_parallel_size,
+        **_cp_kwargs(args),
     )
+
+
+def _cp_kwargs(args) -> dict:
+    return {"context_parallel_size": args.context_parallel_size} if args.context_parallel_size > 1 else {}
 
 
 def _vpp(args):
@@ -61,17 +66,40 @@ def set_seeds(seed: int) -> None:
 
 
 def loss_func(loss_mask: torch.Tensor, output: torch.Tensor):
+    """Mean loss over the micro-batch's tokens. Under CP each rank has part of the tokens: the
+    sums and counts are all-reduced over the CP group (the value), while the gradient flows
+    through this rank's sum only (Megatron's schedule multiplies by the CP size and DDP
+    averages over DP x CP, which together give the gradient of the global mean)."""
     losses = output.float().reshape(-1)
     mask = loss_mask.reshape(-1).float()
-    loss = torch.sum(losses * mask) / mask.sum()
+    local = torch.stack([torch.sum(losses * mask), mask.sum()])
+    total = local.detach().clone()
+    if mpu.get_context_parallel_world_size() > 1:
+        torch.distributed.all_reduce(total, group=mpu.get_context_parallel_group())
+    loss = local[0] / total[1]
     # A copy: the schedule divides the returned loss in place by the micro-batch count.
-    return loss, {"lm loss": loss.detach().clone()}
+    return loss, {"lm loss": (total[0] / total[1]).clone()}
 
 
-def forward_step(data_iterator, model):
-    batch = next(data_iterator)
-    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
-    return output, partial(loss_func, batch["loss_mask"])
+def make_forward_step(args, eod: int):
+    """Megatron's forward step: documents (--reset-attention-mask) and the CP split."""
+    from gpt_example import documents
+
+    def forward_step(data_iterator, model):
+        batch = next(data_iterator)
+        packed = mask = None
+        if args.reset_attention_mask:
+            if getattr(args, "use_flash_attn", False):
+                packed = documents.packed_seq_params(batch["tokens"], eod)
+            else:  # Megatron's unfused attention needs the S x S mask
+                mask = documents.document_mask(batch["tokens"], eod)
+        if args.context_parallel_size > 1:
+            batch = documents.cp_split(dict(batch))
+        output = model(batch["tokens"], batch["position_ids"], mask, labels=batch["labels"],
+                       packed_seq_params=packed)
+        return output, partial(loss_func, batch["loss_mask"])
+
+    return forward_step
 
 
 def build_optimizer(args, model):
@@ -127,7 +155,8 @@ def _configure_schedule_hooks(args, config, model, optimizer) -> None:
 def _iteration_loss(losses_reduced) -> torch.Tensor:
     """Mean lm loss of the iteration over micro-batches and data-parallel ranks (all ranks get it)."""
     local = torch.zeros(1, dtype=torch.float64)
-    if mpu.is_pipeline_last_stage(ignore_virtual=True) and mpu.get_tensor_model_parallel_rank() == 0:
+    if (mpu.is_pipeline_last_stage(ignore_virtual=True) and mpu.get_tensor_model_parallel_rank() == 0
+            and mpu.get_context_parallel_rank() == 0):  # CP ranks report the same (all-reduced) loss
         values = [float(x["lm loss"]) for x in losses_reduced]
         local += sum(values) / len(values)
     torch.distributed.all_reduce(local)
@@ -184,6 +213,7 @@ def main(args) -> dict:
     acc.reset_peak_memory_stats()
     rank0 = torch.distributed.get_rank() == 0
     forward_backward = get_forward_backward_func()
+    forward_step_func = make_forward_step(args, tokenizer.eod)
     losses, step_times, skipped = [], [], 0
     run_peak = step_peak = 0  # the run's peak, and the largest optimizer-step peak (above the step's start)
     tokens_per_iter = args.global_batch_size * args.seq_length
@@ -194,7 +224,7 @@ def main(args) -> dict:
             chunk.zero_grad_buffer()
         optimizer.zero_grad()
         reduced = forward_backward(
-            forward_step_func=forward_step, data_iterator=iterators if len(model) > 1 else iterators[0],
+            forward_step_func=forward_step_func, data_iterator=iterators if len(model) > 1 else iterators[0],
             model=model if len(model) > 1 else model[0], num_microbatches=num_microbatches,
             seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
             decoder_seq_length=args.seq_length, forward_only=False,
@@ -244,6 +274,7 @@ def main(args) -> dict:
         # mean on a shared machine, where a burst of other work lands on a few steps
         "step_ms": step_times,
         "median_step_ms": statistics.median(measured) if measured else 0.0,
+        "context_parallel_size": args.context_parallel_size,
     }
     if rank0 and args.summary_json:
         with open(args.summary_json, "w") as f:
