@@ -124,6 +124,8 @@ class ContextParallelFeature(Feature):
         algo, degree = ctx.args.context_parallel_algo or "megatron_cp_algo", ctx.args.ulysses_degree_in_cp
         registry.register(patches.ATTENTION, wrapper=patches.attention_init(algo, degree), feature=self.name,
                           megatron=MEGATRON_RANGE)
+        registry.register(patches.ROPE, patches.get_pos_emb_on_this_cp_rank, feature=self.name,
+                          megatron=MEGATRON_RANGE)
         registry.register(patches.INIT_MP, wrapper=patches.initialize_model_parallel(algo, degree),
                           feature=self.name, megatron=MEGATRON_RANGE)
 

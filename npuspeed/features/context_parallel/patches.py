@@ -5,6 +5,9 @@
   CP 1 (nothing else in __init__ reads the CP size), then gives it back the real config and
   marks it with its CP layout, which fused attention's forward hands to attention.py.
   Heads and query groups per TP rank must divide by the Ulysses degree.
+- `rope_utils.get_pos_emb_on_this_cp_rank` (RoPE angles of this rank's two chunks) builds its
+  index with `pin_memory=True` and `.cuda()`, which a CPU build refuses; the replacement
+  selects the same chunks on the embedding's own device.
 - `parallel_state.initialize_model_parallel` learns the hybrid's Ulysses and ring groups:
   `hierarchical_context_parallel_sizes=[U, R]` (Megatron's own groups, see groups.py).
 """
@@ -19,6 +22,22 @@ from npuspeed.features.context_parallel.layout import CPLayout
 
 ATTENTION = "megatron.core.transformer.dot_product_attention.DotProductAttention.__init__"
 INIT_MP = "megatron.core.parallel_state.initialize_model_parallel"
+ROPE = "megatron.core.models.common.embeddings.rope_utils.get_pos_emb_on_this_cp_rank"
+
+
+def get_pos_emb_on_this_cp_rank(pos_emb, seq_dim, cp_group=None):
+    """Megatron's function (chunks cp_rank and 2N-1-cp_rank along `seq_dim`), device-neutral."""
+    import torch
+
+    if cp_group is None:
+        from megatron.core import parallel_state
+
+        cp_group = parallel_state.get_context_parallel_group()
+    size, rank = cp_group.size(), cp_group.rank()
+    index = torch.tensor([rank, 2 * size - rank - 1], device=pos_emb.device)
+    chunks = pos_emb.view(*pos_emb.shape[:seq_dim], 2 * size, -1, *pos_emb.shape[seq_dim + 1:])
+    picked = chunks.index_select(seq_dim, index)
+    return picked.view(*picked.shape[:seq_dim], -1, *picked.shape[seq_dim + 2:])
 
 
 def check_heads(cp: CPLayout, heads: int, groups: int, tp: int = 1) -> None:
