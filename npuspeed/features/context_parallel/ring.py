@@ -73,8 +73,13 @@ def _merge(out: torch.Tensor, lse: torch.Tensor, o: torch.Tensor, lse_b: torch.T
     lse.copy_(new)
 
 
+def _kv(plan: RingPlan, k, v):
+    """K and V as one buffer to send around the ring (no copy for a ring of one)."""
+    return torch.stack([k, v]) if plan.size > 1 else (k, v)
+
+
 def _ring_forward(plan: RingPlan, q, k, v):
-    kv = torch.stack([k, v])
+    kv = _kv(plan, k, v)
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     lse = torch.full((q.shape[1], q.shape[2], q.shape[0]), float("-inf"), dtype=torch.float32, device=q.device)
     seen: set[int] = set()  # query segments written once already
@@ -97,13 +102,13 @@ def _ring_forward(plan: RingPlan, q, k, v):
 
 
 def _ring_backward(plan: RingPlan, dout, q, k, v, out, lse):
-    kv = torch.stack([k, v])
+    kv = _kv(plan, k, v)
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     incoming = None  # the dK/dV accumulator arriving from the previous rank
     for t in range(plan.size):
         pending = Exchange(plan.peers, kv) if t < plan.size - 1 else None
         owner = (plan.position - t) % plan.size
-        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
+        dkv = torch.zeros((2, *k.shape), dtype=torch.float32, device=q.device)
         for qs, ks, block in plan.blocks(owner):
             ql = slice(qs.local, qs.local + qs.length)
             gq, gk, gv = tiled_backward(plan.kernel, dout[ql], q[ql], _rows(kv[0], ks), _rows(kv[1], ks),
