@@ -139,9 +139,11 @@ def main() -> None:
             tries.setdefault(name, []).append(round(run["tokens_per_s"], 1))
             if name not in runs or run["tokens_per_s"] > runs[name]["tokens_per_s"]:
                 runs[name] = run
+            kernels = (run.get("attention_calls") or {}).get("calls") or {}
             print(f"[e2e] {name}: {run['tokens_per_s']:.1f} tokens/s, peak "
                   f"{run['peak_mem_bytes'] / 2**20:.1f} MiB/rank, weights "
-                  f"{run['weight_bytes'] / 2**20:.1f} MiB/rank", flush=True)
+                  f"{run['weight_bytes'] / 2**20:.1f} MiB/rank"
+                  + (f", attention kernels {kernels}" if kernels else ""), flush=True)
         if not opts.no_cache_run:
             runs[NO_CACHE] = run_example(model_args(opts), Path(tmp), nproc=2, name="no_cache", timeout=3600,
                                          env={"NPUSPEED_CPU_CACHE_MB": "0"})
@@ -161,7 +163,8 @@ def main() -> None:
                          "weight_bytes": run["weight_bytes"], "max_loss_diff_vs_off": diff,
                          "max_loss_diff_vs_fp32": ref_diff, "median_step_ms": run.get("median_step_ms"),
                          "seq": opts.seq, "layers": opts.layers, "iters": opts.iters, "dropout": opts.dropout,
-                         "tokens_per_s_runs": tries.get(name, [round(run["tokens_per_s"], 1)])})
+                         "tokens_per_s_runs": tries.get(name, [round(run["tokens_per_s"], 1)]),
+                         "attention_kernels": (run.get("attention_calls") or {}).get("calls")})
     csv_path = bench.finish()
     png = csv_path.parent / f"e2e_{tag + '_' if tag else ''}{bench.acc.name}.png"
     plot(runs, png)

@@ -3,7 +3,8 @@
     torchrun --nproc-per-node 2 examples/pretrain_gpt.py --tensor-model-parallel-size 2 \
         --sequence-parallel --use-cpu-initialization
 
-The only npuspeed-specific line is the adaptor import right after `import torch`.
+The only npuspeed-specific line is the adaptor import right after `import torch`; a bad
+flag ends the run with one `npuspeed: error: ...` line and exit status 2.
 """
 import os
 import sys
@@ -16,6 +17,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from gpt_example.args import parse_args  # noqa: E402
 from gpt_example.train import main  # noqa: E402
+from npuspeed.errors import exit_on_user_error  # noqa: E402
 
 if __name__ == "__main__":
-    main(parse_args())
+    with exit_on_user_error():
+        main(parse_args())

@@ -13,7 +13,18 @@ import os
 import shlex
 import sys
 
+from npuspeed.errors import UserError
+
 GROUP_TITLE = "npuspeed"
+ENV = "NPUSPEED_ARGS"
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse whose usage errors raise UserError: one `npuspeed: error:` line from rank 0,
+    not a usage block from every rank."""
+
+    def error(self, message):
+        raise UserError(f"{message} (see --help; --npuspeed-help lists npuspeed's flags)")
 
 
 def add_arguments(parser: argparse.ArgumentParser, features) -> argparse.ArgumentParser:
@@ -42,7 +53,7 @@ class _SkipExisting:
 
 
 def build_parser(features) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="npuspeed", add_help=False, allow_abbrev=False)
+    parser = ArgumentParser(prog="npuspeed", add_help=False, allow_abbrev=False)
     add_arguments(parser, features)
     parser.add_argument("--npuspeed-help", action="store_true", help="List npuspeed's features and flags.")
     return parser
@@ -51,13 +62,31 @@ def build_parser(features) -> argparse.ArgumentParser:
 def argv_with_env(argv: list[str] | None = None) -> list[str]:
     """`argv` (the command line when None) plus NPUSPEED_ARGS: what a run is initialised with."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    return argv + shlex.split(os.environ.get("NPUSPEED_ARGS", ""))
+    return argv + shlex.split(os.environ.get(ENV, ""))
 
 
 def parse_args(features, argv: list[str]) -> argparse.Namespace:
     """Parse the features' flags in `argv` (already with NPUSPEED_ARGS), leaving the rest."""
-    args, _unknown = build_parser(features).parse_known_args(list(argv))
+    parser = build_parser(features)
+    _check_env_spelling(parser)
+    args, _unknown = parser.parse_known_args(list(argv))
     return args
+
+
+def _check_env_spelling(parser: argparse.ArgumentParser) -> None:
+    """A word in NPUSPEED_ARGS that is one typo away from an npuspeed flag is an error: in a
+    Megatron-LM script no other parser reads NPUSPEED_ARGS, so the feature would silently stay
+    off. (Other words pass: features read Megatron's flags, e.g. --bf16, from there too.)"""
+    import difflib
+
+    _args, unknown = parser.parse_known_args(shlex.split(os.environ.get(ENV, "")))
+    known = [o for o in parser._option_string_actions if o.startswith("--")]
+    for word in unknown:
+        flag = word.split("=", 1)[0]
+        close = difflib.get_close_matches(flag, known, n=1, cutoff=0.85) if flag.startswith("--") else []
+        if close:
+            raise UserError(f"{ENV}: unrecognized argument {flag}; did you mean {close[0]}? "
+                            "(--npuspeed-help lists npuspeed's flags)")
 
 
 def features_help(features) -> str:

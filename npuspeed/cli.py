@@ -25,9 +25,11 @@ def main(argv: list[str] | None = None) -> int:
         return _patch_source(args)
     if args.command == "report":
         from npuspeed import runtime
+        from npuspeed.errors import exit_on_user_error
         from npuspeed.report import collect, render
 
-        runtime.initialize(rest)
+        with exit_on_user_error():
+            runtime.initialize(rest)
         data = collect()
         print(json.dumps(data, indent=2, default=str) if args.json else render(data))
         return 0

@@ -34,7 +34,8 @@ inline void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Ten
   }
   TORCH_CHECK(k.sizes() == v.sizes() && q.size(1) == k.size(1) && q.size(3) == k.size(3),
               "npuspeed::flash_attention_fp32: query/key/value shapes disagree");
-  TORCH_CHECK(q.size(2) % k.size(2) == 0, "npuspeed::flash_attention_fp32: query heads must be a multiple of key heads");
+  TORCH_CHECK(q.size(2) % k.size(2) == 0,
+              "npuspeed::flash_attention_fp32: query heads must be a multiple of key heads");
   TORCH_CHECK(q.size(0) > 0 && k.size(0) > 0 && q.size(3) > 0, "npuspeed::flash_attention_fp32: empty input");
 }
 

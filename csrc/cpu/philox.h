@@ -95,7 +95,8 @@ inline void philox_lanes(const uint32_t* c0, const uint32_t* c1, uint32_t c2, ui
 }
 
 // Keep bits of kLanes counters: bit t of byte l = (uniform t of lane l) < threshold.
-inline U8x keep_bytes(const U32x& c0, const U32x& c1, uint32_t c2, uint32_t c3, uint32_t k0, uint32_t k1, uint32_t thr) {
+inline U8x keep_bytes(const U32x& c0, const U32x& c1, uint32_t c2, uint32_t c3, uint32_t k0, uint32_t k1,
+                      uint32_t thr) {
   U32x x[4] = {c0, c1, U32x{} + c2, U32x{} + c3};
   philox_lanes(x[0], x[1], x[2], x[3], k0, k1);
   U32x byte = {};

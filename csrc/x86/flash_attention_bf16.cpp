@@ -11,9 +11,9 @@
 // fp32 (no S x S tensor), keeps the row log-sum-exp; backward recomputes each probability
 // tile from it, walking key tiles outer so dK/dV stay local. Tiles no row may see (above the
 // causal diagonal, across documents, past the padding) are skipped. GQA reads each K/V head
-// once for its query group (no copies). Probabilities and dS enter the next product as bf16, as in every flash kernel; all sums are fp32.
-// Parallel over (batch, query head) [x query tiles in forward]; dK/dV of a group are summed
-// from per-head fp32 buffers.
+// once for its query group (no copies). Probabilities and dS enter the next product as bf16,
+// as in every flash kernel; all sums are fp32. Parallel over (batch, query head) [x query
+// tiles in forward]; dK/dV of a group are summed from per-head fp32 buffers.
 #include <torch/library.h>
 
 #include "flash_attention_bf16.h"

@@ -61,6 +61,9 @@ def _parallel(p):
     g.add_argument("--overlap-param-gather", action="store_true")
     g.add_argument("--distributed-backend", default=None,
                    help="default: the accelerator's (hccl / nccl / gloo); 'nccl' maps to it")
+    g.add_argument("--distributed-timeout-minutes", type=float, default=None,
+                   help="how long a collective waits for a peer before the run stops with an error "
+                        "(default: torch.distributed's); fractions allowed")
 
 
 def _training(p):
@@ -93,13 +96,17 @@ def _training(p):
     g.add_argument("--exit-interval", type=int, default=None,
                    help="stop after this iteration (saving first when --save is set)")
     g.add_argument("--summary-json", default=None, help="rank 0 writes losses and timings here")
+    g.add_argument("--no-check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad",
+                   action="store_false",
+                   help="as Megatron-LM: by default a NaN/Inf loss or gradient stops the run before the "
+                        "step is applied (fp16: the loss scaler skips the step instead)")
 
 
 def build_parser() -> argparse.ArgumentParser:
     from gpt_example import data
 
-    parser = argparse.ArgumentParser(description="GPT pretraining on megatron.core with npuspeed",
-                                     allow_abbrev=False)
+    parser = npuspeed_arguments.ArgumentParser(
+        description="GPT pretraining on megatron.core with npuspeed", allow_abbrev=False)
     _model(parser)
     _parallel(parser)
     _training(parser)
@@ -109,6 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
+    """Parse and check; a bad setting raises npuspeed.errors.UserError (validate.py)."""
+    from gpt_example.validate import validate_args
+
     args = build_parser().parse_args(npuspeed_arguments.argv_with_env(argv))
     if args.ffn_hidden_size is None:
         args.ffn_hidden_size = 4 * args.hidden_size
@@ -116,6 +126,5 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.max_position_embeddings = args.seq_length
     if args.num_query_groups is None or not args.group_query_attention:
         args.num_query_groups = args.num_attention_heads if not args.group_query_attention else args.num_query_groups
-    if args.bf16 and args.fp16:
-        raise SystemExit("--bf16 and --fp16 are exclusive; pick one")
+    validate_args(args)
     return args

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import os
 import random
 import statistics
@@ -20,10 +21,12 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from gpt_example import checkpoint, data
+from gpt_example.failures import NonFiniteError, Progress, stop_cleanly
 from gpt_example.model import (
     _supported, build_model, initialize_by_global_name, padded_vocab_size, transformer_config,
 )
-from npuspeed import get_accelerator
+from npuspeed import get_accelerator, telemetry
+from npuspeed.features.fused_attention.forward import attention_calls
 from npuspeed.memory import weight_bytes
 
 
@@ -36,16 +39,28 @@ def init_distributed(args) -> None:
     acc = get_accelerator()
     if acc.name != "cpu":
         acc.set_device(int(os.environ["LOCAL_RANK"]))
+    backend = args.distributed_backend or acc.dist_backend
+    minutes = getattr(args, "distributed_timeout_minutes", None)
     torch.distributed.init_process_group(
-        backend=args.distributed_backend or acc.dist_backend, timeout=datetime.timedelta(minutes=10)
+        backend=backend, timeout=None if minutes is None else datetime.timedelta(minutes=minutes),
     )
-    mpu.initialize_model_parallel(
+    # Megatron's own groups (TP, PP, DP, ...) take the same timeout: a hung peer is noticed in
+    # any collective. Unset, it is torch.distributed's default for the backend, as above.
+    mpu.initialize_model_parallel(**_supported(mpu.initialize_model_parallel, dict(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=_vpp(args),
         expert_model_parallel_size=args.expert_model_parallel_size,
         **_cp_kwargs(args),
-    )
+        distributed_timeout_minutes=minutes if minutes is not None else _default_minutes(backend),
+    )))
+
+
+def _default_minutes(backend: str) -> float:
+    from torch.distributed import constants
+
+    default = getattr(constants, "default_pg_nccl_timeout", None) if backend == "nccl" else None
+    return (default or constants.default_pg_timeout).total_seconds() / 60
 
 
 def _cp_kwargs(args) -> dict:
@@ -65,7 +80,7 @@ def set_seeds(seed: int) -> None:
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
-def loss_func(loss_mask: torch.Tensor, output: torch.Tensor):
+def loss_func(loss_mask: torch.Tensor, output: torch.Tensor, check_finite: bool = False):
     """Mean loss over the micro-batch's tokens. Under CP each rank has part of the tokens: the
     sums and counts are all-reduced over the CP group (the value), while the gradient flows
     through this rank's sum only (Megatron's schedule multiplies by the CP size and DDP
@@ -77,16 +92,21 @@ def loss_func(loss_mask: torch.Tensor, output: torch.Tensor):
     if mpu.get_context_parallel_world_size() > 1:
         torch.distributed.all_reduce(total, group=mpu.get_context_parallel_group())
     loss = local[0] / total[1]
+    if check_finite and not torch.isfinite(loss):  # as Megatron-LM's pretrain_gpt.py, before backward
+        raise NonFiniteError(f"found {'NaN' if torch.isnan(loss) else 'Inf'} in local forward loss calculation")
     # A copy: the schedule divides the returned loss in place by the micro-batch count.
     return loss, {"lm loss": (total[0] / total[1]).clone()}
 
 
-def make_forward_step(args, eod: int):
-    """Megatron's forward step: documents (--reset-attention-mask) and the CP split."""
+def batch_layout(args, eod: int):
+    """What a micro-batch needs before the model, or None: packed documents
+    (--reset-attention-mask: PackedSeqParams with --use-flash-attn, else Megatron's S x S mask)
+    and the CP split (Megatron's get_batch_on_this_cp_rank). Returns batch -> (batch, mask, packed)."""
+    if not args.reset_attention_mask and args.context_parallel_size == 1:
+        return None
     from gpt_example import documents
 
-    def forward_step(data_iterator, model):
-        batch = next(data_iterator)
+    def layout(batch):
         packed = mask = None
         if args.reset_attention_mask:
             if getattr(args, "use_flash_attn", False):
@@ -95,11 +115,23 @@ def make_forward_step(args, eod: int):
                 mask = documents.document_mask(batch["tokens"], eod)
         if args.context_parallel_size > 1:
             batch = documents.cp_split(dict(batch))
-        output = model(batch["tokens"], batch["position_ids"], mask, labels=batch["labels"],
-                       packed_seq_params=packed)
-        return output, partial(loss_func, batch["loss_mask"])
+        return batch, mask, packed
 
-    return forward_step
+    return layout
+
+
+def forward_step(data_iterator, model, check_finite: bool = False, layout=None):
+    batch = next(data_iterator)
+    mask = packed = None
+    if layout is not None:
+        batch, mask, packed = layout(batch)
+    output = model(batch["tokens"], batch["position_ids"], mask, labels=batch["labels"], packed_seq_params=packed)
+    return output, partial(loss_func, batch["loss_mask"], check_finite=check_finite)
+
+
+def check_for_nan(args) -> bool:
+    """Megatron-LM's --check-for-nan-in-loss-and-grad; off under fp16's dynamic loss scaling."""
+    return bool(args.check_for_nan_in_loss_and_grad and not args.fp16)
 
 
 def build_optimizer(args, model):
@@ -135,7 +167,7 @@ def wrap_ddp(args, config, chunks):
     ddp_config = DistributedDataParallelConfig(**_supported(DistributedDataParallelConfig, dict(
         grad_reduce_in_fp32=args.bf16 or args.fp16, overlap_grad_reduce=args.overlap_grad_reduce,
         use_distributed_optimizer=args.use_distributed_optimizer,
-        overlap_param_gather=args.overlap_param_gather,
+        overlap_param_gather=args.overlap_param_gather, check_for_nan_in_grad=check_for_nan(args),
     )))
     return [DDP(config=config, ddp_config=ddp_config, module=chunk, disable_bucketing=(i > 0))
             for i, chunk in enumerate(chunks)]
@@ -182,17 +214,42 @@ def log_line(it, args, step_ms, lr, loss, grad_norm, peak, tokens_per_s, skipped
 
 def main(args) -> dict:
     init_distributed(args)
+    progress = Progress(args)
+    with stop_cleanly(progress):
+        return _train(args, progress)
+
+
+def _report_nonfinite(it: int, loss: float, grad_norm, ok: bool, optimizer) -> bool:
+    """One line per iteration whose loss or gradient is not finite; True when there was one."""
+    problems = []
+    if not math.isfinite(loss):
+        problems.append(f"lm loss is {loss}")
+    if grad_norm is not None and not math.isfinite(grad_norm):
+        problems.append(f"grad norm is {grad_norm}")
+    if not ok:
+        problems.append("gradients are not finite: step skipped, loss scale now "
+                        f"{float(optimizer.get_loss_scale()):g}")
+    if problems and torch.distributed.get_rank() == 0:
+        print(f"WARNING: iteration {it}: " + "; ".join(problems), flush=True)
+    return bool(problems)
+
+
+def _save(args, iteration, model, optimizer, scheduler, progress) -> None:
+    progress.saving = True
+    checkpoint.save(args.save, iteration, model, optimizer, scheduler, args=args)
+    progress.saving = False
+
+
+def _train(args, progress) -> dict:
     dp = mpu.get_data_parallel_world_size()
     if args.global_batch_size is None:
         args.global_batch_size = args.micro_batch_size * dp
-    if args.global_batch_size % (args.micro_batch_size * dp):
-        raise SystemExit(f"--global-batch-size {args.global_batch_size} must be a multiple of "
-                         f"--micro-batch-size x DP = {args.micro_batch_size * dp}")
     num_microbatches = args.global_batch_size // (args.micro_batch_size * dp)
     set_seeds(args.seed)
     tokenizer = data.build_tokenizer(args)
     config = transformer_config(args)
-    chunks = build_model(args, config, padded_vocab_size(tokenizer.vocab_size, args))
+    args.padded_vocab_size = padded_vocab_size(tokenizer.vocab_size, args)
+    chunks = build_model(args, config, args.padded_vocab_size)
     if args.use_cpu_initialization:
         initialize_by_global_name(chunks, args, config)
     model = wrap_ddp(args, config, wrap_float16(args, config, chunks))
@@ -201,9 +258,11 @@ def main(args) -> dict:
 
     iteration = 0
     if args.load:
+        same_dir = args.save and os.path.abspath(args.save) == os.path.abspath(args.load)
         iteration = checkpoint.load(args.load, model, optimizer, scheduler,
                                     load_optim=not args.no_load_optim, load_rng=not args.no_load_rng,
-                                    step=args.ckpt_step)
+                                    step=args.ckpt_step, args=args, fresh_ok=bool(same_dir))
+    progress.iteration = iteration
     iterators = [
         data.build_train_iterator(args, tokenizer, iteration * args.global_batch_size,
                                   mpu.get_data_parallel_rank(), dp)
@@ -213,8 +272,8 @@ def main(args) -> dict:
     acc.reset_peak_memory_stats()
     rank0 = torch.distributed.get_rank() == 0
     forward_backward = get_forward_backward_func()
-    forward_step_func = make_forward_step(args, tokenizer.eod)
-    losses, step_times, skipped = [], [], 0
+    step_func = partial(forward_step, check_finite=check_for_nan(args), layout=batch_layout(args, tokenizer.eod))
+    losses, step_times, skipped, nonfinite = [], [], 0, []
     run_peak = step_peak = 0  # the run's peak, and the largest optimizer-step peak (above the step's start)
     tokens_per_iter = args.global_batch_size * args.seq_length
     start_iteration = iteration
@@ -224,7 +283,7 @@ def main(args) -> dict:
             chunk.zero_grad_buffer()
         optimizer.zero_grad()
         reduced = forward_backward(
-            forward_step_func=forward_step_func, data_iterator=iterators if len(model) > 1 else iterators[0],
+            forward_step_func=step_func, data_iterator=iterators if len(model) > 1 else iterators[0],
             model=model if len(model) > 1 else model[0], num_microbatches=num_microbatches,
             seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
             decoder_seq_length=args.seq_length, forward_only=False,
@@ -241,6 +300,9 @@ def main(args) -> dict:
         acc.synchronize()
         step_ms = (time.perf_counter() - t0) * 1000.0
         iteration += 1
+        progress.iteration = iteration
+        if _report_nonfinite(iteration, loss, None if grad_norm is None else float(grad_norm), ok, optimizer):
+            nonfinite.append(iteration)
         losses.append(loss)
         step_times.append(step_ms)
         if iteration % args.log_interval == 0:
@@ -250,11 +312,11 @@ def main(args) -> dict:
                                float(grad_norm or 0.0), peak, tokens_per_iter / (step_ms / 1000.0), skipped),
                       flush=True)
         if args.save and args.save_interval and iteration % args.save_interval == 0:
-            checkpoint.save(args.save, iteration, model, optimizer, scheduler)
+            _save(args, iteration, model, optimizer, scheduler, progress)
         if args.exit_interval and iteration % args.exit_interval == 0:
             break
     if args.save and not (args.save_interval and iteration % args.save_interval == 0):
-        checkpoint.save(args.save, iteration, model, optimizer, scheduler)
+        _save(args, iteration, model, optimizer, scheduler, progress)
     measured = step_times[1:] or step_times
     mean_ms = sum(measured) / max(len(measured), 1)
     summary = {
@@ -274,6 +336,13 @@ def main(args) -> dict:
         # mean on a shared machine, where a burst of other work lands on a few steps
         "step_ms": step_times,
         "median_step_ms": statistics.median(measured) if measured else 0.0,
+        # rank 0's npuspeed counters (which kernels ran), and its attention calls with the reason
+        # for each kernel (--use-flash-attn)
+        "npuspeed_counters": telemetry.snapshot(),
+        "attention_calls": attention_calls(),
+        "skipped_iterations": skipped,
+        # iterations whose loss or gradient was NaN/Inf (reported in the log as they happen)
+        "nonfinite_iterations": nonfinite,
         "context_parallel_size": args.context_parallel_size,
     }
     if rank0 and args.summary_json:

@@ -11,8 +11,10 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from npuspeed.errors import UserError
 
-class AcceleratorError(RuntimeError):
+
+class AcceleratorError(UserError, RuntimeError):
     """A device that was asked for cannot be had."""
 
 

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import argparse
 
+from npuspeed.errors import UserError
 
-class FeatureError(ValueError):
+
+class FeatureError(UserError, ValueError):
     """A flag combination the feature cannot honour; the message names the flag and the fix."""
 
 

@@ -19,10 +19,12 @@ from importlib import metadata
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
+from npuspeed.errors import UserError
+
 SUPPORTED_MEGATRON = ">=0.12,<0.17"
 
 
-class UnsupportedMegatronError(RuntimeError):
+class UnsupportedMegatronError(UserError, RuntimeError):
     """The installed megatron-core is outside the range npuspeed supports."""
 
 

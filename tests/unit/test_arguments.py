@@ -39,15 +39,26 @@ def test_argv_defaults_to_sys_argv(monkeypatch):
     assert _parse(None).npuspeed_device == "cpu"
 
 
-def test_bad_choice_names_flag_and_choices(monkeypatch, capsys):
+def test_bad_choice_names_flag_and_choices(monkeypatch):
+    from npuspeed.errors import UserError
+
     monkeypatch.delenv("NPUSPEED_ARGS", raising=False)
-    with pytest.raises(SystemExit) as exc:
+    with pytest.raises(UserError) as exc:  # the adaptor turns it into one line and exit status 2
         _parse(["--npuspeed-device", "tpu"])
-    assert exc.value.code == 2
-    err = capsys.readouterr().err
+    err = str(exc.value)
     assert "--npuspeed-device" in err and "tpu" in err
     for choice in ("auto", "npu", "cuda", "cpu"):
         assert choice in err
+
+
+def test_env_typo_is_refused_other_words_pass(monkeypatch):
+    from npuspeed.errors import UserError
+
+    monkeypatch.setenv("NPUSPEED_ARGS", "--bf16 --tensor-model-parallel-size 2 --use-cocc")
+    with pytest.raises(UserError, match="did you mean --use-coc"):
+        _parse([])
+    monkeypatch.setenv("NPUSPEED_ARGS", "--bf16 --tensor-model-parallel-size 2 --use-coc")
+    assert _parse([]).use_coc
 
 
 def test_add_arguments_skips_existing_option():

@@ -107,6 +107,23 @@ def test_padding_mask_parity(megatron_mp, with_features, dtype, s):
     assert record["mask"] == "attention_mask" and not record["causal"]
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_packed_documents_and_causal_padding_masks_run_the_kernel(megatron_mp, with_features, dtype):
+    """Megatron's reset-attention-mask masks (block-diagonal causal documents) and causal |
+    key padding are one key interval per row: npuspeed's kernel runs them, with dropout off,
+    matching Megatron; the mask is read into ranges once and reused by the next layer."""
+    s = 40
+    causal = torch.ones(s, s, dtype=torch.bool).triu(1)
+    doc = torch.tensor([0] * 13 + [1] * 20 + [2] * 7)
+    packed = (~(doc[:, None] == doc[None, :]) | causal)[None, None].expand(2, 1, s, s)
+    record = compare(make_attention(groups=2, dtype=dtype), make_inputs(s, 2, 4, 2, 16, dtype, seed=6), packed,
+                     with_features, dtype=dtype)
+    assert record["mask"] == "attention_mask" and record["masked"]
+    pad = torch.arange(s)[None, :] >= torch.tensor([s, 29])[:, None]
+    mixed = (causal[None] | pad[:, None, :])[:, None]
+    compare(make_attention(dtype=dtype), make_inputs(s, 2, 4, 4, 16, dtype, seed=7), mixed, with_features, dtype=dtype)
+
+
 def test_query_and_key_padding_has_fully_masked_rows(megatron_mp, with_features):
     """Padded query rows are masked entirely: Megatron gives them mean(V); so must we."""
     s = 19

@@ -1,7 +1,7 @@
 """DESIGN's one-way rule: dependencies inside npuspeed/ point down, and there is no cycle.
 
 Every import statement counts, also the ones inside functions (a lazy import is still a
-dependency). Layers, bottom to top: the leaf modules (patching, ops, telemetry, arguments,
+dependency). Layers, bottom to top: the leaf modules (patching, ops, telemetry, arguments, errors,
 megatron_flags, context, memory), then accelerator, then features, then runtime, then the
 entry points (the package itself, megatron_adaptor, cli, report, plan).
 """
@@ -13,7 +13,7 @@ import pathlib
 PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "npuspeed"
 
 LAYERS = {
-    0: {"patching", "ops", "telemetry", "arguments", "megatron_flags", "context", "memory", "_version"},
+    0: {"patching", "ops", "telemetry", "arguments", "megatron_flags", "context", "memory", "_version", "errors"},
     1: {"accelerator"},
     2: {"features"},
     3: {"runtime"},

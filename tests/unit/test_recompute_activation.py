@@ -378,3 +378,32 @@ def test_moe_layers_are_excluded_and_said(megatron_mp, with_features):
     assert torch.equal(loss, base_loss)
     assert delta["freed"] == 0
     assert any("MoE/expert MLPs are not covered" in n for n in with_features.ctx.notes)
+
+
+def _bits(t):
+    return t.view(torch.int16 if t.element_size() == 2 else torch.int32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mlp_recompute_keeps_nan_payloads_and_infinities(megatron_mp, with_features, dtype):
+    """A non-finite activation is recomputed to the same bits (NaN payloads included), so a
+    NaN/Inf reported by Megatron's checks is the one the unpatched model would have produced."""
+    from npuspeed.features.recompute_activation.mlp import ATTR
+
+    mlp = _mlp(_config(params_dtype=dtype, **MLP_CASES["gelu+bias"]))
+    with torch.no_grad():
+        for p in mlp.parameters():
+            p.normal_(0, 0.2)
+    x = torch.randn(6, 3, 32)
+    x.view(-1)[[0, 7, 40]] = torch.tensor([float("inf"), float("-inf"), 0.0])
+    x.view(torch.int32).view(-1)[[3, 90]] = torch.tensor([0x7FC00123, -0x003FFF01], dtype=torch.int32)  # payloads
+    x = x.to(dtype)
+    expected = _run_mlp(mlp, x)
+    with with_features([FLAG]):
+        setattr(mlp, ATTR, True)
+        got = _run_mlp(mlp, x)
+    assert bool(torch.isnan(expected[0]).any()) and bool(torch.isinf(x.float()).any())
+    for a, b in zip(got[:3], expected[:3]):
+        assert a is None and b is None or torch.equal(_bits(a), _bits(b))
+    for name in expected[3]:
+        assert torch.equal(_bits(got[3][name]), _bits(expected[3][name])), name

@@ -20,7 +20,9 @@ alone (the example's `--load`) as with Megatron-LM, so the device feature applie
    Training resumes, but Adam's bias correction uses a wrong step (measured: DP2 with the
    distributed optimizer, losses differ from the second step after the resume). The
    wrappers keep the count that came from the param groups and give each parameter its
-   own copy.
+   own copy. (c) The `fully_reshardable` load (:2100) leaves `step` out of the tensors it
+   passes while the state holds one, and the copy loop raises KeyError('step'): the same
+   wrapper supplies the current count there.
 """
 from __future__ import annotations
 
@@ -115,8 +117,7 @@ def keep_step_count(set_states):
     @functools.wraps(set_states)
     def wrapped(self, model_param, tensors, *args, **kwargs):
         inner = getattr(self, "optimizer", None)
-        if "step" in tensors and _uses_torch_step_state(inner) \
-                and not self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+        if _uses_torch_step_state(inner) and not self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
             group_index, group_order = self.model_param_group_index_map[model_param]
             main_param = inner.param_groups[group_index]["params"][group_order]
             current = inner.state[main_param].get("step")

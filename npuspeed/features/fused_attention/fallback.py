@@ -52,10 +52,14 @@ class FallbackChooser:
         return record
 
     def _measure(self, sdpa, unfused, inputs, acc) -> dict:
-        from megatron.core import tensor_parallel
+        from megatron.core import parallel_state, tensor_parallel
 
         from npuspeed.ops import memory_tracker
 
+        # Megatron's unfused forward keeps its S x S score buffer in the global memory buffer;
+        # if SDPA wins, the trial must not leave that buffer behind.
+        buffers = parallel_state.get_global_memory_buffer().buffer
+        kept_buffers = dict(buffers)
         tracker = tensor_parallel.get_cuda_rng_tracker()
         states = {name: state.clone() for name, state in tracker.get_states().items()}
         device_state = acc.get_rng_state().clone()
@@ -75,6 +79,9 @@ class FallbackChooser:
             memory_tracker.restore_peak(peak, peak_reserved)
         (t_sdpa, m_sdpa), (t_unf, m_unf) = best[SDPA], best[UNFUSED]
         take_sdpa = t_sdpa <= t_unf and m_sdpa <= m_unf
+        if take_sdpa:
+            buffers.clear()
+            buffers.update(kept_buffers)
         why = (f"measured once for this shape: SDPA {t_sdpa * 1e3:.1f} ms / {m_sdpa / 2**20:.1f} MiB, "
                f"unfused {t_unf * 1e3:.1f} ms / {m_unf / 2**20:.1f} MiB fwd+bwd")
         return {"kernel": SDPA if take_sdpa else UNFUSED, "why": why,
