@@ -85,3 +85,19 @@ def test_two_blocks_merge_to_full_causal_attention(name, kernel):
                     for ks, blk in blocks])
     assert (dq.double() - q.grad).abs().max() < 1e-5
     assert (dk.double() - k.grad).abs().max() < 1e-5
+
+
+def test_bf16_block_on_the_fp32_kernel_when_the_bf16_one_cannot(monkeypatch):
+    """No AVX512-BF16 (faked): bf16 blocks run npuspeed's fp32 kernel on copies, not PyTorch's."""
+    from npuspeed.features.context_parallel import kernels_cpu
+
+    if cpu_flash.fp32_reason():
+        pytest.skip(cpu_flash.fp32_reason())
+    monkeypatch.setattr(kernels_cpu.cpu_flash, "unsupported", lambda *a, **k: "this CPU lacks AVX512-BF16")
+    q, k = torch.randn(8, 1, 2, 16).bfloat16(), torch.randn(8, 1, 2, 16).bfloat16()
+    kernel, why = kernels_cpu.cpu_kernel(q, k, 0.0)
+    assert kernel.name == kernels_cpu.NPUSPEED_FP32 and kernel.upcast and "fp32 copies" in why
+    out, lse = kernel.forward(q, k, k, Block(0, 0, True), CallSpec(scale=0.25))
+    ref = torch.nn.functional.scaled_dot_product_attention(*(t.float().permute(1, 2, 0, 3) for t in (q, k, k)),
+                                                           is_causal=True, scale=0.25).permute(2, 0, 1, 3)
+    assert out.dtype == torch.bfloat16 and (out.float() - ref).abs().max() < 1e-2
