@@ -35,6 +35,10 @@ def _kernel(query, key, dropout_p: float, accelerator):
         from npuspeed.features.context_parallel.kernels_device import CudaAten
 
         return CudaAten(query.dtype), "PyTorch's CUDA kernel"
+    if query.device.type != "cpu":
+        raise FeatureError(f"context parallelism / packed documents on {query.device.type} need a kernel that "
+                           "returns the log-sum-exp (npu_fusion_attention on NPU, PyTorch's flash/efficient on "
+                           "CUDA); this one has none: update torch_npu or drop --context-parallel-size")
     return cpu_kernel(query, key, dropout_p)
 
 
