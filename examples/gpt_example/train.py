@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import math
 import os
 import random
 import statistics
@@ -21,7 +20,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from gpt_example import checkpoint, data
-from gpt_example.failures import NonFiniteError, Progress, stop_cleanly
+from gpt_example.failures import NonFiniteError, Progress, check_for_nan, report_nonfinite, stop_cleanly
 from gpt_example.model import (
     _supported, build_model, initialize_by_global_name, padded_vocab_size, transformer_config,
 )
@@ -129,11 +128,6 @@ def forward_step(data_iterator, model, check_finite: bool = False, layout=None):
     return output, partial(loss_func, batch["loss_mask"], check_finite=check_finite)
 
 
-def check_for_nan(args) -> bool:
-    """Megatron-LM's --check-for-nan-in-loss-and-grad; off under fp16's dynamic loss scaling."""
-    return bool(args.check_for_nan_in_loss_and_grad and not args.fp16)
-
-
 def build_optimizer(args, model):
     dtype_kwargs = dict(bf16=args.bf16, fp16=args.fp16,
                         params_dtype=torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32)
@@ -219,21 +213,6 @@ def main(args) -> dict:
         return _train(args, progress)
 
 
-def _report_nonfinite(it: int, loss: float, grad_norm, ok: bool, optimizer) -> bool:
-    """One line per iteration whose loss or gradient is not finite; True when there was one."""
-    problems = []
-    if not math.isfinite(loss):
-        problems.append(f"lm loss is {loss}")
-    if grad_norm is not None and not math.isfinite(grad_norm):
-        problems.append(f"grad norm is {grad_norm}")
-    if not ok:
-        problems.append("gradients are not finite: step skipped, loss scale now "
-                        f"{float(optimizer.get_loss_scale()):g}")
-    if problems and torch.distributed.get_rank() == 0:
-        print(f"WARNING: iteration {it}: " + "; ".join(problems), flush=True)
-    return bool(problems)
-
-
 def _save(args, iteration, model, optimizer, scheduler, progress) -> None:
     progress.saving = True
     checkpoint.save(args.save, iteration, model, optimizer, scheduler, args=args)
@@ -301,7 +280,7 @@ def _train(args, progress) -> dict:
         step_ms = (time.perf_counter() - t0) * 1000.0
         iteration += 1
         progress.iteration = iteration
-        if _report_nonfinite(iteration, loss, None if grad_norm is None else float(grad_norm), ok, optimizer):
+        if report_nonfinite(iteration, loss, None if grad_norm is None else float(grad_norm), ok, optimizer):
             nonfinite.append(iteration)
         losses.append(loss)
         step_times.append(step_ms)
