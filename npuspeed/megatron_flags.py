@@ -29,6 +29,9 @@ FLAGS: dict[str, tuple[str, dict]] = {
     "num_query_groups": ("--num-query-groups", {"type": int}),
     "seq_length": ("--seq-length", {"type": int}),
     "attention_dropout": ("--attention-dropout", {"type": float}),
+    "cp_comm_type": ("--cp-comm-type", {"type": str, "nargs": "+"}),
+    "hierarchical_context_parallel_sizes": ("--hierarchical-context-parallel-sizes", {"type": int, "nargs": "+"}),
+    "reset_attention_mask": ("--reset-attention-mask", {"action": "store_const", "const": True}),
 }
 
 
