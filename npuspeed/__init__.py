@@ -13,7 +13,7 @@ from npuspeed._version import __version__
 
 def report(as_json: bool = False):
     """What runs here: device, features, patches, ops (see `npuspeed report`)."""
-    from npuspeed.report import collect, render
+    from npuspeed.reporting import collect, render
 
     data = collect()
     return data if as_json else render(data)

@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "report":
         from npuspeed import runtime
         from npuspeed.errors import exit_on_user_error
-        from npuspeed.report import collect, render
+        from npuspeed.reporting import collect, render
 
         with exit_on_user_error():
             runtime.initialize(rest)

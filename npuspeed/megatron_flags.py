@@ -39,6 +39,9 @@ FLAGS: dict[str, tuple[str, dict]] = {
     "moe_expert_capacity_factor": ("--moe-expert-capacity-factor", {"type": float}),
     "moe_pad_expert_input_to_capacity": ("--moe-pad-expert-input-to-capacity",
                                          {"action": "store_const", "const": True}),
+    "cp_comm_type": ("--cp-comm-type", {"type": str, "nargs": "+"}),
+    "hierarchical_context_parallel_sizes": ("--hierarchical-context-parallel-sizes", {"type": int, "nargs": "+"}),
+    "reset_attention_mask": ("--reset-attention-mask", {"action": "store_const", "const": True}),
 }
 
 

@@ -39,6 +39,10 @@ def child(row, out_path, err_path) -> None:
         code = 1
     sys.stdout.flush()
     sys.stderr.flush()
+    import multiprocessing  # os._exit skips the hooks that stop a checkpoint writer's manager
+
+    for proc in multiprocessing.active_children():
+        proc.kill()
     os._exit(code)
 
 

@@ -39,7 +39,7 @@ def start(script, args: list[str], nproc: int, env: dict | None = None) -> list[
         run_env.update(env or {})
         files = (tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+"))  # no pipe to fill up
         proc = subprocess.Popen([sys.executable, str(script), *args], cwd=ROOT, env=run_env,
-                                stdout=files[0], stderr=files[1], text=True)
+                                stdout=files[0], stderr=files[1], text=True, start_new_session=True)
         ranks.append(Rank(proc, files))
     return ranks
 
@@ -62,6 +62,10 @@ def wait(ranks: list[Rank], timeout: float, stopped_ok: bool = True) -> list[Ran
         rank.proc.kill()
     for rank in ranks:
         rank.proc.wait()
+        try:  # what a SIGKILLed rank leaves behind (a checkpoint writer's spawned manager)
+            os.killpg(rank.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
         for f in rank.files:
             f.seek(0)
         rank.out, rank.err = rank.files[0].read(), rank.files[1].read()

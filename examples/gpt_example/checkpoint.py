@@ -129,10 +129,6 @@ def save(root: str, iteration: int, model, optimizer, scheduler, args=None) -> s
     return path
 
 
-def latest_iteration(root: str) -> int | None:
-    return ckpt_verify.choose(root, None, fresh_ok=True) if os.path.isdir(root) else None
-
-
 def _rank0_print(message: str) -> None:
     if torch.distributed.get_rank() == 0:
         print(message, flush=True)
@@ -169,7 +165,8 @@ def load(root: str, model, optimizer, scheduler, *, load_optim: bool = True, loa
             raise UserError(f"checkpoint {path} holds no optimizer state in this example's format; "
                             "resume with --no-load-optim (the optimizer starts afresh)")
         saved_keys = set(dist_checkpointing.load_tensors_metadata(path).keys())
-        template, optim_request = ckpt_optimizer.load_request(optimizer, _merged(model_state), saved_keys)
+        template, optim_request, substitutes = ckpt_optimizer.load_request(optimizer, _merged(model_state),
+                                                                           saved_keys)
         absent = ckpt_optimizer.missing(optim_request, saved_keys)
         if absent:
             raise UserError(f"checkpoint {path} lacks optimizer state this run needs ({absent[0]} and "
@@ -184,7 +181,9 @@ def load(root: str, model, optimizer, scheduler, *, load_optim: bool = True, loa
         for i, chunk in enumerate(model):
             _unwrap(chunk).load_state_dict(state[f"model{i}"])
     if load_optim:
-        ckpt_optimizer.restore(optimizer, template, state["optim"]["tensors"], common["optim"])
+        weights = ckpt_optimizer.model_tensors(model_state, {k: state[k] for k in model_state})
+        ckpt_optimizer.restore(optimizer, template, state["optim"]["tensors"], common["optim"], substitutes,
+                               weights)
         scheduler.load_state_dict(common["scheduler"])
     if load_rng:
         _set_rng_state(state["rng_state"])

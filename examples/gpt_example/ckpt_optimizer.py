@@ -86,16 +86,37 @@ def to_save(optimizer, model_sd) -> dict:
 
 
 def load_request(optimizer, model_sd, saved_keys: set):
-    """(template, request list) for a load. A master the checkpoint lacks (saved by an fp32 run
-    whose parameters were their own masters) is read from the model weight of the same key."""
+    """(template, request list, substitutes) for a load. A master the checkpoint lacks (saved
+    by an fp32 run, whose parameters were their own masters) is not requested again (one key
+    cannot be read twice in one load): `substitutes` holds its (model key, offset), filled from
+    the loaded model weight by `restore`."""
     template = _template(optimizer, model_sd, loading=True)
-    request = []
-    for leaf in leaves(template):
+    request, substitutes = [], {}
+    for i, leaf in enumerate(leaves(template)):
         key = leaf.key
         if key not in saved_keys and key.startswith(_CANON) and key[len(_CANON):] in saved_keys:
-            leaf = dataclasses.replace(leaf, key=key[len(_CANON):])
+            substitutes[i] = (key[len(_CANON):], getattr(leaf, "global_offset", None))
+            continue
         request.append(leaf)
-    return template, request
+    return template, request, substitutes
+
+
+def model_tensors(model_template, loaded) -> dict:
+    """(key, global offset) -> loaded tensor, walking the model template and its loaded state."""
+    out = {}
+
+    def walk(t, v):
+        if isinstance(t, dict):
+            for k in t:
+                walk(t[k], v[k])
+        elif isinstance(t, list):
+            for a, b in zip(t, v):
+                walk(a, b)
+        elif isinstance(t, ShardedBase):
+            out[(t.key, getattr(t, "global_offset", None))] = v
+
+    walk(model_template, loaded)
+    return out
 
 
 def missing(request: list, saved_keys: set) -> list[str]:
@@ -122,14 +143,16 @@ def _set_step(tree, step: int) -> None:
             _set_step(value, step)
 
 
-def restore(optimizer, template, loaded: list, saved: dict) -> None:
-    """Fill the current optimizer's own state dict with the loaded tensors (the request's order);
-    restore step and scalers."""
-    values = iter(loaded)
+def restore(optimizer, template, loaded: list, saved: dict, substitutes=None, model=None) -> None:
+    """Fill the current optimizer's own state dict with the loaded tensors (the request's order)
+    and the substituted masters (from `model`, see model_tensors); restore step and scalers."""
+    values, index = iter(loaded), iter(range(10**12))
+    substitutes = substitutes or {}
 
     def fill(leaf):
         if isinstance(leaf, ShardedBase):
-            return next(values)
+            i = next(index)
+            return model[substitutes[i]].clone() if i in substitutes else next(values)
         if isinstance(leaf, LocalNonpersistentObject):
             return leaf.unwrap()
         return leaf

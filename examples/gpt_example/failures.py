@@ -15,6 +15,7 @@ NPUSPEED_DEBUG=1 re-raises instead, for the traceback.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import sys
 
@@ -43,6 +44,26 @@ class Progress:
         doing = (f"while saving the checkpoint of iteration {self.iteration}" if self.saving
                  else f"iteration {self.iteration + 1}")
         return f"rank {rank()}: {doing}"
+
+
+def check_for_nan(args) -> bool:
+    """Megatron-LM's --check-for-nan-in-loss-and-grad; off under fp16's dynamic loss scaling."""
+    return bool(args.check_for_nan_in_loss_and_grad and not args.fp16)
+
+
+def report_nonfinite(it: int, loss: float, grad_norm, ok: bool, optimizer) -> bool:
+    """One line per iteration whose loss or gradient is not finite; True when there was one."""
+    problems = []
+    if not math.isfinite(loss):
+        problems.append(f"lm loss is {loss}")
+    if grad_norm is not None and not math.isfinite(grad_norm):
+        problems.append(f"grad norm is {grad_norm}")
+    if not ok:
+        problems.append("gradients are not finite: step skipped, loss scale now "
+                        f"{float(optimizer.get_loss_scale()):g}")
+    if problems and rank() == 0:
+        print(f"WARNING: iteration {it}: " + "; ".join(problems), flush=True)
+    return bool(problems)
 
 
 def is_peer_failure(exc: BaseException) -> bool:
@@ -79,9 +100,21 @@ def _timeout(args) -> str:
     return "torch.distributed's default" if minutes is None else f"{minutes * 60:g} s"
 
 
+def end_children() -> None:
+    """Stop this process's multiprocessing children (dist_checkpointing's spawned result-queue
+    manager, DataLoader workers): os._exit skips the atexit hooks that would, and a manager
+    outlives its parent."""
+    import multiprocessing
+
+    for child in multiprocessing.active_children():
+        child.kill()
+        child.join(timeout=5)
+
+
 def _leave(message: str) -> None:
     print_error(message, all_ranks=True)
     sys.stderr.flush()
+    end_children()
     os._exit(EXIT_FAILED)
 
 

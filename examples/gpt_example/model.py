@@ -60,6 +60,7 @@ def transformer_config(args) -> TransformerConfig:
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=_vpp_size(args),
         sequence_parallel=args.sequence_parallel,
+        context_parallel_size=args.context_parallel_size,
         expert_model_parallel_size=args.expert_model_parallel_size,
         num_moe_experts=args.num_experts,
         moe_router_topk=args.moe_router_topk,

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from npuspeed.features.base import Feature, FeatureError
 from npuspeed.features.coc_overlap import CocFeature
+from npuspeed.features.context_parallel import ContextParallelFeature
 from npuspeed.features.device import DeviceFeature
 from npuspeed.features.fused_attention import FusedAttentionFeature
 from npuspeed.features.fused_ops import FusedRMSNormFeature, FusedRoPEFeature, FusedSwiGLUFeature
@@ -15,7 +16,7 @@ from npuspeed.features.reuse_fp32_param import ReuseFp32ParamFeature
 
 
 def all_features() -> list[Feature]:
-    return [DeviceFeature(), FusedAttentionFeature(), FusedRMSNormFeature(), FusedSwiGLUFeature(),
+    return [DeviceFeature(), FusedAttentionFeature(), ContextParallelFeature(), FusedRMSNormFeature(), FusedSwiGLUFeature(),
             FusedRoPEFeature(), ReuseFp32ParamFeature(), RecomputeActivationFeature(),
             CocFeature(), TpExtendEpFeature(), GroupedGemmFeature(), FusedPermuteFeature(),
             AllToAllOverlapFeature(), MegatronLMFeature()]

@@ -3,7 +3,7 @@ this rank to `--tally-json PATH.rank<N>` (the e2e test's proof that the C++ path
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "tools"))
 
 
 def _tally() -> dict:

@@ -66,7 +66,7 @@ def _coc_stats() -> dict:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "tools"))
     from launch import run_then_dump
 
     run_then_dump("--coc-stats", _coc_stats)

@@ -62,7 +62,7 @@ try:
     runpy.run_path(script, run_name="__main__")
 finally:  # also after Megatron's sys.exit at --exit-interval
     from npuspeed.ops import _dispatch
-    from npuspeed.report import collect
+    from npuspeed.reporting import collect
     data = collect()
     data["calls"] = {f"{op}:{impl}": n for (op, impl), n in _dispatch.calls().items()}
     data["probes"] = dict(PROBES)

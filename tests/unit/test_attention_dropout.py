@@ -93,6 +93,7 @@ CASES = [  # sq, sk, b, hq, hk, d, causal, p, positions
     (70, 130, 2, 2, 2, 16, False, 0.2, (0, 0)),   # unmasked, sq != sk
     (65, 90, 1, 2, 1, 16, True, 0.1, (100, 75)),  # a chunk of a longer sequence (ring attention)
     (50, 50, 2, 2, 2, 16, True, 0.0, (0, 0)),     # no dropout
+    (96, 96, 1, 4, 1, 64, True, 0.1, (0, 0)),     # GQA 4:1, d = 64 (the e2e benchmark's heads)
 ]
 
 

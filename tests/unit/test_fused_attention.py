@@ -64,7 +64,7 @@ def compare(module, inputs, mask, with_features, flags=("--use-flash-attn",), dt
         got = run(module, *inputs, mask)
         assert sum(kernel_calls().get(k, 0) for k in FUSED_KERNELS) == before + 1, "the fused path did not run"
         record = telemetry.last("attention")
-        assert record["kernel"] in expected_kernels(dtype, arbitrary), record
+        assert record["kernel"] in expected_kernels(dtype, arbitrary, inputs[0].shape[-1]), record
     for name, a, b in zip(("out", "dq", "dk", "dv"), ref, got):
         assert a.shape == b.shape and a.dtype == b.dtype, name
         err = (a.float() - b.float()).abs().max().item()
@@ -76,15 +76,17 @@ DTYPES = [torch.float32, torch.bfloat16]
 FUSED_KERNELS = (SDPA, UNFUSED, CPU_FLASH, CPU_FLASH_FP32)
 
 
-def expected_kernels(dtype, arbitrary: bool) -> set:
-    """npuspeed's CPU kernel for its dtype where the mask is per-row key ranges, else the
-    measured fallback (SDPA or Megatron's unfused forward)."""
+def expected_kernels(dtype, arbitrary: bool, head_dim: int = 16) -> set:
+    """npuspeed's CPU kernel for its dtype where the mask is per-row key ranges (bf16 on the
+    fp32 kernel where the bf16 one is absent), else the measured fallback (SDPA or Megatron's
+    unfused forward)."""
     from npuspeed.ops.flash_attention import fp32_reason, machine_reason
 
-    reason = machine_reason() if dtype == torch.bfloat16 else fp32_reason()
-    if arbitrary or reason is not None:
+    if arbitrary or fp32_reason() is not None:
         return {SDPA, UNFUSED}
-    return {CPU_FLASH if dtype == torch.bfloat16 else CPU_FLASH_FP32}
+    if dtype == torch.bfloat16 and machine_reason() is None and head_dim % 16 == 0:
+        return {CPU_FLASH}
+    return {CPU_FLASH_FP32}
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
@@ -122,6 +124,15 @@ def test_packed_documents_and_causal_padding_masks_run_the_kernel(megatron_mp, w
     pad = torch.arange(s)[None, :] >= torch.tensor([s, 29])[:, None]
     mixed = (causal[None] | pad[:, None, :])[:, None]
     compare(make_attention(dtype=dtype), make_inputs(s, 2, 4, 4, 16, dtype, seed=7), mixed, with_features, dtype=dtype)
+
+
+def test_bf16_head_dim_the_bf16_kernel_does_not_tile_runs_on_the_fp32_kernel(megatron_mp, with_features):
+    record = compare(make_attention(heads=2, d=24, dtype=torch.bfloat16), make_inputs(30, 2, 2, 2, 24, torch.bfloat16),
+                     None, with_features, dtype=torch.bfloat16)
+    from npuspeed.ops.flash_attention import fp32_reason, machine_reason
+
+    if fp32_reason() is None and machine_reason() is None:
+        assert record["kernel"] == CPU_FLASH_FP32 and "multiple of 16" in record["why"]
 
 
 def test_query_and_key_padding_has_fully_masked_rows(megatron_mp, with_features):
@@ -402,7 +413,9 @@ def test_cpu_without_bf16_kernel_runs_sdpa_and_says_so(megatron_mp, with_feature
     monkeypatch.setattr(cpu_flash, "machine_reason", lambda: "this CPU lacks AVX512-BF16")
     record = compare(make_attention(groups=2, dtype=torch.bfloat16), make_inputs(40, 1, 4, 2, 16, torch.bfloat16), None,
                      with_features, dtype=torch.bfloat16)
-    assert record["kernel"] in (SDPA, UNFUSED) and "lacks AVX512-BF16" in record["why"]
+    # the portable fp32 kernel takes the bf16 call on fp32 copies (an Arm host does the same)
+    fp32 = cpu_flash.fp32_reason() is None
+    assert record["kernel"] in ({CPU_FLASH_FP32} if fp32 else {SDPA, UNFUSED}) and "lacks AVX512-BF16" in record["why"]
     feature, acc = FusedAttentionFeature(), get_accelerator()
     monkeypatch.setenv("NPUSPEED_ARGS", "--bf16")
     ctx = ctx_for(["--use-flash-attn"], acc)
@@ -411,13 +424,9 @@ def test_cpu_without_bf16_kernel_runs_sdpa_and_says_so(megatron_mp, with_feature
     assert "kernel unavailable: this CPU lacks AVX512-BF16" in feature.path(ctx)
 
 
-def test_report_lists_the_attention_calls_and_why(megatron_mp, with_features, monkeypatch):
-    import npuspeed
+def test_report_lists_the_attention_calls_and_why(megatron_mp, with_features):
     from npuspeed import telemetry
-
-    # importing the submodule npuspeed.report rebinds the name npuspeed.report (the function)
-    monkeypatch.setattr(npuspeed, "report", npuspeed.report)
-    from npuspeed.report import collect, render
+    from npuspeed.reporting import collect, render
 
     telemetry.reset("attention")
     module = make_attention(dropout=0.1)

@@ -57,7 +57,7 @@ def test_report_lists_device_patches(report_json):
 
 def test_human_table_renders(report_json, npuspeed_runtime, capsys):
     from npuspeed import cli, report
-    from npuspeed.report import render
+    from npuspeed.reporting import render
 
     text = render(report_json)
     lines = text.splitlines()
@@ -72,3 +72,11 @@ def test_human_table_renders(report_json, npuspeed_runtime, capsys):
     assert "patch target" in out and "torch.cuda.current_device" in out
     assert report(as_json=True)["device"] == "cpu"
     assert "dist backend: gloo" in report()
+
+
+def test_the_report_function_survives_its_module_import():
+    """`npuspeed.report()` is public API; the module behind it must not shadow the name."""
+    import npuspeed
+    import npuspeed.reporting  # noqa: F401
+
+    assert callable(npuspeed.report) and "device" in npuspeed.report(as_json=True)

@@ -83,8 +83,9 @@ class FusedAttentionFeature(Feature):
                          "scaled_dot_product_attention runs its math backend (S x S scores).")
         reason = cpu_flash.machine_reason() if accelerator.name == "cpu" and ctx.megatron.bf16 else None
         if reason:
-            ctx.note("--use-flash-attn: bf16 attention runs PyTorch's scaled_dot_product_attention or "
-                     f"Megatron's unfused path (measured), not npuspeed's bf16 CPU kernel: {reason}.")
+            instead = ("npuspeed's portable fp32 kernel on fp32 copies of q/k/v" if cpu_flash.fp32_reason() is None
+                       else "scaled_dot_product_attention or Megatron's unfused path (measured)")
+            ctx.note(f"--use-flash-attn: bf16 attention runs {instead}, not npuspeed's bf16 CPU kernel: {reason}.")
         fp32 = cpu_flash.fp32_reason() if accelerator.name == "cpu" else None
         if fp32:
             ctx.note("--use-flash-attn: fp32 attention runs scaled_dot_product_attention or Megatron's "
@@ -130,19 +131,19 @@ class FusedAttentionFeature(Feature):
             return (f"torch_npu.npu_fusion_attention (SBH, sparse_mode {mode}{band}) replaces "
                     "DotProductAttention.forward: --use-flash-attn on an NPU with the fused kernel")
         kind = "fused kernel" if accelerator.has_fused_attention() else "math backend, no fused kernel here"
-        text = (f"scaled_dot_product_attention ({kind}; is_causal, enable_gqa, boolean masks{band}) "
-                f"replaces DotProductAttention.forward: --use-flash-attn on {accelerator.name}")
-        if accelerator.name == "cpu":
-            reason = cpu_flash.machine_reason()
-            ranges = "causal, padding, bands and interval masks as per-row key ranges, dropout in the kernel"
-            text += ("; bf16 runs npuspeed::flash_attention (AVX512-BF16 tiles)" if reason is None
-                     else f"; npuspeed's bf16 CPU kernel unavailable: {reason}")
-            fp32 = cpu_flash.fp32_reason()
-            text += ("; fp32 runs npuspeed::flash_attention_fp32 (portable at::vec)" if fp32 is None
-                     else f"; npuspeed's fp32 CPU kernel unavailable: {fp32}")
-            fixed = getattr(args, "flash_attn_fallback", None) or "auto"
-            text += (f" ({ranges}); other calls: SDPA or Megatron's unfused forward, "
-                     + ("measured once per shape" if fixed == "auto" else f"--flash-attn-fallback {fixed}"))
+        sdpa = f"scaled_dot_product_attention ({kind}; is_causal, enable_gqa, boolean masks"
+        if accelerator.name != "cpu":
+            return f"{sdpa}{band}) replaces DotProductAttention.forward: --use-flash-attn on {accelerator.name}"
+        reason, fp32 = cpu_flash.machine_reason(), cpu_flash.fp32_reason()
+        kernels = [("bf16: npuspeed::flash_attention (AVX512-BF16 tiles)" if reason is None
+                    else f"bf16: npuspeed's kernel unavailable: {reason}"),
+                   ("fp32: npuspeed::flash_attention_fp32 (portable at::vec)" if fp32 is None
+                    else f"fp32: npuspeed's kernel unavailable: {fp32}")]
+        fixed = getattr(args, "flash_attn_fallback", None) or "auto"
+        how = "measured once per shape" if fixed == "auto" else f"--flash-attn-fallback {fixed}"
+        text = (f"npuspeed's CPU flash kernels replace DotProductAttention.forward (--use-flash-attn on cpu): "
+                f"{'; '.join(kernels)}; causal, padding, bands and interval masks as per-row key ranges{band}, "
+                f"dropout in the kernel; other calls: {sdpa}) or Megatron's unfused forward, {how}")
         return text
 
 

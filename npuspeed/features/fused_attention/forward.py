@@ -23,6 +23,7 @@ import torch
 
 from npuspeed import telemetry
 from npuspeed.features.base import FeatureError
+from npuspeed.features.context_parallel import attention as cp_attention
 from npuspeed.features.fused_attention.fallback import UNFUSED, FallbackChooser
 from npuspeed.features.fused_attention.kernel_rows import cpu_flash_run, kernel_rows
 from npuspeed.features.fused_attention.npu import npu_attention
@@ -97,6 +98,14 @@ def init_wrapper(init):
     return __init__
 
 
+def _fp32_takes_bf16(query, key, rows, dropout_p: float) -> bool:
+    """bf16 calls the bf16 kernel cannot take (no AVX512-BF16, an Arm host, a head dim it does
+    not tile) run the portable fp32 kernel on fp32 copies: O(S x d), not S x S."""
+    return (rows is not None and query.dtype == torch.bfloat16 and key.dtype == torch.bfloat16
+            and query.device.type == "cpu" and key.device.type == "cpu"
+            and cpu_flash.fp32_reason() is None and 0.0 <= dropout_p < 1.0)
+
+
 def _unfused(module, attention_mask, attn_mask_type):
     from npuspeed.patching import registry
 
@@ -109,14 +118,15 @@ def make_forward(choice: KernelChoice):
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None,
                 attention_bias=None, packed_seq_params=None):
-        if packed_seq_params is not None:
-            raise FeatureError(
-                "--use-flash-attn: packed sequences (packed_seq_params) are not supported by "
-                "DotProductAttention; use the Transformer Engine spec or unpacked batches"
-            )
         if attention_bias is not None:
             raise FeatureError("--use-flash-attn: attention_bias is not supported by DotProductAttention")
         check_module(self)
+        if cp_attention.active(self, packed_seq_params):  # context parallelism / packed documents
+            context, kernel, why = cp_attention.attention(self, query, key, value, attention_mask, packed_seq_params,
+                                                          choice.accelerator, effective_scale(self))
+            telemetry.count(KERNEL + kernel)
+            telemetry.record(WHY + kernel, why=why)
+            return context
         sq, sk = query.shape[0], key.shape[0]
         # attn_mask_type from the caller is ignored, as upstream's forward ignores it.
         plan = plan_masks(
@@ -136,12 +146,14 @@ def make_forward(choice: KernelChoice):
         else:
             rows = kernel_rows(plan, attention_mask, query.shape[1], sq, sk)
             reason = cpu_flash.unsupported(query, key, masked=rows is None, dropout_p=dropout_p)
-            if reason is None:
-                kernel = CPU_FLASH if query.dtype == torch.bfloat16 else CPU_FLASH_FP32
+            upcast = reason is not None and _fp32_takes_bf16(query, key, rows, dropout_p)
+            if reason is None or upcast:
+                kernel = CPU_FLASH if query.dtype == torch.bfloat16 and not upcast else CPU_FLASH_FP32
                 why = f"{rows.source}, {str(query.dtype).replace('torch.', '')}" + (
-                    f", dropout {dropout_p:g} in the kernel" if dropout_p else "")
+                    f", dropout {dropout_p:g} in the kernel" if dropout_p else "") + (
+                    f", on the fp32 kernel ({reason})" if upcast else "")
                 run = functools.partial(cpu_flash_run, self, query, key, value, rows, scale=scale,
-                                        dropout_p=dropout_p)
+                                        dropout_p=dropout_p, upcast=upcast)
             else:
                 sdpa = functools.partial(sdpa_attention, plan=plan, scale=scale, dropout_p=dropout_p)
                 unfused = _unfused(self, attention_mask, attn_mask_type)

@@ -71,9 +71,16 @@ def _mean_v_rows(out: torch.Tensor, value: torch.Tensor, dead: torch.Tensor) -> 
     return torch.where(dead.t()[:, :, None, None], mean_v[None].to(out.dtype), out)
 
 
-def cpu_flash_run(module, query, key, value, rows: KernelRows, *, scale: float, dropout_p: float):
+def cpu_flash_run(module, query, key, value, rows: KernelRows, *, scale: float, dropout_p: float,
+                  upcast: bool = False):
     """npuspeed's CPU kernel on one call -> context [sq, b, hq * d]; draws the dropout seed
-    from the generator in force (the tracker's fork), so run it inside that fork."""
+    from the generator in force (the tracker's fork), so run it inside that fork. `upcast`:
+    bf16 inputs on the fp32 kernel (where the bf16 one is absent), O(S x d) copies."""
+    if upcast:
+        dtype = query.dtype
+        context = cpu_flash_run(module, query.float(), key.float(), value.float(), rows, scale=scale,
+                                dropout_p=dropout_p)
+        return context.to(dtype)
     seed = offset = 0
     if dropout_p > 0.0:
         seed, offset = draw_seed_offset()

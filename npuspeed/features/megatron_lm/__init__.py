@@ -8,7 +8,7 @@ scripts (`pretrain_gpt.py` ...) run unchanged on CPU (gloo) and NPU:
   stand-in (load_stubs.py: batch_invariant_kernels without triton);
 - `validate_args` picks the portable choice for what this machine lacks (validate.py);
 - megatron.training's own CUDA calls go to the accelerator (device_fixes.py,
-  tensor_cuda.py), the dataset helper is built for the running Python (build_helpers.py);
+  device/redirect.py), the dataset helper is built for the running Python (build_helpers.py);
 - three upstream DistributedOptimizer bugs on the path without apex/TE, which `--load`
   meets, are fixed by the device feature (device/distopt_fixes.py), since megatron.core
   alone meets them too.
@@ -22,7 +22,7 @@ import importlib.util
 from npuspeed.features.base import Feature, FeatureError
 from npuspeed.features.device.module_proxy import DeviceMappedTorch
 from npuspeed.features.megatron_lm import build_helpers, device_fixes, load_stubs, parser, validate
-from npuspeed.features.megatron_lm.tensor_cuda import cuda_calls_on_device
+from npuspeed.features.device.redirect import cuda_calls_on_device
 
 #: Megatron-LM versions (read from the checkout's megatron/core/package_info.py) whose
 #: megatron.training these patches were checked against.

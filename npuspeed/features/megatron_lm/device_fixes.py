@@ -7,7 +7,7 @@ megatron.training adds (file:line at core_v0.16.1):
   (315), `initialize.py` (475-512, the JIT warm-up): each of those modules gets the device
   feature's mapped `torch` (factories only; nothing else changes);
 - `Tensor.cuda()` in `get_batch_on_this_tp_rank` (utils.py:534, every step), `get_model`
-  (training.py:1258) and `evaluate` (training.py:3112): mapped for the call (tensor_cuda.py);
+  (training.py:1258) and `evaluate` (training.py:3112): mapped for the call (device/redirect.py: tensor_cuda_on);
 - `megatron.legacy.fused_kernels.load` (initialize.py:224) runs `$CUDA_HOME/bin/nvcc -V`
   for the legacy models' CUDA softmax, which megatron.core models do not use: off CUDA it
   is skipped, with a note;

@@ -1,4 +1,5 @@
-"""Run examples/pretrain_gpt.py as a user would (torchrun for 2 ranks) and read its summary."""
+"""Run examples/pretrain_gpt.py as a user would (torchrun) and read its summary: the one
+launcher that the tests and the benchmarks share (both put tools/ on sys.path)."""
 from __future__ import annotations
 
 import json
