@@ -29,6 +29,19 @@ FLAGS: dict[str, tuple[str, dict]] = {
     "num_query_groups": ("--num-query-groups", {"type": int}),
     "seq_length": ("--seq-length", {"type": int}),
     "attention_dropout": ("--attention-dropout", {"type": float}),
+    # MoE layout (npuspeed/features/moe)
+    "expert_tensor_parallel_size": ("--expert-tensor-parallel-size", {"type": int}),
+    "ffn_hidden_size": ("--ffn-hidden-size", {"type": int}),
+    "moe_ffn_hidden_size": ("--moe-ffn-hidden-size", {"type": int}),
+    "disable_bias_linear": ("--disable-bias-linear", {"action": "store_const", "const": True}),
+    "moe_token_dispatcher_type": ("--moe-token-dispatcher-type", {"type": str}),
+    "moe_shared_expert_overlap": ("--moe-shared-expert-overlap", {"action": "store_const", "const": True}),
+    "moe_expert_capacity_factor": ("--moe-expert-capacity-factor", {"type": float}),
+    "moe_pad_expert_input_to_capacity": ("--moe-pad-expert-input-to-capacity",
+                                         {"action": "store_const", "const": True}),
+    "cp_comm_type": ("--cp-comm-type", {"type": str, "nargs": "+"}),
+    "hierarchical_context_parallel_sizes": ("--hierarchical-context-parallel-sizes", {"type": int, "nargs": "+"}),
+    "reset_attention_mask": ("--reset-attention-mask", {"action": "store_const", "const": True}),
 }
 
 

@@ -40,6 +40,18 @@ def _model(p):
     g.add_argument("--moe-ffn-hidden-size", type=int, default=None)
     g.add_argument("--moe-aux-loss-coeff", type=float, default=0.0)
     g.add_argument("--moe-token-dispatcher-type", choices=["allgather", "alltoall"], default="alltoall")
+    g.add_argument("--moe-expert-capacity-factor", type=float, default=None,
+                   help="drop tokens beyond this multiple of an even share per expert (default: dropless)")
+    g.add_argument("--moe-pad-expert-input-to-capacity", action="store_true",
+                   help="with a capacity factor: pad every expert's input to its capacity")
+    g.add_argument("--moe-token-drop-policy", choices=["probs", "position"], default="probs")
+    g.add_argument("--moe-router-pre-softmax", action="store_true",
+                   help="softmax over all experts before top-k (Megatron requires it for top-1)")
+    g.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None,
+                   help="FFN size of the shared experts every token also goes through (default: none)")
+    g.add_argument("--moe-shared-expert-overlap", action="store_true")
+    g.add_argument("--moe-router-load-balancing-type", choices=["aux_loss", "seq_aux_loss", "none"],
+                   default="aux_loss")
     g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None)
     g.add_argument("--recompute-method", choices=["uniform", "block"], default=None)
     g.add_argument("--recompute-num-layers", type=int, default=None)
@@ -53,7 +65,11 @@ def _parallel(p):
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
     g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--context-parallel-size", type=int, default=1,
+                   help="split each sequence over this many ranks (npuspeed's CP: see --context-parallel-algo)")
     g.add_argument("--expert-model-parallel-size", type=int, default=1)
+    g.add_argument("--expert-tensor-parallel-size", type=int, default=None,
+                   help="ranks each expert's weights are split over (default: the TP size)")
     g.add_argument("--use-distributed-optimizer", action="store_true")
     g.add_argument("--overlap-grad-reduce", action="store_true")
     g.add_argument("--overlap-param-gather", action="store_true")

@@ -13,6 +13,7 @@ import tempfile
 import numpy as np
 import torch
 
+from gpt_example import documents
 from gpt_example.tokenizer import TOKENIZER_TYPES, build_tokenizer as _build_tokenizer
 
 # (a, c) of the rule token[t+1] = (a * token[t] + c) mod n. Few rules, all with odd a (a
@@ -40,6 +41,15 @@ def add_data_args(parser):
     group.add_argument("--data-cache-path", default=None,
                        help="Where GPTDataset index caches go (default: a per-user temp folder).")
     group.add_argument("--num-workers", type=int, default=0, help="DataLoader worker processes.")
+    group.add_argument("--mock-document-length", type=int, default=None,
+                       help="Synthetic data packs documents of about this many tokens, each ended by EoD "
+                            "(default: one document per sample, no EoD).")
+    group.add_argument("--reset-attention-mask", action="store_true",
+                       help="Attention stays inside each EoD-delimited document (with --use-flash-attn: "
+                            "document boundaries, no S x S mask).")
+    group.add_argument("--reset-position-ids", action="store_true",
+                       help="Position ids restart after every EoD.")
+    group.add_argument("--eod-mask-loss", action="store_true", help="No loss on EoD tokens.")
     return parser
 
 
@@ -60,16 +70,23 @@ class MockGPTDataset(torch.utils.data.Dataset):
     parallel layout, of DataLoader workers and of where a run was resumed.
     """
 
-    def __init__(self, seed, seq_length, n):
+    def __init__(self, seed, seq_length, n, document_length=None, eod=None, reset_position_ids=False,
+                 eod_mask_loss=False):
         if n < 2:
             raise ValueError(f"synthetic data needs a vocabulary of at least 2 ids, got {n}")
         self.seed, self.seq_length, self.n = int(seed), int(seq_length), int(n)
+        self.document_length, self.eod = document_length, eod
+        self.reset_position_ids, self.eod_mask_loss = reset_position_ids, eod_mask_loss
 
     def __len__(self):
         return 2**62  # effectively endless; the sampler decides where to stop
 
     def __getitem__(self, idx):
         rng = np.random.default_rng([self.seed, int(idx)])
+        if self.document_length:
+            text = torch.from_numpy(documents.mock_documents(rng, self.seq_length + 1, self.document_length,
+                                                             self.n, self.eod, MOCK_RULES))
+            return documents_sample(text, self.eod, self.reset_position_ids, self.eod_mask_loss)
         a, c = MOCK_RULES[int(rng.integers(len(MOCK_RULES)))]
         text = np.empty(self.seq_length + 1, dtype=np.int64)
         text[0] = rng.integers(self.n)
@@ -82,6 +99,17 @@ class MockGPTDataset(torch.utils.data.Dataset):
             "loss_mask": torch.ones(self.seq_length, dtype=torch.float32),
             "position_ids": torch.arange(self.seq_length, dtype=torch.int64),
         }
+
+
+def documents_sample(text: torch.Tensor, eod: int, reset_position_ids: bool, eod_mask_loss: bool) -> dict:
+    """A packed sample from seq + 1 tokens (as GPTDataset makes it)."""
+    tokens = text[:-1].clone()
+    loss_mask = torch.ones(tokens.shape[0], dtype=torch.float32)
+    if eod_mask_loss:
+        loss_mask[tokens == eod] = 0.0
+    positions = (documents.reset_positions(tokens[None], eod)[0] if reset_position_ids
+                 else torch.arange(tokens.shape[0], dtype=torch.int64))
+    return {"tokens": tokens, "labels": text[1:].clone(), "loss_mask": loss_mask, "position_ids": positions}
 
 
 class MegatronOrderBatchSampler:
@@ -163,7 +191,7 @@ def build_indexed_dataset(args, tokenizer, num_samples):
         path_to_cache=args.data_cache_path or _default_cache_path(),
         tokenizer=tokenizer,
         reset_position_ids=bool(getattr(args, "reset_position_ids", False)),
-        reset_attention_mask=False,  # no attention mask is returned: plain causal
+        reset_attention_mask=bool(getattr(args, "reset_attention_mask", False)),  # boundaries from EoD
         eod_mask_loss=bool(getattr(args, "eod_mask_loss", False)),
         create_attention_mask=False,
     )
@@ -199,7 +227,8 @@ def build_train_iterator(args, tokenizer, consumed_samples, dp_rank, dp_size):
         total = len(dataset)
     else:
         n = min(num_plain_ids(tokenizer), MOCK_IDS)
-        dataset = MockGPTDataset(args.seed, args.seq_length, n)
+        dataset = MockGPTDataset(args.seed, args.seq_length, n, args.mock_document_length, tokenizer.eod,
+                                 args.reset_position_ids, args.eod_mask_loss)
         total = None
     sampler = MegatronOrderBatchSampler(total, consumed_samples, mbs, dp_rank, dp_size)
     loader = torch.utils.data.DataLoader(

@@ -60,12 +60,22 @@ def transformer_config(args) -> TransformerConfig:
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=_vpp_size(args),
         sequence_parallel=args.sequence_parallel,
+        context_parallel_size=args.context_parallel_size,
         expert_model_parallel_size=args.expert_model_parallel_size,
         num_moe_experts=args.num_experts,
         moe_router_topk=args.moe_router_topk,
         moe_ffn_hidden_size=args.moe_ffn_hidden_size or (args.ffn_hidden_size if args.num_experts else None),
         moe_aux_loss_coeff=args.moe_aux_loss_coeff,
         moe_token_dispatcher_type=args.moe_token_dispatcher_type,
+        moe_expert_capacity_factor=args.moe_expert_capacity_factor,
+        moe_pad_expert_input_to_capacity=args.moe_pad_expert_input_to_capacity,
+        moe_token_drop_policy=args.moe_token_drop_policy,
+        moe_router_pre_softmax=args.moe_router_pre_softmax,
+        moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
+        moe_shared_expert_overlap=args.moe_shared_expert_overlap,
+        moe_router_load_balancing_type=args.moe_router_load_balancing_type,
+        moe_grouped_gemm=_grouped_gemm(args),
+        expert_tensor_parallel_size=_expert_tp(args),
         recompute_granularity=args.recompute_granularity,
         recompute_method=args.recompute_method,
         recompute_num_layers=args.recompute_num_layers,
@@ -80,6 +90,16 @@ def transformer_config(args) -> TransformerConfig:
     return TransformerConfig(**_supported(TransformerConfig, kwargs))
 
 
+def _grouped_gemm(args) -> bool:
+    """--moe-grouped-gemm (Megatron's flag; npuspeed's group defines it when Megatron's parser does not)."""
+    return bool(args.num_experts and getattr(args, "moe_grouped_gemm", False))
+
+
+def _expert_tp(args):
+    """Expert weights are split over this many ranks (Megatron's default: the TP size)."""
+    return args.expert_tensor_parallel_size or args.tensor_model_parallel_size
+
+
 def _vpp_size(args):
     if args.num_layers_per_virtual_pipeline_stage is None:
         return None
@@ -89,7 +109,7 @@ def _vpp_size(args):
 
 def build_model(args, config: TransformerConfig, vocab_size: int) -> list[torch.nn.Module]:
     """One GPTModel per virtual pipeline stage (a list of one without VPP)."""
-    spec_kwargs = dict(num_experts=args.num_experts, moe_grouped_gemm=False, qk_layernorm=False,
+    spec_kwargs = dict(num_experts=args.num_experts, moe_grouped_gemm=_grouped_gemm(args), qk_layernorm=False,
                        normalization=args.normalization)
     spec = get_gpt_layer_local_spec(**_supported(get_gpt_layer_local_spec, spec_kwargs))
     vpp = _vpp_size(args)
@@ -166,6 +186,10 @@ def initialize_by_global_name(chunks, args, config) -> None:
         for name, param in chunk.named_parameters():
             if param.dim() < 2:
                 continue  # biases (zero) and norms (one) are layout-independent already
+            if name.endswith(_GROUPED):
+                _init_grouped(param, _global_name(name, chunk, num_local_experts, ep_rank), args,
+                              num_local_experts, ep_rank, etp_size, etp_rank, scaled_std)
+                continue
             gname = _global_name(name, chunk, num_local_experts, ep_rank)
             expert = getattr(param, "allreduce", True) is False  # experts shard over expert-TP
             t_size, t_rank = (etp_size, etp_rank) if expert else (tp_size, tp_rank)
@@ -175,3 +199,31 @@ def initialize_by_global_name(chunks, args, config) -> None:
             full.normal_(0.0, std, generator=gen)
             shard = _shard(full, param, gname, args.swiglu, t_rank, t_size)
             param.data.copy_(shard.to(param.dtype))
+
+
+_GROUPED = (".experts.weight1", ".experts.weight2")
+
+
+def _init_grouped(param, name: str, args, num_local: int, ep_rank: int, etp_size: int, etp_rank: int,
+                  scaled_std: float) -> None:
+    """Megatron's GroupedMLP holds local expert l's fc1 as weight1.view(E, H, -1)[l] (the
+    transpose of SequentialMLP's linear_fc1.weight) and its fc2 as weight2.view(E, -1, H)[l]:
+    fill each from the generator of the SequentialMLP weight of the same global expert."""
+    hidden = args.hidden_size
+    fc1 = name.endswith(".weight1")
+    view = param.data.view(num_local, hidden, -1) if fc1 else param.data.view(num_local, -1, hidden)
+    ffn = args.moe_ffn_hidden_size or args.ffn_hidden_size
+    for local in range(num_local):
+        expert = ep_rank * num_local + local
+        gname = name.replace(".experts.weight1" if fc1 else ".experts.weight2",
+                             f".experts.local_experts.{expert}.linear_fc{1 if fc1 else 2}.weight")
+        gen = torch.Generator().manual_seed(args.seed * 1_000_003 + zlib.crc32(gname.encode()))
+        shape = [ffn * (2 if args.swiglu else 1), hidden] if fc1 else [hidden, ffn]
+        full = torch.empty(shape, dtype=torch.float32).normal_(0.0, args.init_method_std if fc1 else scaled_std,
+                                                              generator=gen)
+        if fc1 and args.swiglu and etp_size > 1:
+            gate, up = full.chunk(2, dim=0)
+            shard = torch.cat([gate.chunk(etp_size, 0)[etp_rank], up.chunk(etp_size, 0)[etp_rank]], dim=0)
+        else:
+            shard = full.chunk(etp_size, dim=0 if fc1 else 1)[etp_rank]
+        view[local].copy_(shard.t().to(param.dtype))

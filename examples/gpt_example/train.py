@@ -50,6 +50,8 @@ def init_distributed(args) -> None:
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=_vpp(args),
         expert_model_parallel_size=args.expert_model_parallel_size,
+        expert_tensor_parallel_size=args.expert_tensor_parallel_size,
+        **_cp_kwargs(args),
         distributed_timeout_minutes=minutes if minutes is not None else _default_minutes(backend),
     )))
 
@@ -59,6 +61,10 @@ def _default_minutes(backend: str) -> float:
 
     default = getattr(constants, "default_pg_nccl_timeout", None) if backend == "nccl" else None
     return (default or constants.default_pg_timeout).total_seconds() / 60
+
+
+def _cp_kwargs(args) -> dict:
+    return {"context_parallel_size": args.context_parallel_size} if args.context_parallel_size > 1 else {}
 
 
 def _vpp(args):
@@ -75,18 +81,51 @@ def set_seeds(seed: int) -> None:
 
 
 def loss_func(loss_mask: torch.Tensor, output: torch.Tensor, check_finite: bool = False):
+    """Mean loss over the micro-batch's tokens. Under CP each rank has part of the tokens: the
+    sums and counts are all-reduced over the CP group (the value), while the gradient flows
+    through this rank's sum only (Megatron's schedule multiplies by the CP size and DDP
+    averages over DP x CP, which together give the gradient of the global mean)."""
     losses = output.float().reshape(-1)
     mask = loss_mask.reshape(-1).float()
-    loss = torch.sum(losses * mask) / mask.sum()
+    local = torch.stack([torch.sum(losses * mask), mask.sum()])
+    total = local.detach().clone()
+    if mpu.get_context_parallel_world_size() > 1:
+        torch.distributed.all_reduce(total, group=mpu.get_context_parallel_group())
+    loss = local[0] / total[1]
     if check_finite and not torch.isfinite(loss):  # as Megatron-LM's pretrain_gpt.py, before backward
         raise NonFiniteError(f"found {'NaN' if torch.isnan(loss) else 'Inf'} in local forward loss calculation")
     # A copy: the schedule divides the returned loss in place by the micro-batch count.
-    return loss, {"lm loss": loss.detach().clone()}
+    return loss, {"lm loss": (total[0] / total[1]).clone()}
 
 
-def forward_step(data_iterator, model, check_finite: bool = False):
+def batch_layout(args, eod: int):
+    """What a micro-batch needs before the model, or None: packed documents
+    (--reset-attention-mask: PackedSeqParams with --use-flash-attn, else Megatron's S x S mask)
+    and the CP split (Megatron's get_batch_on_this_cp_rank). Returns batch -> (batch, mask, packed)."""
+    if not args.reset_attention_mask and args.context_parallel_size == 1:
+        return None
+    from gpt_example import documents
+
+    def layout(batch):
+        packed = mask = None
+        if args.reset_attention_mask:
+            if getattr(args, "use_flash_attn", False):
+                packed = documents.packed_seq_params(batch["tokens"], eod)
+            else:  # Megatron's unfused attention needs the S x S mask
+                mask = documents.document_mask(batch["tokens"], eod)
+        if args.context_parallel_size > 1:
+            batch = documents.cp_split(dict(batch))
+        return batch, mask, packed
+
+    return layout
+
+
+def forward_step(data_iterator, model, check_finite: bool = False, layout=None):
     batch = next(data_iterator)
-    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    mask = packed = None
+    if layout is not None:
+        batch, mask, packed = layout(batch)
+    output = model(batch["tokens"], batch["position_ids"], mask, labels=batch["labels"], packed_seq_params=packed)
     return output, partial(loss_func, batch["loss_mask"], check_finite=check_finite)
 
 
@@ -143,7 +182,8 @@ def _configure_schedule_hooks(args, config, model, optimizer) -> None:
 def _iteration_loss(losses_reduced) -> torch.Tensor:
     """Mean lm loss of the iteration over micro-batches and data-parallel ranks (all ranks get it)."""
     local = torch.zeros(1, dtype=torch.float64)
-    if mpu.is_pipeline_last_stage(ignore_virtual=True) and mpu.get_tensor_model_parallel_rank() == 0:
+    if (mpu.is_pipeline_last_stage(ignore_virtual=True) and mpu.get_tensor_model_parallel_rank() == 0
+            and mpu.get_context_parallel_rank() == 0):  # CP ranks report the same (all-reduced) loss
         values = [float(x["lm loss"]) for x in losses_reduced]
         local += sum(values) / len(values)
     torch.distributed.all_reduce(local)
@@ -220,7 +260,7 @@ def _train(args, progress) -> dict:
     acc.reset_peak_memory_stats()
     rank0 = torch.distributed.get_rank() == 0
     forward_backward = get_forward_backward_func()
-    step_func = partial(forward_step, check_finite=check_for_nan(args))
+    step_func = partial(forward_step, check_finite=check_for_nan(args), layout=batch_layout(args, tokenizer.eod))
     losses, step_times, skipped, nonfinite = [], [], 0, []
     run_peak = step_peak = 0  # the run's peak, and the largest optimizer-step peak (above the step's start)
     tokens_per_iter = args.global_batch_size * args.seq_length
@@ -294,6 +334,7 @@ def _train(args, progress) -> dict:
         "skipped_iterations": skipped,
         # iterations whose loss or gradient was NaN/Inf (reported in the log as they happen)
         "nonfinite_iterations": nonfinite,
+        "context_parallel_size": args.context_parallel_size,
     }
     if rank0 and args.summary_json:
         with open(args.summary_json, "w") as f:

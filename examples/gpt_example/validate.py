@@ -26,12 +26,14 @@ def _positive(args, *names: str) -> None:
 def _layout(args, world: int) -> int:
     """Check the parallel layout against the world size; return the data-parallel size."""
     tp, pp, ep = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.expert_model_parallel_size
-    _positive(args, "tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size")
-    _need(world % (tp * pp) == 0,
+    cp = getattr(args, "context_parallel_size", 1)
+    _positive(args, "tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size",
+              "context_parallel_size")
+    _need(world % (tp * pp * cp) == 0,
           f"world size {world} is not divisible by --tensor-model-parallel-size {tp} x "
-          f"--pipeline-model-parallel-size {pp} = {tp * pp}: launch a multiple of {tp * pp} processes "
-          "or change the sizes")
-    dp = world // (tp * pp)
+          f"--pipeline-model-parallel-size {pp} x --context-parallel-size {cp} = {tp * pp * cp}: launch a "
+          f"multiple of {tp * pp * cp} processes or change the sizes")
+    dp = world // (tp * pp * cp)
     if ep > 1:
         _need(args.num_experts is not None,
               f"--expert-model-parallel-size {ep} needs --num-experts (a multiple of {ep})")

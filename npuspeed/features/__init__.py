@@ -3,18 +3,23 @@ from __future__ import annotations
 
 from npuspeed.features.base import Feature, FeatureError
 from npuspeed.features.coc_overlap import CocFeature
+from npuspeed.features.context_parallel import ContextParallelFeature
 from npuspeed.features.device import DeviceFeature
 from npuspeed.features.fused_attention import FusedAttentionFeature
 from npuspeed.features.fused_ops import FusedRMSNormFeature, FusedRoPEFeature, FusedSwiGLUFeature
 from npuspeed.features.megatron_lm import MegatronLMFeature
+from npuspeed.features.moe import (
+    AllToAllOverlapFeature, FusedPermuteFeature, GroupedGemmFeature, TpExtendEpFeature,
+)
 from npuspeed.features.recompute_activation import RecomputeActivationFeature
 from npuspeed.features.reuse_fp32_param import ReuseFp32ParamFeature
 
 
 def all_features() -> list[Feature]:
-    return [DeviceFeature(), FusedAttentionFeature(), FusedRMSNormFeature(), FusedSwiGLUFeature(),
+    return [DeviceFeature(), FusedAttentionFeature(), ContextParallelFeature(), FusedRMSNormFeature(), FusedSwiGLUFeature(),
             FusedRoPEFeature(), ReuseFp32ParamFeature(), RecomputeActivationFeature(),
-            CocFeature(), MegatronLMFeature()]
+            CocFeature(), TpExtendEpFeature(), GroupedGemmFeature(), FusedPermuteFeature(),
+            AllToAllOverlapFeature(), MegatronLMFeature()]
 
 
 __all__ = ["Feature", "FeatureError", "all_features"]

@@ -16,7 +16,9 @@ def catalog() -> list[dict]:
                          ("fp32_split", "csrc/cpu/fp32_split.cpp"), ("fp32_merge", "csrc/cpu/fp32_split.cpp"),
                          ("flash_attention", "csrc/x86/flash_attention_bf16.cpp"),
                          ("flash_attention_fp32", "csrc/cpu/flash_attention_fp32.cpp"),
-                         ("attention_dropout_mask", "csrc/cpu/attention_dropout_mask.cpp")]:
+                         ("attention_dropout_mask", "csrc/cpu/attention_dropout_mask.cpp"),
+                         ("moe_permute", "csrc/cpu/moe_permute.cpp"), ("moe_unpermute", "csrc/cpu/moe_permute.cpp"),
+                         ("moe_weighted_swiglu", "csrc/cpu/moe_swiglu.cpp")]:
         op = "memory_tracker_enable" if name == "memory_tracker" else name
         compiled = lib["compiled"] and hasattr(torch.ops.npuspeed, op)
         impl = (f"C++ {source} ({lib['source']}, {lib.get('cpu_capability')})" if compiled

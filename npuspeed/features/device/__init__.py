@@ -11,7 +11,7 @@ import logging
 
 from npuspeed.features.base import Feature
 from npuspeed.features.device import (
-    cuda_shim, dist_backend, distopt_fixes, megatron_compat, megatron_fixes, rng,
+    cuda_shim, dist_backend, distopt_fixes, gloo_collectives, megatron_compat, megatron_fixes, rng,
 )
 from npuspeed.features.device.apex_guard import guard_apex
 
@@ -57,6 +57,7 @@ class DeviceFeature(Feature):
             if_missing=True,
         )
         megatron_compat.register(registry, self.name)  # older releases' own bugs (0.12)
+        gloo_collectives.register(registry, self.name)  # MoE's uneven expert-TP gather on gloo
         # DistributedOptimizer with torch's Adam (no apex/TE): checkpoint save/load bugs.
         distopt_fixes.register(registry, self.name, ">=0.16,<0.17")
         if accelerator.name == "cuda":

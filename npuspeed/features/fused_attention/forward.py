@@ -23,6 +23,7 @@ import torch
 
 from npuspeed import telemetry
 from npuspeed.features.base import FeatureError
+from npuspeed.features.context_parallel import attention as cp_attention
 from npuspeed.features.fused_attention.fallback import UNFUSED, FallbackChooser
 from npuspeed.features.fused_attention.kernel_rows import cpu_flash_run, kernel_rows
 from npuspeed.features.fused_attention.npu import npu_attention
@@ -117,14 +118,15 @@ def make_forward(choice: KernelChoice):
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None,
                 attention_bias=None, packed_seq_params=None):
-        if packed_seq_params is not None:
-            raise FeatureError(
-                "--use-flash-attn: packed sequences (packed_seq_params) are not supported by "
-                "DotProductAttention; use the Transformer Engine spec or unpacked batches"
-            )
         if attention_bias is not None:
             raise FeatureError("--use-flash-attn: attention_bias is not supported by DotProductAttention")
         check_module(self)
+        if cp_attention.active(self, packed_seq_params):  # context parallelism / packed documents
+            context, kernel, why = cp_attention.attention(self, query, key, value, attention_mask, packed_seq_params,
+                                                          choice.accelerator, effective_scale(self))
+            telemetry.count(KERNEL + kernel)
+            telemetry.record(WHY + kernel, why=why)
+            return context
         sq, sk = query.shape[0], key.shape[0]
         # attn_mask_type from the caller is ignored, as upstream's forward ignores it.
         plan = plan_masks(

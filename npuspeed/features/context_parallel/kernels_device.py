@@ -1,0 +1,104 @@
+"""Block kernels on accelerators: `npu_fusion_attention` on NPU, PyTorch's flash/efficient on CUDA.
+
+NPU: the op returns softmax_max and softmax_sum ([b, n, s, 8], the value repeated 8 times);
+lse = max + log(sum). Its gradient op recomputes P from the max and sum it is given, so a
+ring passes the final LSE as the max and ones as the sum (P = exp(s - lse)), with the final
+output as `attention_in`. Causal diagonal blocks use the compressed 2048 x 2048 mask with
+sparse_mode 2 (no S x S tensor).
+
+CUDA: `_scaled_dot_product_flash_attention` (bf16/fp16) or
+`_scaled_dot_product_efficient_attention` (fp32), both returning the LSE and taking it back
+in backward. K/V heads are repeated for them (the raw ops have no GQA).
+
+Neither draws dropout at global positions, so under CP they run with attention dropout 0
+(the feature refuses dropout there at start-up); documents run tile by tile.
+"""
+from __future__ import annotations
+
+import torch
+
+from npuspeed.features.context_parallel.blocks import Block, BlockKernel, CallSpec, expand_kv, reduce_kv_grad
+
+NPU = "npu_fusion_attention"
+CUDA_FLASH, CUDA_EFFICIENT = "aten_flash_cuda", "aten_efficient_cuda"
+_COMPRESSED = 2048
+
+
+class NpuFusion(BlockKernel):
+    name = NPU
+
+    def __init__(self, torch_npu):
+        self.torch_npu = torch_npu
+        self._mask = None
+
+    def _mask_args(self, block: Block, device) -> dict:
+        if not block.causal:
+            return {"atten_mask": None, "sparse_mode": 0}
+        if self._mask is None:
+            self._mask = torch.ones(_COMPRESSED, _COMPRESSED, dtype=torch.bool, device=device).triu_(1)
+        return {"atten_mask": self._mask, "sparse_mode": 2}
+
+    def forward(self, q, k, v, block: Block, spec: CallSpec):
+        sq, b, hq, d = q.shape
+        sk, hk = k.shape[0], k.shape[2]
+        res = self.torch_npu.npu_fusion_attention(
+            q.reshape(sq, b, hq * d), k.reshape(sk, b, hk * d), v.reshape(sk, b, hk * d), hq, "SBH",
+            scale=spec.scale, keep_prob=1.0, **self._mask_args(block, q.device))
+        out, smax, ssum = res[0], res[1], res[2]
+        lse = smax[..., 0] + torch.log(ssum[..., 0])  # [b, n, s]
+        return out.view(sq, b, hq, d), lse.float()
+
+    def backward(self, dout, q, k, v, out, lse, block: Block, spec: CallSpec):
+        sq, b, hq, d = q.shape
+        sk, hk = k.shape[0], k.shape[2]
+        smax = lse.float().unsqueeze(-1).expand(b, hq, sq, 8).contiguous()
+        grads = self.torch_npu.npu_fusion_attention_grad(
+            q.reshape(sq, b, hq * d), k.reshape(sk, b, hk * d), v.reshape(sk, b, hk * d),
+            dout.reshape(sq, b, hq * d), hq, "SBH", softmax_max=smax, softmax_sum=torch.ones_like(smax),
+            attention_in=out.reshape(sq, b, hq * d), scale_value=spec.scale, keep_prob=1.0,
+            **self._mask_args(block, q.device))
+        return grads[0].view_as(q), grads[1].view_as(k), grads[2].view_as(v)
+
+
+def _bhsd(x: torch.Tensor) -> torch.Tensor:
+    return x.permute(1, 2, 0, 3)
+
+
+class CudaAten(BlockKernel):
+    """Flash for 16-bit inputs, memory-efficient for fp32 (flash has no fp32)."""
+
+    def __init__(self, dtype: torch.dtype):
+        self.flash = dtype in (torch.bfloat16, torch.float16)
+        self.name = CUDA_FLASH if self.flash else CUDA_EFFICIENT
+
+    def forward(self, q, k, v, block: Block, spec: CallSpec):
+        groups = q.shape[2] // k.shape[2]
+        qq, kk, vv = _bhsd(q), _bhsd(expand_kv(k, groups)), _bhsd(expand_kv(v, groups))
+        if self.flash:
+            res = torch.ops.aten._scaled_dot_product_flash_attention(qq, kk, vv, 0.0, block.causal, False,
+                                                                     scale=spec.scale)
+            out, lse = res[0], res[1]
+        else:
+            out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(
+                qq, kk, vv, None, True, 0.0, block.causal, scale=spec.scale)
+        return out.permute(2, 0, 1, 3), lse[..., : q.shape[0]].float()
+
+    def backward(self, dout, q, k, v, out, lse, block: Block, spec: CallSpec):
+        groups = q.shape[2] // k.shape[2]
+        sq, sk = q.shape[0], k.shape[0]
+        qq, kk, vv = _bhsd(q), _bhsd(expand_kv(k, groups)), _bhsd(expand_kv(v, groups))
+        do, o = _bhsd(dout.contiguous()), _bhsd(out.contiguous())
+        zero = torch.zeros((), dtype=torch.int64, device=q.device)
+        if self.flash:
+            empty = torch.empty(0, dtype=torch.int32, device=q.device)
+            dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+                do, qq, kk, vv, o, lse.contiguous(), empty, empty, sq, sk, 0.0, block.causal, zero, zero,
+                scale=spec.scale)
+        else:
+            padded = -(-sq // 32) * 32  # the efficient kernel's LSE rows are padded to 32
+            lse_p = torch.nn.functional.pad(lse, (0, padded - sq)) if padded != sq else lse
+            dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+                do, qq, kk, vv, None, o, lse_p.contiguous(), zero, zero, 0.0, [True, True, True, False],
+                block.causal, scale=spec.scale)
+        back = lambda g: g.permute(2, 0, 1, 3)  # noqa: E731
+        return back(dq), reduce_kv_grad(back(dk), groups), reduce_kv_grad(back(dv), groups)

@@ -1,0 +1,71 @@
+"""--moe-alltoall-overlap-comm [--moe-alltoall-chunks N] as a feature: the layouts the chunked
+all-to-all needs (the all-to-all dispatcher, expert parallelism, whole experts per rank)."""
+from __future__ import annotations
+
+from npuspeed.features.base import Feature, FeatureError
+from npuspeed.features.moe import overlap
+from npuspeed.features.moe.layout import Layout, layers_of, needs_experts, needs_release
+
+
+class AllToAllOverlapFeature(Feature):
+    name = "moe_alltoall_overlap"
+    flags = ("--moe-alltoall-overlap-comm", "--moe-alltoall-chunks")
+
+    def add_arguments(self, group) -> None:
+        group.add_argument("--moe-alltoall-overlap-comm", action="store_true",
+                           help="All-to-all dispatcher: dispatch and combine in chunks overlapped with the experts' "
+                                "compute, shared experts computed while the first chunk is in flight.")
+        group.add_argument("--moe-alltoall-chunks", type=int, default=None,
+                           help="With --moe-alltoall-overlap-comm: chunks per MoE layer (>= 2, default 2).")
+
+    def enabled(self, args) -> bool:
+        return bool(getattr(args, "moe_alltoall_overlap_comm", False) or getattr(args, "moe_alltoall_chunks", None))
+
+    def chunks(self, ctx) -> int:
+        return ctx.args.moe_alltoall_chunks or 2
+
+    def validate(self, ctx) -> None:
+        if not ctx.args.moe_alltoall_overlap_comm:
+            raise FeatureError("--moe-alltoall-chunks only applies with --moe-alltoall-overlap-comm: add it or drop "
+                               "--moe-alltoall-chunks")
+        needs_release("--moe-alltoall-overlap-comm", overlap.MEGATRON_RANGE, "MoELayer's route/preprocess/dispatch steps")
+        if self.chunks(ctx) < 2:
+            raise FeatureError(f"--moe-alltoall-chunks must be >= 2 (got {ctx.args.moe_alltoall_chunks}): one chunk "
+                               "leaves the all-to-all nothing to overlap with")
+        lay = Layout.from_ctx(ctx)
+        if lay.dispatcher is not None and lay.dispatcher != "alltoall":
+            raise FeatureError(f"--moe-alltoall-overlap-comm overlaps the all-to-all dispatcher; "
+                               f"--moe-token-dispatcher-type is {lay.dispatcher}: use alltoall or drop the flag")
+        if lay.expert_parallel == 1 and (ctx.megatron.expert_model_parallel_size is not None or lay.tp_extend_ep):
+            raise FeatureError("--moe-alltoall-overlap-comm: expert-parallel size is 1, so there is no all-to-all to "
+                               "overlap; use --expert-model-parallel-size > 1 (or --moe-tp-extend-ep with TP > 1)")
+        if lay.expert_tp > 1:
+            raise FeatureError(f"--moe-alltoall-overlap-comm chunks whole token rows, but experts are split over "
+                               f"{lay.expert_tp} tensor-parallel ranks; add --moe-tp-extend-ep or "
+                               "--expert-tensor-parallel-size 1")
+        if getattr(ctx.megatron, "moe_shared_expert_overlap", None):
+            raise FeatureError("--moe-alltoall-overlap-comm computes the shared experts during the all-to-all itself; "
+                               "drop Megatron's --moe-shared-expert-overlap")
+
+    def register_patches(self, registry, ctx) -> None:
+        overlap.register(registry, self.name, self.chunks(ctx), ctx.note)
+
+    def check_built(self, block, ctx) -> str | None:
+        from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+        problem = needs_experts("--moe-alltoall-overlap-comm", block)
+        if problem:
+            return problem
+        kinds = {type(layer.token_dispatcher).__name__ for layer in layers_of(block)}
+        if kinds and not any(isinstance(layer.token_dispatcher, MoEAlltoAllTokenDispatcher) for layer in layers_of(block)):
+            return f"--moe-alltoall-overlap-comm needs --moe-token-dispatcher-type alltoall (built: {sorted(kinds)})"
+        return None
+
+    def path(self, ctx) -> str:
+        if not self.enabled(ctx.args):
+            return "off"
+        acc = ctx.accelerator
+        where = ("async work handles on gloo, waited per chunk" if acc.name == "cpu"
+                 else f"async {acc.dist_backend} collectives on the backend's communication stream")
+        return (f"MoELayer.forward: dispatch/experts/combine in {self.chunks(ctx)} chunks, {where}; shared experts "
+                "during the first chunk's all-to-all")

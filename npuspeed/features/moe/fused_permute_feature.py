@@ -1,0 +1,55 @@
+"""--use-fused-moe-token-permute-and-unpermute as a feature: which permute ops run, and the
+dispatchers and accelerators they cannot serve."""
+from __future__ import annotations
+
+from npuspeed.features.base import Feature, FeatureError
+from npuspeed.features.moe import permute
+from npuspeed.features.moe.layout import Layout, needs_experts, needs_release
+
+
+class FusedPermuteFeature(Feature):
+    name = "moe_fused_permute"
+    flags = ("--use-fused-moe-token-permute-and-unpermute",)
+
+    def add_arguments(self, group) -> None:
+        group.add_argument("--use-fused-moe-token-permute-and-unpermute", action="store_true",
+                           help="MindSpeed's flag: MoE token permute/unpermute as one op each way (CPU: npuspeed:: "
+                                "C++; NPU: torch_npu npu_moe_token_(un)permute_with_routing_map).")
+
+    def enabled(self, args) -> bool:
+        return bool(getattr(args, "use_fused_moe_token_permute_and_unpermute", False))
+
+    def validate(self, ctx) -> None:
+        needs_release("--use-fused-moe-token-permute-and-unpermute", permute.MEGATRON_RANGE,
+                       "permute returns the permuted probabilities")
+        if Layout.from_ctx(ctx).dispatcher == "flex":
+            raise FeatureError("--use-fused-moe-token-permute-and-unpermute: the flex dispatcher permutes inside "
+                               "DeepEP/HybridEP; use --moe-token-dispatcher-type alltoall or allgather")
+
+    def prepare(self, ctx) -> None:
+        m = ctx.megatron
+        dropping = getattr(m, "moe_expert_capacity_factor", None) and not getattr(m, "moe_pad_expert_input_to_capacity", None)
+        if ctx.accelerator.name == "npu" and dropping:
+            ctx.note("--use-fused-moe-token-permute-and-unpermute: torch_npu's permute needs the same number of "
+                     "experts per token; with a capacity factor and no --moe-pad-expert-input-to-capacity, "
+                     "dropped tokens make that false (add the padding flag)")
+        if "reference" in self.path(ctx):
+            ctx.note(f"--use-fused-moe-token-permute-and-unpermute: {self.path(ctx)}")
+
+    def register_patches(self, registry, ctx) -> None:
+        permute.register(registry, self.name)
+
+    def check_built(self, block, ctx) -> str | None:
+        return needs_experts("--use-fused-moe-token-permute-and-unpermute", block)
+
+    def path(self, ctx) -> str:
+        if not self.enabled(ctx.args):
+            return "off"
+        acc = ctx.accelerator
+        if acc.name == "npu":
+            return "torch_npu npu_moe_token_permute_with_routing_map / npu_moe_token_unpermute_with_routing_map"
+        from npuspeed.ops._extension import has_op, load_library
+
+        if acc.name == "cpu" and has_op("moe_permute"):
+            return f"npuspeed::moe_permute / moe_unpermute (C++ csrc/cpu/moe_permute.cpp, {load_library()['source']})"
+        return "pure-PyTorch reference (Megatron's unfused algorithm; no npuspeed kernel for this device)"

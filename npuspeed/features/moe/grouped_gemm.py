@@ -1,0 +1,199 @@
+"""One grouped matmul over tokens sorted by expert: y[rows of g] = x[rows of g] @ w[g].
+
+x [M, K] holds the groups' rows back to back (`counts[g]` rows for group g, zeros allowed),
+w [G, K, N] one weight per group. Backends, chosen once per (device type, dtype):
+
+- `npu`: torch_npu's `npu_grouped_matmul` (m-axis groups, one output tensor) forward and for
+  the input gradient; the weight gradients per group (its k-axis grouping is not offered).
+- `torch`: PyTorch's grouped mm (`torch._grouped_mm`, the op behind
+  `torch.nn.functional.grouped_mm`) for the forward and both gradients (its own autograd
+  rejects an expanded, zero-stride gradient), where a tiny probe of this device and dtype
+  runs: the CPU build of torch 2.13 has it for fp32 and bf16, CUDA for bf16 on recent GPUs.
+- `loop`: one `torch.mm` per group written into its rows of a preallocated output, forward
+  and backward (benchmarks/bench_moe.py measures it against the others).
+
+Each call is counted (`moe.grouped_gemm.<backend>`) so tests prove which one ran.
+
+A weight used by several calls in one step (the chunks of the overlapped all-to-all) can
+share a `GradSink`: the first backward to run writes its weight gradient, the others add
+theirs into it inside the matmul (addmm, no extra pass), and only the last one hands the sum
+to autograd, instead of autograd adding one full weight-sized gradient per chunk.
+"""
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from npuspeed import telemetry
+
+BACKENDS = ("npu", "torch", "loop")
+_CHOSEN: dict[tuple[str, torch.dtype], str] = {}
+
+
+def _torch_grouped_mm():
+    return getattr(torch, "_grouped_mm", None)
+
+
+def torch_grouped_mm_runs(device: torch.device, dtype: torch.dtype) -> bool:
+    """Does torch's grouped mm run forward and backward here (with an empty group)?"""
+    fn = _torch_grouped_mm()
+    if fn is None:
+        return False
+    try:
+        x = torch.ones(3, 16, device=device, dtype=dtype)
+        w = torch.ones(2, 16, 16, device=device, dtype=dtype)
+        offs = torch.tensor([0, 3], device=device, dtype=torch.int32)
+        y = fn(x, w, offs=offs)
+        dx = fn(y, w.transpose(-2, -1), offs=offs)
+        dw = fn(x.t(), y, offs=offs)
+        return bool(torch.isfinite(dx).all() and dw[0].abs().sum() == 0 and dw[1].abs().sum() > 0)
+    except Exception:  # not implemented for this device/dtype/architecture
+        return False
+
+
+def backend_for(x: torch.Tensor) -> str:
+    key = (x.device.type, x.dtype)
+    if key not in _CHOSEN:
+        npu = sys.modules.get("torch_npu")
+        if x.device.type == "npu" and npu is not None and hasattr(npu, "npu_grouped_matmul"):
+            _CHOSEN[key] = "npu"
+        elif torch_grouped_mm_runs(x.device, x.dtype):
+            _CHOSEN[key] = "torch"
+        else:
+            _CHOSEN[key] = "loop"
+    return _CHOSEN[key]
+
+
+def _counts(counts) -> list[int]:
+    return [int(c) for c in (counts.tolist() if torch.is_tensor(counts) else counts)]
+
+
+def _check(x, w, counts):
+    if x.dim() != 2 or w.dim() != 3 or x.shape[1] != w.shape[1] or len(counts) != w.shape[0]:
+        raise ValueError(f"grouped_mm: x [M, K], w [G, K, N] and G counts expected, got x {tuple(x.shape)}, "
+                         f"w {tuple(w.shape)}, {len(counts)} counts")
+    if sum(counts) != x.shape[0] or min(counts, default=0) < 0:
+        raise ValueError(f"grouped_mm: counts {counts} must be >= 0 and sum to the {x.shape[0]} rows of x")
+
+
+class GradSink:
+    """The weight gradient of `expected` grouped matmuls of one weight, summed in place."""
+
+    def __init__(self, expected: int):
+        self.expected, self.seen, self.grad = expected, 0, None
+
+    def take(self, x, grad, counts, w, fresh):
+        """This call's weight gradient: added into the sum; the sum once every call gave one."""
+        if self.grad is None:
+            self.grad = fresh()
+        else:
+            for g, (xs, gs) in enumerate(zip(x.split(counts), grad.split(counts))):
+                if xs.shape[0]:
+                    torch.addmm(self.grad[g], xs.t(), gs, out=self.grad[g])
+        self.seen += 1
+        if self.seen < self.expected:
+            return None
+        total, self.grad = self.grad, None
+        return total
+
+
+def _dw(ctx, x, grad, w, fresh):
+    sink = ctx.sink
+    return fresh() if sink is None else sink.take(x, grad, ctx.counts, w, fresh)
+
+
+class _LoopGMM(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, counts, sink):
+        ctx.counts, ctx.sink = counts, sink
+        ctx.save_for_backward(x, w)
+        out = x.new_empty(x.shape[0], w.shape[2])
+        for xs, wg, os_ in zip(x.split(counts), w, out.split(counts)):
+            if xs.shape[0]:
+                torch.mm(xs, wg, out=os_)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w = ctx.saved_tensors
+        grad = grad.contiguous()
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            dx = grad.new_empty(x.shape)
+            for gs, wg, ds in zip(grad.split(ctx.counts), w, dx.split(ctx.counts)):
+                if gs.shape[0]:
+                    torch.mm(gs, wg.t(), out=ds)
+        if ctx.needs_input_grad[1]:
+            dw = _dw(ctx, x, grad, w, lambda: _weight_grads(x, grad, ctx.counts, w))
+        return dx, dw, None, None
+
+
+def _weight_grads(x, grad, counts, w):
+    dw = torch.zeros_like(w)
+    for g, (xs, gs) in enumerate(zip(x.split(counts), grad.split(counts))):
+        if xs.shape[0]:
+            torch.mm(xs.t(), gs, out=dw[g])
+    return dw
+
+
+class _TorchGMM(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, offs, counts, sink):
+        ctx.counts, ctx.sink = counts, sink
+        ctx.save_for_backward(x, w, offs)
+        return _torch_grouped_mm()(x, w, offs=offs)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w, offs = ctx.saved_tensors
+        if x.shape[0] == 0:  # no rows: zero, defined weight gradients
+            dw = _dw(ctx, x, grad, w, lambda: torch.zeros_like(w)) if ctx.needs_input_grad[1] else None
+            return x.new_zeros(x.shape), dw, None, None, None
+        grad = grad.contiguous()
+        fn = _torch_grouped_mm()
+        dx = fn(grad, w.transpose(-2, -1), offs=offs) if ctx.needs_input_grad[0] else None
+        dw = _dw(ctx, x, grad, w, lambda: fn(x.t(), grad, offs=offs)) if ctx.needs_input_grad[1] else None
+        return dx, dw, None, None, None
+
+
+class _NpuGMM(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, counts, sink):
+        ctx.counts, ctx.sink = counts, sink
+        ctx.save_for_backward(x, w)
+        return _npu_gmm(x, w, counts)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w = ctx.saved_tensors
+        grad = grad.contiguous()
+        dx = _npu_gmm(grad, w.transpose(1, 2), ctx.counts) if ctx.needs_input_grad[0] else None
+        dw = _dw(ctx, x, grad, w, lambda: _weight_grads(x, grad, ctx.counts, w)) if ctx.needs_input_grad[1] else None
+        return dx, dw, None, None
+
+
+def _npu_gmm(x, w, counts):
+    npu = sys.modules["torch_npu"]
+    group_list = torch.tensor(counts, dtype=torch.int64, device=x.device)
+    return npu.npu_grouped_matmul([x], [w], group_list=group_list, split_item=3, group_type=0,
+                                  group_list_type=1)[0]
+
+
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts, backend: str | None = None,
+               sink: GradSink | None = None) -> torch.Tensor:
+    """[M, N]: each group's rows of x times its weight; `counts` per group (list or tensor);
+    `sink`: shared with the other calls of this weight in the step (see GradSink)."""
+    counts = _counts(counts)
+    _check(x, w, counts)
+    backend = backend or backend_for(x)
+    if backend not in BACKENDS:
+        raise ValueError(f"grouped_mm: unknown backend {backend!r}; one of {BACKENDS}")
+    telemetry.count(f"moe.grouped_gemm.{backend}")
+    x = x.contiguous()
+    if backend == "torch":
+        offs = torch.tensor(counts, dtype=torch.int64).cumsum(0).to(device=x.device, dtype=torch.int32)
+        return _TorchGMM.apply(x, w, offs, counts, sink)
+    if backend == "npu":
+        return _NpuGMM.apply(x, w, counts, sink)
+    return _LoopGMM.apply(x, w, counts, sink)

@@ -1,0 +1,71 @@
+"""--moe-grouped-gemm as a feature: refuses expert layouts the grouped MLP cannot hold, and
+a model that built SequentialMLP experts anyway; reports which grouped matmul runs."""
+from __future__ import annotations
+
+from npuspeed.features.base import Feature, FeatureError
+from npuspeed.features.moe import grouped_mlp
+from npuspeed.features.moe.layout import Layout, layers_of, needs_experts, needs_release
+
+
+class GroupedGemmFeature(Feature):
+    name = "moe_grouped_gemm"
+    flags = ("--moe-grouped-gemm",)
+
+    def add_arguments(self, group) -> None:
+        group.add_argument("--moe-grouped-gemm", action="store_true",
+                           help="Megatron's flag: experts as one grouped matmul per expert weight (GroupedMLP) on "
+                                "every backend (torch grouped mm on CPU, npu_grouped_matmul on NPU), fp32/bf16.")
+
+    def enabled(self, args) -> bool:
+        return bool(getattr(args, "moe_grouped_gemm", False))
+
+    def validate(self, ctx) -> None:
+        needs_release("--moe-grouped-gemm", grouped_mlp.MEGATRON_RANGE, "GroupedMLP takes the router probabilities")
+        lay = Layout.from_ctx(ctx)
+        if lay.experts is not None and not lay.bias_disabled:
+            raise FeatureError("--moe-grouped-gemm: the grouped expert MLP has no bias; add --disable-bias-linear "
+                               "(or drop --moe-grouped-gemm to keep Megatron's SequentialMLP with biases)")
+        if lay.experts is not None and lay.experts % lay.expert_parallel:
+            raise FeatureError(f"--moe-grouped-gemm: {lay.experts} experts cannot be split over {lay.expert_parallel} "
+                               "expert-parallel ranks; choose --num-experts divisible by --expert-model-parallel-size"
+                               + (" x --tensor-model-parallel-size" if lay.tp_extend_ep else ""))
+        if lay.ffn is not None and lay.ffn % lay.expert_tp:
+            raise FeatureError(f"--moe-grouped-gemm: the expert FFN size {lay.ffn} cannot be split over "
+                               f"{lay.expert_tp} expert tensor-parallel ranks; choose --moe-ffn-hidden-size divisible "
+                               "by it, --expert-tensor-parallel-size 1, or --moe-tp-extend-ep")
+
+    def register_patches(self, registry, ctx) -> None:
+        grouped_mlp.register(registry, self.name)
+
+    def check_built(self, block, ctx) -> str | None:
+        from megatron.core.transformer.moe.experts import GroupedMLP, SequentialMLP
+
+        problem = needs_experts("--moe-grouped-gemm", block)
+        if problem:
+            return problem
+        kinds = {type(layer.experts).__name__ for layer in layers_of(block)}
+        if any(isinstance(layer.experts, SequentialMLP) for layer in layers_of(block)) and not any(
+                isinstance(layer.experts, GroupedMLP) for layer in layers_of(block)):
+            return ("--moe-grouped-gemm: the MoE layers were built with SequentialMLP: build the layer spec with "
+                    f"moe_grouped_gemm=True (get_gpt_layer_local_spec); found {sorted(kinds)}")
+        return None
+
+    def path(self, ctx) -> str:
+        if not self.enabled(ctx.args):
+            return "off"
+        acc = ctx.accelerator
+        if acc.name == "npu":
+            kernel = "torch_npu.npu_grouped_matmul (weight gradients per expert)"
+        else:
+            import torch
+
+            from npuspeed.features.moe.grouped_gemm import torch_grouped_mm_runs
+
+            usable = torch_grouped_mm_runs(acc.device(), torch.float32) if acc.name == "cpu" else None
+            kernel = ("torch._grouped_mm (torch grouped mm) where the device/dtype runs it, else one mm per expert"
+                      if usable is not False else "one mm per expert into one output (no torch grouped mm here)")
+        from npuspeed.ops.moe_swiglu import OP
+        from npuspeed.ops._dispatch import describe
+
+        return (f"Megatron's GroupedMLP with {kernel}; SwiGLU x router prob: {describe(OP) if acc.name == 'cpu' else acc.name}"
+                f"; GroupedMLPs built: {ctx.counters.get('moe.grouped_mlp.built')}")

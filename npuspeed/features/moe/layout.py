@@ -1,0 +1,73 @@
+"""The expert layout the command line asks for, and what each MoE flag needs of it.
+
+Read from Megatron's flags as given (`ctx.megatron`; None = not said: a megatron.core
+script may set it in code, so only contradictions among given flags are refused here, and
+the rest is checked on the built model).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from npuspeed.features.base import FeatureError
+from npuspeed.patching.versions import in_range, megatron_version
+
+
+@dataclass
+class Layout:
+    experts: int | None
+    tp: int
+    ep: int
+    #: expert tensor-parallel size as given (None: Megatron's default, the TP size)
+    etp: int | None
+    tp_extend_ep: bool
+    ffn: int | None
+    dispatcher: str | None
+    bias_disabled: bool
+
+    @classmethod
+    def from_ctx(cls, ctx) -> "Layout":
+        m = ctx.megatron
+        return cls(
+            experts=getattr(m, "num_experts", None),
+            tp=getattr(m, "tensor_model_parallel_size", None) or 1,
+            ep=getattr(m, "expert_model_parallel_size", None) or 1,
+            etp=getattr(m, "expert_tensor_parallel_size", None),
+            tp_extend_ep=bool(getattr(ctx.args, "moe_tp_extend_ep", False)),
+            ffn=getattr(m, "moe_ffn_hidden_size", None) or getattr(m, "ffn_hidden_size", None),
+            dispatcher=getattr(m, "moe_token_dispatcher_type", None),
+            bias_disabled=bool(getattr(m, "disable_bias_linear", None)),
+        )
+
+    @property
+    def expert_parallel(self) -> int:
+        """Ranks the experts are spread over."""
+        return self.ep * self.tp if self.tp_extend_ep else self.ep
+
+    @property
+    def expert_tp(self) -> int:
+        """Ranks each expert's weights are split over."""
+        if self.tp_extend_ep:
+            return 1
+        return self.etp if self.etp is not None else self.tp
+
+
+def layers_of(block):
+    """The MoE layers (those with a token dispatcher) of a built TransformerBlock."""
+    return [layer.mlp for layer in getattr(block, "layers", ()) if hasattr(getattr(layer, "mlp", None),
+                                                                         "token_dispatcher")]
+
+
+def needs_experts(flag: str, block) -> str | None:
+    """A model without experts gives the flag nothing to do (a pipeline stage may still hold
+    only dense layers of a MoE model: that is fine)."""
+    if not getattr(getattr(block, "config", None), "num_moe_experts", None):
+        return f"{flag}: the model has no experts (needs --num-experts with a MoE layer spec)"
+    return None
+
+
+def needs_release(flag: str, spec: str, why: str) -> None:
+    """A flag whose patches are written for releases `spec` refuses others at start-up
+    (a skipped patch would leave the flag doing nothing)."""
+    if not in_range(spec):
+        raise FeatureError(f"{flag} needs megatron-core {spec} ({why}); this is {megatron_version()}: upgrade "
+                           "megatron-core or drop the flag")

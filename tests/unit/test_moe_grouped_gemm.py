@@ -1,0 +1,140 @@
+"""--moe-grouped-gemm: the grouped matmul backends against one mm per expert, and Megatron's
+GroupedMLP (patched) against SequentialMLP holding the same weights, fp32 and bf16, with an
+expert that gets no tokens; the counters prove the grouped GEMM ran."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from npuspeed import telemetry
+from npuspeed.features.moe.grouped_gemm import backend_for, grouped_mm
+
+
+def _per_expert(x, w, counts):
+    return torch.cat([a @ b for a, b in zip(x.split(counts), w)]) if x.shape[0] else x.new_zeros(0, w.shape[2])
+
+
+@pytest.mark.parametrize("backend", ["torch", "loop"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("counts", [[5, 0, 17, 10], [0, 0, 0, 0], [3, 1, 0, 0]])
+def test_grouped_mm_forward_backward(backend, dtype, counts):
+    if backend == "torch" and backend_for(torch.empty(0, dtype=dtype)) != "torch":
+        pytest.skip("no torch grouped mm for this CPU dtype")
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(sum(counts), 24, generator=gen).to(dtype).requires_grad_()
+    w = torch.randn(4, 24, 40, generator=gen).to(dtype).requires_grad_()
+    x_ref, w_ref = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    before = telemetry.get(f"moe.grouped_gemm.{backend}")
+    y = grouped_mm(x, w, counts, backend=backend)
+    assert telemetry.get(f"moe.grouped_gemm.{backend}") == before + 1
+    y_ref = _per_expert(x_ref, w_ref, counts)
+    g = torch.randn(y.shape, generator=gen).to(dtype)
+    (y * g).sum().backward()
+    (y_ref * g).sum().backward() if y_ref.requires_grad else None
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=5e-2, rtol=2e-2)
+    torch.testing.assert_close(y, y_ref.detach(), **tol)
+    torch.testing.assert_close(x.grad, x_ref.grad if x_ref.grad is not None else torch.zeros_like(x), **tol)
+    w_ref_grad = w_ref.grad if w_ref.grad is not None else torch.zeros_like(w)
+    torch.testing.assert_close(w.grad, w_ref_grad, **tol)
+    for e, n in enumerate(counts):
+        if n == 0:
+            assert torch.count_nonzero(w.grad[e]) == 0  # an expert without tokens: zero, defined gradient
+
+
+def test_grouped_mm_rejects_bad_counts():
+    with pytest.raises(ValueError, match="sum to the 4 rows"):
+        grouped_mm(torch.zeros(4, 3), torch.zeros(2, 3, 5), [1, 2])
+
+
+def test_cpu_backend_is_torch_grouped_mm():
+    """torch 2.13's CPU build has grouped mm for fp32 and bf16: the fallback is not what runs."""
+    assert hasattr(torch, "_grouped_mm")
+    assert backend_for(torch.empty(0)) == "torch"
+    assert backend_for(torch.empty(0, dtype=torch.bfloat16)) == "torch"
+
+
+def _mlp_pair(dtype, swiglu: bool):
+    """SequentialMLP and (patched) GroupedMLP of 4 experts holding the same weights."""
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.mlp import MLPSubmodules
+    from megatron.core.transformer.moe.experts import GroupedMLP, SequentialMLP
+    from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+    config = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=4, ffn_hidden_size=24,
+                               moe_ffn_hidden_size=24, num_moe_experts=4, add_bias_linear=False,
+                               gated_linear_unit=swiglu, activation_func=F.silu if swiglu else F.gelu,
+                               bias_activation_fusion=False, use_cpu_initialization=True,
+                               params_dtype=dtype, bf16=dtype == torch.bfloat16)
+    pg = get_default_pg_collection()
+    seq = SequentialMLP(4, config, MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
+                        pg_collection=pg)
+    grouped = GroupedMLP(4, config, pg_collection=pg)
+    with torch.no_grad():
+        w1 = grouped.weight1.view(4, 16, -1)
+        w2 = grouped.weight2.view(4, -1, 16)
+        for e, expert in enumerate(seq.local_experts):
+            w1[e].copy_(expert.linear_fc1.weight.t())
+            w2[e].copy_(expert.linear_fc2.weight.t())
+    return seq, grouped
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("swiglu", [True, False])
+def test_grouped_mlp_matches_sequential_mlp(megatron_mp, with_features, dtype, swiglu):
+    counts = torch.tensor([6, 0, 11, 3])  # expert 1 gets no tokens
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(20, 16, generator=gen).to(dtype)
+    probs = torch.rand(20, generator=gen)
+    with with_features(["--moe-grouped-gemm"]):
+        seq, grouped = _mlp_pair(dtype, swiglu)
+        before = telemetry.snapshot("moe.grouped_gemm")
+        results = []
+        for module in (seq, grouped):
+            xi, pi = x.clone().requires_grad_(), probs.clone().requires_grad_()
+            out, bias = module(xi, counts, pi)
+            assert bias is None
+            out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(2)).to(dtype))
+            results.append((out.detach(), xi.grad, pi.grad))
+        assert sum(telemetry.since(before, "moe.grouped_gemm").values()) == 2  # fc1 and fc2
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=6e-2, rtol=3e-2)
+    for a, b in zip(*results):
+        torch.testing.assert_close(a.float(), b.float(), **tol)
+    w1_grad = grouped.weight1.grad.view(4, 16, -1)
+    w2_grad = grouped.weight2.grad.view(4, -1, 16)
+    for e, expert in enumerate(seq.local_experts):
+        torch.testing.assert_close(w1_grad[e].t().float(), expert.linear_fc1.weight.grad.float(), **tol)
+        torch.testing.assert_close(w2_grad[e].t().float(), expert.linear_fc2.weight.grad.float(), **tol)
+    assert torch.count_nonzero(w1_grad[1]) == 0 and torch.count_nonzero(w2_grad[1]) == 0
+
+
+def test_grouped_mlp_with_no_tokens_keeps_gradients(megatron_mp, with_features):
+    with with_features(["--moe-grouped-gemm"]):
+        _, grouped = _mlp_pair(torch.float32, True)
+        x = torch.zeros(0, 16, requires_grad=True)
+        out, _ = grouped(x, torch.zeros(4, dtype=torch.long), torch.zeros(0, requires_grad=True))
+        out.sum().backward()
+    assert out.shape == (0, 16)
+    assert grouped.weight1.grad is not None and torch.count_nonzero(grouped.weight1.grad) == 0
+
+
+@pytest.mark.parametrize("backend", ["torch", "loop"])
+def test_calls_sharing_a_grad_sink_hand_autograd_one_summed_gradient(backend):
+    """Three chunks of one weight (one with no rows): the gradient autograd gets is the sum,
+    handed over once, equal to that of the unchunked call."""
+    from npuspeed.features.moe.grouped_gemm import GradSink
+
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(3, 8, 12, generator=gen, requires_grad=True)
+    chunks = [([2, 0, 3], torch.randn(5, 8, generator=gen)), ([0, 0, 0], torch.zeros(0, 8)),
+              ([1, 4, 2], torch.randn(7, 8, generator=gen))]
+    seen = []
+    w.register_hook(lambda g: seen.append(g.clone()))
+    sink = GradSink(len(chunks))
+    total = sum((grouped_mm(x, w, counts, backend=backend, sink=sink) ** 2).sum() for counts, x in chunks)
+    total.backward()
+    assert len(seen) == 1 and sink.grad is None and sink.seen == 3
+    w_ref = w.detach().clone().requires_grad_()
+    sum((grouped_mm(x, w_ref, counts, backend=backend) ** 2).sum() for counts, x in chunks).backward()
+    torch.testing.assert_close(w.grad, w_ref.grad, atol=1e-5, rtol=1e-5)
