@@ -13,18 +13,15 @@ from __future__ import annotations
 
 import argparse
 import csv
-import json
-import os
-import socket
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-EXAMPLE = ROOT / "examples" / "pretrain_gpt.py"
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tools"))
+import launch  # noqa: E402  (tools/launch.py: the one launcher of the tests and benchmarks)
 
 BASE = ["--use-cpu-initialization", "--log-interval", "1", "--num-layers", "4", "--hidden-size", "256",
         "--num-attention-heads", "4", "--seq-length", "256", "--micro-batch-size", "2"]
@@ -33,6 +30,7 @@ LLAMA = ["--normalization", "RMSNorm", "--swiglu", "--position-embedding-type", 
          "--untie-embeddings-and-output-weights", "--ffn-hidden-size", "704"]
 FUSED = ["--use-fused-rmsnorm", "--use-fused-swiglu", "--use-fused-rotary-pos-emb"]
 NODROP = ["--attention-dropout", "0"]
+MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--disable-bias-linear"]
 
 # (name, ranks, extra flags)
 CONFIGS = [
@@ -67,29 +65,39 @@ CONFIGS = [
     ("pp2 dp2 distopt bf16 m2", 4, ["--pipeline-model-parallel-size", "2", "--use-distributed-optimizer",
                                     "--bf16", "--global-batch-size", "8"]),
     ("seq 512 mbs 4 fp32", 1, ["--seq-length", "512", "--micro-batch-size", "4"]),
+    ("cp2 ring fp32", 2, ["--use-flash-attn", "--context-parallel-size", "2"]),
+    ("cp2 ulysses bf16", 2, ["--use-flash-attn", "--context-parallel-size", "2", "--context-parallel-algo",
+                             "ulysses_cp_algo", "--bf16"]),
+    ("cp2 ring llama bf16 distopt seq 512", 2, LLAMA + ["--use-flash-attn", "--context-parallel-size", "2", "--bf16",
+                                                        "--use-distributed-optimizer", "--seq-length", "512"]),
+    ("cp4 hybrid bf16", 4, ["--use-flash-attn", "--context-parallel-size", "4", "--context-parallel-algo",
+                            "hybrid_cp_algo", "--ulysses-degree-in-cp", "2", "--bf16"]),
+    ("moe4 top2 fp32", 1, MOE),
+    ("moe4 ep2 fp32", 2, MOE + ["--expert-model-parallel-size", "2"]),
+    ("moe4 ep2 bf16 swiglu grouped-gemm", 2, MOE + ["--expert-model-parallel-size", "2", "--swiglu", "--bf16",
+                                                    "--moe-grouped-gemm"]),
+    ("moe4 ep2 bf16 distopt fused-permute", 2, MOE + ["--expert-model-parallel-size", "2", "--bf16",
+                                                      "--use-distributed-optimizer",
+                                                      "--use-fused-moe-token-permute-and-unpermute"]),
+    ("moe4 tp2 sp tp-extend-ep bf16", 2, MOE + ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                                "--moe-tp-extend-ep", "--bf16"]),
+    ("moe4 ep2 a2a-overlap grouped-gemm swiglu bf16", 2, MOE + ["--expert-model-parallel-size", "2", "--swiglu",
+                                                                "--moe-grouped-gemm", "--moe-alltoall-overlap-comm",
+                                                                "--bf16"]),
+    ("cp2 tp2 sp ring bf16", 4, ["--use-flash-attn", "--context-parallel-size", "2", "--tensor-model-parallel-size",
+                                 "2", "--sequence-parallel", "--bf16"]),
 ]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_example(argv: list[str], nproc: int, iters: int, env: dict | None = None, timeout: int = 900) -> dict:
+    """The example under torchrun through tools/launch.py (the launcher the tests share); a
+    failed run is a result with its log, so one bad configuration does not end the table."""
     with tempfile.TemporaryDirectory() as tmp:
-        summary = Path(tmp) / "s.json"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-               "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(EXAMPLE),
-               *argv, "--train-iters", str(iters), "--summary-json", str(summary)]
-        run_env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", **(env or {}))
-        proc = subprocess.run(cmd, cwd=ROOT, env=run_env, capture_output=True, text=True, timeout=timeout)
-        log = proc.stdout + proc.stderr
-        if proc.returncode != 0 or not summary.exists():
-            return {"failed": True, "returncode": proc.returncode, "log": log[-4000:]}
-        out = json.loads(summary.read_text())
-        out["log"] = log
-        return out
+        try:
+            return launch.run_example([*argv, "--train-iters", str(iters)], Path(tmp), nproc=nproc, env=env,
+                                      timeout=timeout)
+        except AssertionError as exc:
+            return {"failed": True, "log": str(exc)[-4000:]}
 
 
 def predict(argv: list[str], nproc: int, profile=None):

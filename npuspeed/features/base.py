@@ -31,6 +31,11 @@ class PlanEffect:
     kernels: dict = field(default_factory=dict)
     #: parallel dimension ("tp", "dp", "pp", "cp", "ep") -> fraction of its time hidden
     overlap: dict = field(default_factory=dict)
+    #: settings of the variants it names (npuspeed/plan/ops.py OPTIONS, e.g. {"cp_ulysses": 2})
+    options: dict = field(default_factory=dict)
+    #: parallel dimension -> bytes one rank sends per layer and micro-batch, forward and backward
+    #: (replaces the planner's own estimate for that dimension)
+    comm_per_layer: dict = field(default_factory=dict)
     #: one line for the plan: what it removes or costs
     summary: str = ""
 

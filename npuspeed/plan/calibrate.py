@@ -1,23 +1,29 @@
-"""`npuspeed plan --calibrate`: time a few ops of the model's shapes here, store a profile.
+"""`npuspeed plan --calibrate`: time this model's real modules on this machine, store a profile.
 
-What speed.py prices a step with: GEMM rates (forward + both backward products) at the
-linear shapes of every tensor-parallel size that could run the model on the given devices,
-the attention core per kernel at the model's (b, heads, s, d), element-wise work per byte,
-the framework's per-op cost, AdamW per parameter and a gloo all-reduce's latency and
-bandwidth between two processes. Threads default to one per rank, as torchrun's ranks run.
+Bare ops miss what dominates a small model's step (Megatron's Python per module) and what a
+tensor-parallel step waits for (the other rank, inside each collective). So the calibration
+spawns the world this host runs (its ranks, one thread each as torchrun's) and times
+Megatron-Core's own TransformerLayer, embedding and loss in every parallel group shape the
+plan or the search can use (calib_worker.py), the optimizer step and the world's
+collectives; plus the attention kernels alone (so a plan with another attention kernel
+than the calibrated one is priced by the difference). speed.py scales these by layers,
+micro-batches, the pipeline schedule and DP. About ten seconds a group shape here; the
+profile is reused by every plan and search of this model shape on this machine.
 """
 from __future__ import annotations
 
 import json
 import os
+import socket
 import time
+from dataclasses import replace
 
 import torch
 
 from npuspeed.plan.dims import dims
-from npuspeed.plan.spec import RunSpec, replace_layout
+from npuspeed.plan.spec import RunSpec, layout_problems, replace_layout
 
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2
 
 
 def _time(fn, repeats: int = 5, warmup: int = 1) -> float:
@@ -34,36 +40,6 @@ def _time(fn, repeats: int = 5, warmup: int = 1) -> float:
 
 def _dtype(name: str):
     return torch.float32 if name == "fp32" else torch.bfloat16
-
-
-def gemm_rate(m: int, k: int, n: int, dtype) -> list:
-    x = torch.randn(m, k, dtype=dtype)
-    w = torch.randn(n, k, dtype=dtype)
-    g = torch.randn(m, n, dtype=dtype)
-
-    def run():
-        x @ w.t()
-        g @ w
-        g.t() @ x
-
-    t = _time(run)
-    flops = 6.0 * m * k * n
-    return [m, k, n, flops, flops / t]
-
-
-def _linear_shapes(spec: RunSpec, tps: list[int]) -> set:
-    shapes = set()
-    for tp in tps:
-        for sp in (False, True):
-            try:
-                d = dims(replace_layout(spec, tp=tp, sp=sp and tp > 1))
-            except ZeroDivisionError:
-                continue
-            qkv = (d.heads + 2 * d.groups) * d.head_dim
-            shapes |= {(d.tokens, d.hidden, qkv), (d.tokens, d.heads * d.head_dim, d.hidden),
-                       (d.tokens, d.hidden, d.ffn * d.glu), (d.tokens, d.ffn, d.hidden),
-                       (d.tokens, d.hidden, d.vocab)}
-    return shapes
 
 
 def _attention_unfused(b, h, s, d, dtype, p):
@@ -86,18 +62,19 @@ def _attention_sdpa(b, h, s, d, dtype, p, flash: bool):
     q = torch.randn(b, h, s, d, dtype=dtype, requires_grad=True)
     k = torch.randn(b, h, s, d, dtype=dtype, requires_grad=True)
     v = torch.randn(b, h, s, d, dtype=dtype, requires_grad=True)
-    use_npuspeed = False
-    if flash and dtype == torch.bfloat16:
+    kernel = None
+    if flash:
         from npuspeed.ops import flash_attention as cpu_flash
 
-        use_npuspeed = cpu_flash.machine_reason() is None and d % 16 == 0
+        bf16_ok = dtype == torch.bfloat16 and cpu_flash.machine_reason() is None and d % 16 == 0
+        fp32_ok = dtype == torch.float32 and cpu_flash.fp32_reason() is None
+        if bf16_ok or fp32_ok:
+            kernel = cpu_flash
 
     def run():
-        if use_npuspeed:
-            from npuspeed.ops import flash_attention as cpu_flash
-
-            out = cpu_flash.flash_attention(q.permute(2, 0, 1, 3), k.permute(2, 0, 1, 3), v.permute(2, 0, 1, 3),
-                                            scale=d ** -0.5, causal=True)
+        if kernel is not None:
+            out = kernel.flash_attention(q.permute(2, 0, 1, 3), k.permute(2, 0, 1, 3), v.permute(2, 0, 1, 3),
+                                         scale=d ** -0.5, causal=True)
         else:
             out = torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
         out.float().sum().backward()
@@ -114,94 +91,124 @@ def _elementwise(tokens: int, hidden: int, dtype) -> float:
         y = torch.nn.functional.dropout(y, p=0.1) + x
         y.float().sum().backward()
 
-    t = _time(run)
-    return t / (6 * tokens * hidden * x.element_size())
+    return _time(run) / (6 * tokens * hidden * x.element_size())
 
 
-def _op_overhead() -> float:
-    x = torch.ones(4, requires_grad=True)
-
-    def run():
-        y = x
-        for _ in range(100):
-            y = y * 1.0001
-        y.sum().backward()
-
-    return _time(run, repeats=5) / 200
-
-
-def _adam_per_param() -> float:
-    p = torch.nn.Parameter(torch.randn(1 << 21))
-    p.grad = torch.randn(1 << 21)
-    opt = torch.optim.AdamW([p], lr=1e-3)
-    opt.step()
-    return _time(opt.step) / p.numel()
+def kernels(spec: RunSpec, threads: int) -> dict:
+    """Attention kernels alone at this model's (b, heads, s, d), per element of b x heads x s x s x d."""
+    torch.set_num_threads(threads)
+    d = dims(spec)
+    p = spec.model.attention_dropout
+    name = "fp32" if spec.batch.dtype == "fp32" else "bf16"
+    dt = _dtype(name)
+    unit = d.batch * d.heads * d.seq * d.seq * d.head_dim
+    attention = {name: {
+        "unfused": _attention_unfused(d.batch, d.heads, d.seq, d.head_dim, dt, p) / unit,
+        "flash": _attention_sdpa(d.batch, d.heads, d.seq, d.head_dim, dt, 0.0, True) / unit,
+        "sdpa_math": _attention_sdpa(d.batch, d.heads, d.seq, d.head_dim, dt, max(p, 0.1), False) / unit,
+    }}
+    return {"attention": attention, "elementwise_s_per_byte": {name: _elementwise(d.tokens, d.hidden, dt)}}
 
 
-def _collective_worker(rank: int, port: int, queue) -> None:
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    out = []
-    for n in (1 << 10, 1 << 16, 1 << 20, 1 << 22):
-        t = torch.ones(n // 4)
-        dist.all_reduce(t)
-        out.append((n, _time(lambda: dist.all_reduce(t), repeats=5)))
-    if rank == 0:
-        queue.put(out)
-    dist.destroy_process_group()
+def group_key(tp: int, sp: bool, cp: int = 1, ep: int = 1) -> str:
+    return f"tp{tp}{'-sp' if sp else ''}-cp{cp}-ep{ep}"
 
 
-def collective() -> dict:
-    import socket
+def calibration_world(spec: RunSpec) -> int:
+    """Ranks the calibration runs at once: this host's ranks of the run (at most 8)."""
+    per_node = spec.extra.get("nproc_per_node") or spec.devices
+    return max(1, min(per_node, spec.devices, 8))
+
+
+def groups(spec: RunSpec, world: int) -> dict:
+    """Group shapes to time: the run's own, and every TP size (with and without SP) that
+    --search could choose within the calibration world."""
+    lay = spec.layout
+    out = {}
+
+    def add(tp, sp, cp, ep):
+        cand = replace_layout(spec, tp=tp, sp=sp, cp=cp, ep=ep, pp=1, vpp=None, world=world)
+        cand = replace(cand, devices=world, batch=replace(spec.batch, global_batch=None))
+        if not layout_problems(cand):
+            out[group_key(tp, sp, cp, ep)] = {"tp": tp, "sp": sp, "cp": cp, "ep": ep}
+
+    add(lay.tp, lay.sp, lay.cp, lay.ep)
+    for tp in range(1, world + 1):
+        if world % tp == 0:
+            for sp in ((False, True) if tp > 1 else (False,)):
+                add(tp, sp, 1, lay.ep)
+    return out
+
+
+def points(spec: RunSpec, g: dict) -> list[tuple[int, int]]:
+    """(micro-batch, sequence) to time: the run's, and half its tokens where that still splits."""
+    b, s = spec.batch.micro_batch, spec.model.seq_length
+    split = (g["tp"] if g["sp"] else 1) * (2 * g["cp"] if g["cp"] > 1 else 1)
+    if b >= 2:
+        return [(b, s), (b // 2, s)]
+    if (s // 2) % split == 0 and s >= 32:
+        return [(b, s), (b, s // 2)]
+    return [(b, s)]
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_world(spec: RunSpec, argv: list[str], threads: int, timeout: float = 900.0) -> dict:
+    import queue as queue_mod
 
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from npuspeed.plan import calib_worker
+
+    world = calibration_world(spec)
+    gs = groups(spec, world)
+    job = {"spec": spec, "argv": [a for a in argv if not a.startswith("--npuspeed-device")], "threads": threads,
+           "groups": gs, "points": {k: points(spec, g) for k, g in gs.items()}, "optimizer": True}
     ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_collective_worker, args=(r, port, queue)) for r in range(2)]
+    q = ctx.Queue()
+    port = _port()
+    procs = [ctx.Process(target=calib_worker.main, args=(r, world, port, job, q)) for r in range(world)]
     for p in procs:
         p.start()
-    points = queue.get(timeout=300)
-    for p in procs:
-        p.join(timeout=60)
-    # all-reduce of n bytes on 2 ranks sends n bytes per rank: fit t = latency + n / bandwidth
-    (n0, t0), (n1, t1) = points[0], points[-1]
-    bw = (n1 - n0) / max(t1 - t0, 1e-9)
-    return {"latency_s": max(t0 - n0 / bw, 1e-6), "bytes_per_s": bw, "points": points}
+    try:
+        result = q.get(timeout=timeout)
+    except queue_mod.Empty:
+        result = {"error": f"calibration did not finish in {timeout:.0f} s"}
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    if "error" in result:
+        raise RuntimeError(f"npuspeed plan --calibrate failed: {result['error']}")
+    return result
 
 
-def calibrate(spec: RunSpec, threads: int = 1, with_collective: bool = True) -> dict:
-    torch.set_num_threads(threads)
-    tps = [t for t in range(1, spec.devices + 1) if spec.model.heads % t == 0 and spec.devices % t == 0]
-    dtypes = sorted({"fp32", "bf16" if spec.batch.dtype != "fp32" else "fp32"})
-    gemm = {}
-    for name in dtypes:
-        gemm[name] = [gemm_rate(m, k, n, _dtype(name)) for m, k, n in sorted(_linear_shapes(spec, tps))]
-    d = dims(spec)
-    p = spec.model.attention_dropout
-    attention = {}
-    for name in dtypes:
-        dt = _dtype(name)
-        unit = d.batch * d.heads * d.seq * d.seq * d.head_dim
-        attention[name] = {
-            "unfused": _attention_unfused(d.batch, d.heads, d.seq, d.head_dim, dt, p) / unit,
-            "flash": _attention_sdpa(d.batch, d.heads, d.seq, d.head_dim, dt, 0.0, True) / unit,
-            "sdpa_math": _attention_sdpa(d.batch, d.heads, d.seq, d.head_dim, dt, max(p, 0.1), False) / unit,
-        }
+def calibrate(spec: RunSpec, argv: list[str] | None = None, threads: int = 1) -> dict:
+    from npuspeed.plan import effects as effects_mod
+    from npuspeed.plan.planner import context_for
+
+    argv = list(argv or [])
+    t0 = time.perf_counter()
+    measured = run_world(spec, argv, threads)
+    ctx, features = context_for(argv)
+    eff = effects_mod.collect(spec, ctx, features)
     profile = {
         "version": PROFILE_VERSION, "threads": threads,
         "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
-        "torch": torch.__version__, "gemm": gemm, "attention": attention,
-        "elementwise_s_per_byte": {name: _elementwise(d.tokens, d.hidden, _dtype(name)) for name in dtypes},
-        "op_overhead_s": _op_overhead(), "adam_s_per_param": _adam_per_param(),
-        "collective": collective() if with_collective else {"latency_s": 1e-4, "bytes_per_s": 1e9},
-        "model": {"hidden": spec.model.hidden, "seq": spec.model.seq_length, "mbs": spec.batch.micro_batch},
+        "torch": torch.__version__, "world": measured["world"], "groups": measured["groups"],
+        "optimizer": measured["optimizer"], "collective": measured["collective"],
+        # what the timed layers ran: a plan with other variants is priced by the kernel difference
+        "variants": dict(eff.variants), "recompute_granularity": spec.model.recompute_granularity,
+        "model": {"hidden": spec.model.hidden, "seq": spec.model.seq_length, "mbs": spec.batch.micro_batch,
+                  "dtype": spec.batch.dtype, "layers": spec.model.num_layers},
+        **kernels(spec, threads),
     }
+    profile["seconds"] = time.perf_counter() - t0
     return profile
 
 

@@ -12,8 +12,9 @@ USAGE = """npuspeed plan [training flags] --nproc-per-node N [--nnodes M] [--dev
 
 Predicts, per rank, the memory and step time of a training run given by its flags (Megatron-LM's
 model/parallel/batch flags and npuspeed's feature flags, or --script a Megatron-LM launch script).
-  --calibrate     time a few ops of this model's shapes on this machine; write the profile to
-                  --profile (default plan_profile.json)
+  --calibrate     time this model's Megatron layer, embedding, loss, optimizer step and
+                  collectives in each parallel group shape on this machine (the ranks of one
+                  node at once); write the profile to --profile (default plan_profile.json)
   --search        enumerate layouts and feature sets for the devices, drop those predicted not to
                   fit --device-memory-gb, rank by predicted tokens/s, print the top --top as flags
   --json          machine-readable: {"peak_mem_bytes", "step_ms", "breakdown", ...}
@@ -47,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
             from npuspeed.plan.calibrate import calibrate, write
 
             path = ns.profile or "plan_profile.json"
-            write(calibrate(spec, threads=own.threads), path)
+            write(calibrate(spec, rest, threads=own.threads), path)
             print(f"npuspeed plan: profile written to {path} (use --profile {path})")
             return 0
         profile = load_profile(ns.profile) if ns.profile else None

@@ -7,8 +7,8 @@
 - PP: each micro-batch's activation sent forward and its gradient back, per chunk boundary.
 - DP: the fp32 gradient buffer all-reduced once a step (reduce-scatter + parameter
   all-gather with the distributed optimizer: the same volume).
-- CP: K and V of every layer passed around the ring, forward and backward (when landed).
-- EP: routed tokens all-to-all, twice per MoE layer and direction (when landed).
+- CP, EP: what the feature running them states in its plan effect (PlanEffect.comm_per_layer:
+  the ring's K/V and dK/dV, Ulysses' all-to-alls; the MoE dispatch and combine all-to-alls).
 """
 from __future__ import annotations
 
@@ -39,10 +39,18 @@ def volume(spec: RunSpec, effects=None) -> dict:
         grads = max(sum(buffer_numel(spec, chunk_params(spec, r, c)) for c in range(lay.chunks))
                     for r in range(lay.pp)) * 4
         out["dp"] = 2 * _ring(lay.dp) * grads
-    if lay.cp > 1:
-        kv = 2 * d.tokens * d.groups * d.head_dim * d.act
-        out["cp"] = 2 * _ring(lay.cp) * lay.cp * kv * layers * mbs
-    if m.num_experts and lay.ep > 1:
-        routed = d.tokens * m.moe_topk * d.hidden * d.act
-        out["ep"] = 2 * 2 * _ring(lay.ep) * routed * layers * mbs
+    if lay.dp * lay.cp > 1 and lay.cp > 1:  # gradients reduce over DP x CP
+        grads = max(sum(buffer_numel(spec, chunk_params(spec, r, c)) for c in range(lay.chunks))
+                    for r in range(lay.pp)) * 4
+        out["dp"] = 2 * _ring(lay.dp * lay.cp) * grads
+    # EP: Megatron's all-to-all dispatcher; CP (and anything a feature changes): the plan effect
+    per_layer_comm = {}
+    if m.num_experts:
+        from npuspeed.plan import ops_moe
+        from npuspeed.plan.spec import expert_layout
+
+        per_layer_comm.update(ops_moe.comm_per_layer(d, m, expert_layout(spec, getattr(effects, "options", None))[0]))
+    per_layer_comm.update(getattr(effects, "comm_per_layer", None) or {})
+    for dim, per_layer in per_layer_comm.items():
+        out[dim] = per_layer * layers * mbs
     return out

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from npuspeed.plan.ops import VARIANTS
+from npuspeed.plan.ops import OPTIONS, VARIANTS
 
 
 class PlanEffectError(RuntimeError):
@@ -23,6 +23,8 @@ class Effects:
     master_bytes: float | None = None
     kernels: dict = field(default_factory=dict)
     overlap: dict = field(default_factory=dict)
+    options: dict = field(default_factory=dict)
+    comm_per_layer: dict = field(default_factory=dict)
     #: (feature name, summary) of every enabled feature with an effect
     summaries: list = field(default_factory=list)
     features: list = field(default_factory=list)
@@ -46,9 +48,12 @@ def check(name: str, effect) -> None:
         if kind not in KERNELS or kernel not in KERNELS[kind]:
             raise PlanEffectError(f"feature {name}: kernel {kind}={kernel!r} is not one the planner "
                                   f"calibrates ({KERNELS})")
-    for dim in effect.overlap:
+    for dim in (*effect.overlap, *effect.comm_per_layer):
         if dim not in ("tp", "dp", "pp", "cp", "ep"):
-            raise PlanEffectError(f"feature {name}: overlap of unknown dimension {dim!r}")
+            raise PlanEffectError(f"feature {name}: overlap or communication of unknown dimension {dim!r}")
+    for key in effect.options:
+        if key not in OPTIONS:
+            raise PlanEffectError(f"feature {name}: plan option {key!r} is not one the planner reads ({OPTIONS})")
 
 
 def collect(spec, ctx, features) -> Effects:
@@ -79,6 +84,9 @@ def collect(spec, ctx, features) -> Effects:
         if effect.master_bytes_per_param is not None:
             out.master_bytes = effect.master_bytes_per_param
         out.kernels.update(effect.kernels)
+        out.options.update(effect.options)
+        for dim, nbytes in effect.comm_per_layer.items():
+            out.comm_per_layer[dim] = out.comm_per_layer.get(dim, 0.0) + nbytes
         for dim, frac in effect.overlap.items():
             out.overlap[dim] = max(out.overlap.get(dim, 0.0), frac)
         if effect.summary:

@@ -43,6 +43,10 @@ def _megatron(p: argparse.ArgumentParser) -> None:
     add("--num-experts", type=int)
     add("--moe-router-topk", type=int, default=2)
     add("--moe-ffn-hidden-size", type=int)
+    add("--moe-token-dispatcher-type", default="alltoall")
+    add("--moe-expert-capacity-factor", type=float)
+    add("--moe-shared-expert-intermediate-size", type=int)
+    add("--expert-tensor-parallel-size", type=int)
     add("--recompute-granularity", choices=["full", "selective"])
     add("--recompute-method", choices=["uniform", "block"])
     add("--recompute-num-layers", type=int)
@@ -145,6 +149,15 @@ def parse(argv: list[str]) -> tuple[RunSpec, argparse.Namespace, list[str]]:
                     overlap_grad_reduce=ns.overlap_grad_reduce)
     batch = Batch(micro_batch=ns.micro_batch_size, global_batch=ns.global_batch_size,
                   dtype="bf16" if ns.bf16 else "fp16" if ns.fp16 else "fp32")
+    if ns.num_experts:
+        for given, what in ((ns.moe_token_dispatcher_type != "alltoall", f"--moe-token-dispatcher-type "
+                             f"{ns.moe_token_dispatcher_type} (the planner models the all-to-all dispatcher)"),
+                            (ns.moe_expert_capacity_factor is not None, "--moe-expert-capacity-factor (token dropping)"),
+                            (ns.moe_shared_expert_intermediate_size is not None, "--moe-shared-expert-intermediate-size"),
+                            (ns.expert_tensor_parallel_size not in (None, ns.tensor_model_parallel_size),
+                             "--expert-tensor-parallel-size other than TP")):
+            if given:
+                problems.append(f"not modeled: {what}; drop it to plan the rest")
     mem = int(ns.device_memory_gb * 2**30) if ns.device_memory_gb else None
     spec = RunSpec(model=model, layout=layout, batch=batch, feature_argv=tuple(rest), devices=devices,
                    device_memory_bytes=mem, extra={"problems": problems, "nproc_per_node": nproc})

@@ -16,7 +16,7 @@ from npuspeed.plan import ops, schedule
 from npuspeed.plan.dims import dims
 from npuspeed.plan.graph import Graph, Op, replay
 from npuspeed.plan.params import static_memory
-from npuspeed.plan.spec import RunSpec
+from npuspeed.plan.spec import RunSpec, expert_layout
 
 
 @dataclass
@@ -40,13 +40,13 @@ class RankMemory:
         return {k: v for k, v in self.__dict__.items()}
 
 
-def _checkpointed(g: Graph, d, m, x: str, first: int, count: int, variants, rc_layers) -> str:
+def _checkpointed(g: Graph, d, m, x: str, first: int, count: int, variants, rc_layers, opts=None) -> str:
     """Megatron's full recompute of `count` layers: only the input is kept; backward reruns them."""
     inner = Graph()
     inner.add(Op("ck.in", (), {"ck.x": d.h()}))
     y = "ck.x"
     for i in range(first, first + count):
-        y = ops.layer_ops(inner, d, m, y, i, variants, i in rc_layers)
+        y = ops.layer_ops(inner, d, m, y, i, variants, i in rc_layers, opts)
     r = replay(inner, output_grad=d.h())
     out = f"ck{first}.out"
     g.add(Op(f"ck{first}", (x,), {out: d.h()}, saves=(x,), fwd_temp=r.fwd_peak,
@@ -63,23 +63,26 @@ def chunk_graph(spec: RunSpec, effects, pp_rank: int, chunk: int) -> Graph:
     x = ops.embedding_ops(g, d, m) if first else ops.recv_ops(g, d)
     n = spec.layers_per_chunk()
     variants = dict(effects.variants)
+    ep, etp, _ = expert_layout(spec, effects.options)
+    opts = {"moe_ep": ep, "moe_etp": etp, **effects.options}
     if m.recompute_granularity == "selective":
-        variants["core_attention"] = "recompute" if variants.get("core_attention") != "flash" else "flash"
+        core = variants.get("core_attention", "unfused")
+        variants["core_attention"] = core if core in ("flash", "cp") else "recompute"
     rc_layers = effects.layers_for("mlp_activation", n)
     if m.recompute_granularity == "full":
         k = m.recompute_num_layers or 1
         if m.recompute_method == "block":
             for i in range(n):
-                x = (_checkpointed(g, d, m, x, i, 1, variants, rc_layers) if i < k
-                     else ops.layer_ops(g, d, m, x, i, variants, i in rc_layers))
+                x = (_checkpointed(g, d, m, x, i, 1, variants, rc_layers, opts) if i < k
+                     else ops.layer_ops(g, d, m, x, i, variants, i in rc_layers, opts))
         else:
             i = 0
             while i < n:
-                x = _checkpointed(g, d, m, x, i, min(k, n - i), variants, rc_layers)
+                x = _checkpointed(g, d, m, x, i, min(k, n - i), variants, rc_layers, opts)
                 i += k
     else:
         for i in range(n):
-            x = ops.layer_ops(g, d, m, x, i, variants, i in rc_layers)
+            x = ops.layer_ops(g, d, m, x, i, variants, i in rc_layers, opts)
     if last:
         ops.head_ops(g, d, m, x, variants)
     else:
@@ -91,9 +94,10 @@ def persistent_buffers(spec: RunSpec, effects) -> int:
     d = dims(spec)
     mpu = d.h(d.tokens) if d.sp else 0
     core = effects.variants.get("core_attention", "unfused")
-    if core in ("unfused", "recompute") or spec.model.recompute_granularity == "selective" and core != "flash":
+    if core in ("unfused", "recompute") or spec.model.recompute_granularity == "selective" and core not in (
+            "flash", "cp"):
         mpu = max(mpu, d.scores * d.act)
-    mask = d.seq * d.seq if core != "flash" else 0
+    mask = d.seq * d.seq if core not in ("flash", "cp") else 0
     rope = d.seq * d.head_dim * 4 if spec.model.position_embedding == "rope" else 0
     return mpu + mask + rope
 
@@ -109,8 +113,8 @@ def rank_memory(spec: RunSpec, effects, pp_rank: int) -> RankMemory:
         replays.append(r)
         for k, v in r.by_term.items():
             terms[k] = max(terms.get(k, 0), v)
-    static = static_memory(spec, pp_rank, effects.master_bytes)
-    step_static = static_memory(spec, pp_rank, None)
+    static = static_memory(spec, pp_rank, effects.master_bytes, effects.options)
+    step_static = static_memory(spec, pp_rank, None, effects.options)
     buffers = persistent_buffers(spec, effects)
     held = top = count = top_count = 0
     for kind, chunk in schedule.events(lay.pp, pp_rank, lay.chunks, spec.batch.num_microbatches(lay.dp)):

@@ -22,12 +22,14 @@ from npuspeed.plan.graph import Graph, Op
 
 #: op-graph slots and the variants this module knows; a feature's PlanEffect names these
 VARIANTS = {
-    "core_attention": ("unfused", "flash", "sdpa_math", "recompute"),
+    "core_attention": ("unfused", "flash", "sdpa_math", "recompute", "cp"),
     "norm": ("torch", "fused"),
     "glu": ("unfused", "fused"),
     "rope": ("unfused", "fused"),
     "mlp_activation": ("keep", "recompute"),
 }
+#: settings a PlanEffect may give with its variants (PlanEffect.options)
+OPTIONS = ("cp_ulysses", "cp_ring", "moe_ep", "moe_etp", "moe_grouped", "moe_chunks")
 
 
 def _norm(g: Graph, d: Dims, x: str, out: str, kind: str, variant: str, term: str) -> None:
@@ -125,8 +127,10 @@ def _attention_core(g, d: Dims, q: str, k: str, v: str, out: str, p: float, vari
     g.add(Op(f"{out}.ctx", (f"{out}.c",), {out: ctx_bytes}))
 
 
-def layer_ops(g: Graph, d: Dims, m, x: str, i: int, variants: dict, recompute_activation: bool) -> str:
+def layer_ops(g: Graph, d: Dims, m, x: str, i: int, variants: dict, recompute_activation: bool,
+              options: dict | None = None) -> str:
     """One transformer layer on input `x`; returns its output's name."""
+    options = options or {}
     L = f"l{i}"
     a = d.act
     norm_v = variants.get("norm", "torch")
@@ -148,10 +152,21 @@ def layer_ops(g: Graph, d: Dims, m, x: str, i: int, variants: dict, recompute_ac
     if np_ != ng and core in ("unfused", "sdpa_math", "recompute"):
         g.add(Op(f"{L}.expand", (k, v), {f"{L}.ke": q_b, f"{L}.ve": q_b}))
         k, v = f"{L}.ke", f"{L}.ve"
-    _attention_core(g, d, q, k, v, f"{L}.ctx", m.attention_dropout, core)
+    if core == "cp":
+        from npuspeed.plan import ops_cp
+
+        ops_cp.attention(g, d, q, k, v, f"{L}.ctx", options.get("cp_ulysses", 1), options.get("cp_ring", 1))
+    else:
+        _attention_core(g, d, q, k, v, f"{L}.ctx", m.attention_dropout, core)
     _row(g, d, f"{L}.ctx", f"{L}.proj", np_ * hn, "proj")
     _bda(g, d, f"{L}.proj", x, f"{L}.x1", m.hidden_dropout, m.bias, "dropout")
     _norm(g, d, f"{L}.x1", f"{L}.n2", m.normalization, norm_v, "norm")
+    if m.num_experts:
+        from npuspeed.plan import ops_moe
+
+        ops_moe.moe_mlp(g, d, m, f"{L}.n2", f"{L}.fc2", options)
+        _bda(g, d, f"{L}.fc2", f"{L}.x1", f"{L}.out", m.hidden_dropout, False, "dropout")
+        return f"{L}.out"
     width = d.ffn * d.glu
     _column(g, d, f"{L}.n2", f"{L}.fc1", width, False, "mlp")
     h1 = f"{L}.fc1"

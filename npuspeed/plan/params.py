@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from npuspeed.plan.spec import RunSpec, ceil_div, lcm
+from npuspeed.plan.spec import RunSpec, ceil_div, expert_layout, lcm
 
 
 @dataclass
@@ -26,10 +26,16 @@ class ChunkParams:
     head: int = 0
     shared_embedding: int = 0  # the last stage's copy of a tied embedding (own bucket)
     sizes: list = field(default_factory=list)  # every tensor's element count (for padding and the step)
+    experts: int = 0  # this rank's expert weights (their own DDP buffer, expert-data-parallel)
+    expert_sizes: list = field(default_factory=list)
+
+    @property
+    def dense(self) -> int:
+        return self.layers + self.embedding + self.head + self.shared_embedding
 
     @property
     def total(self) -> int:
-        return self.layers + self.embedding + self.head + self.shared_embedding
+        return self.dense + self.experts
 
 
 def layer_param_sizes(spec: RunSpec) -> list[int]:
@@ -41,18 +47,37 @@ def layer_param_sizes(spec: RunSpec) -> list[int]:
     norm = [h, h] if m.normalization == "LayerNorm" else [h]
     sizes = list(norm) + [h * qkv] + ([qkv] if m.bias else [])
     sizes += [np_ * hn * h] + ([h] if m.bias else [])
+    if m.num_experts:  # the MoE layer's router (replicated); its experts are expert_param_sizes
+        return sizes + list(norm) + [m.num_experts * h]
     sizes += list(norm) + [h * ffn * m.glu] + ([ffn * m.glu] if m.bias else [])
     sizes += [ffn * h] + ([h] if m.bias else [])
     return sizes
 
 
-def chunk_params(spec: RunSpec, pp_rank: int, chunk: int) -> ChunkParams:
+def expert_param_sizes(spec: RunSpec, options: dict | None = None) -> list[int]:
+    """One MoE layer's expert weights on this rank: per local expert fc1 and fc2 (SequentialMLP),
+    or two grouped weights of all local experts (GroupedMLP, --moe-grouped-gemm)."""
+    m = spec.model
+    if not m.num_experts:
+        return []
+    ep, etp, _ = expert_layout(spec, options)
+    local, ffn = m.num_experts // ep, m.moe_ffn // etp
+    w1, w2 = m.hidden * ffn * m.glu, ffn * m.hidden
+    if (options or {}).get("moe_grouped"):
+        return [local * w1, local * w2]
+    one = [w1] + ([ffn * m.glu] if m.bias else []) + [w2] + ([m.hidden] if m.bias else [])
+    return one * local
+
+
+def chunk_params(spec: RunSpec, pp_rank: int, chunk: int, options: dict | None = None) -> ChunkParams:
     m, lay = spec.model, spec.layout
     out = ChunkParams()
     per_layer = layer_param_sizes(spec)
     n_layers = spec.layers_per_chunk()
     out.sizes = per_layer * n_layers
     out.layers = sum(per_layer) * n_layers
+    out.expert_sizes = expert_param_sizes(spec, options) * n_layers
+    out.experts = sum(out.expert_sizes)
     vocab = m.padded_vocab(lay.tp) // lay.tp
     first = pp_rank == 0 and chunk == 0
     last = pp_rank == lay.pp - 1 and chunk == lay.chunks - 1
@@ -74,18 +99,25 @@ def chunk_params(spec: RunSpec, pp_rank: int, chunk: int) -> ChunkParams:
     return out
 
 
-def buffer_numel(spec: RunSpec, cp: ChunkParams) -> int:
-    """Elements of the chunk's DDP buffer (padded as Megatron pads it under the distributed optimizer)."""
-    if not spec.layout.distributed_optimizer:
-        return cp.total
-    dp = spec.layout.dp
+def _padded(sizes, dp: int) -> int:
     bucket = lcm(dp, 128)
     numel = 0
-    for n in cp.sizes:
+    for n in sizes:
         numel = ceil_div(numel, 64) * 64 + n
-    numel = ceil_div(numel, bucket) * bucket
+    return ceil_div(numel, bucket) * bucket
+
+
+def buffer_numel(spec: RunSpec, cp: ChunkParams, options: dict | None = None) -> int:
+    """Elements of the chunk's DDP buffers (padded as Megatron pads them under the distributed
+    optimizer): the dense one, the shared embedding's bucket, the experts' own."""
+    if not spec.layout.distributed_optimizer:
+        return cp.total
+    dp = spec.layout.dp_cp
+    numel = _padded(cp.sizes, dp)
     if cp.shared_embedding:
-        numel += ceil_div(cp.shared_embedding, bucket) * bucket
+        numel += _padded([cp.shared_embedding], dp)
+    if cp.expert_sizes:
+        numel += _padded(cp.expert_sizes, expert_layout(spec, options)[2])
     return numel
 
 
@@ -103,7 +135,8 @@ class StaticMemory:
         return self.params + self.grads + self.masters + self.optimizer
 
 
-def static_memory(spec: RunSpec, pp_rank: int, master_bytes: float | None = None) -> StaticMemory:
+def static_memory(spec: RunSpec, pp_rank: int, master_bytes: float | None = None,
+                  options: dict | None = None) -> StaticMemory:
     """Static bytes on a rank of pipeline stage `pp_rank` (its model chunks together).
 
     `master_bytes`: bytes per parameter the fp32 master keeps between steps (None: 4, a full
@@ -111,19 +144,20 @@ def static_memory(spec: RunSpec, pp_rank: int, master_bytes: float | None = None
     lay, batch = spec.layout, spec.batch
     p_bytes = 4 if batch.dtype == "fp32" else 2
     mixed = batch.dtype != "fp32"
-    dp = lay.dp
+    dp = lay.dp_cp
     out = StaticMemory()
     largest = 0
+    edp = expert_layout(spec, options)[2]
     for chunk in range(lay.chunks):
-        cp = chunk_params(spec, pp_rank, chunk)
-        buf = buffer_numel(spec, cp)
+        cp = chunk_params(spec, pp_rank, chunk, options)
+        buf = buffer_numel(spec, cp, options)
         out.params += (buf if lay.distributed_optimizer else cp.total) * p_bytes
         out.grads += buf * 4
-        owned = ceil_div(cp.total, dp) if lay.distributed_optimizer else cp.total
+        owned = ceil_div(cp.dense, dp) + ceil_div(cp.experts, edp) if lay.distributed_optimizer else cp.total
         if mixed:
             out.masters += int(owned * (4 if master_bytes is None else master_bytes))
         out.optimizer += owned * 8
-        biggest = max(cp.sizes + [cp.shared_embedding])
+        biggest = max(cp.sizes + cp.expert_sizes + [cp.shared_embedding])
         largest = max(largest, min(biggest, ceil_div(buf, dp)) if lay.distributed_optimizer else biggest)
     # AdamW's single-tensor loop: three fp32 tensors of the largest (shard of a) parameter
     out.step_temp = 3 * largest * 4

@@ -103,6 +103,8 @@ def plan_spec(spec: RunSpec, argv: list[str], profile=None, with_removes: bool =
         result.speed = speed.step_time(spec, result.effects, profile, result.comm)
     if with_removes:
         for name in result.effects.features:
+            if name == "context_parallel":
+                continue  # a layout, not a memory feature: the plan at CP 1 is another layout
             without = [a for a in argv if a not in _flags_of(features, name)]
             other = effects_mod.collect(spec, context_for(without)[0], features)
             result.removes[name] = max(r.peak for r in memory.predict(spec, other)) - result.peak
@@ -112,10 +114,7 @@ def plan_spec(spec: RunSpec, argv: list[str], profile=None, with_removes: bool =
 def _not_modeled(spec: RunSpec, effects) -> list[str]:
     """What this planner cannot predict yet, said instead of a wrong number."""
     out = []
-    if spec.model.num_experts:
-        out.append("not modeled: MoE layers (--num-experts); the planner predicts dense models until the MoE "
-                   "feature states its plan effect (npuspeed/features/moe)")
-    if spec.layout.cp > 1 and "context_parallel" not in effects.features:
+    if spec.layout.cp > 1 and effects.variants.get("core_attention") != "cp":
         out.append(f"--context-parallel-size {spec.layout.cp} needs a context-parallel attention: Megatron-Core's "
                    "local DotProductAttention has none (npuspeed's context parallelism feature provides it)")
     return out

@@ -66,6 +66,11 @@ class Layout:
         return max(self.world // max(self.tp * self.pp * self.cp, 1), 1)
 
     @property
+    def dp_cp(self) -> int:
+        """Ranks a gradient is reduced over and the distributed optimizer shards over (DP x CP)."""
+        return self.dp * max(self.cp, 1)
+
+    @property
     def chunks(self) -> int:
         return self.vpp or 1
 
@@ -202,3 +207,14 @@ def lcm(*values: int) -> int:
 def replace_layout(spec: RunSpec, **changes) -> RunSpec:
     """`spec` with some Layout fields changed (world kept unless given)."""
     return replace(spec, layout=replace(spec.layout, **changes))
+
+
+def expert_layout(spec: RunSpec, options: dict | None = None) -> tuple[int, int, int]:
+    """(EP, expert TP, expert DP) of a MoE run: Megatron's defaults (EP as given, expert TP =
+    TP, expert DP = world / (PP x EP x expert TP)) unless a feature's plan options say otherwise
+    (--moe-tp-extend-ep: EP x TP ranks, expert TP 1)."""
+    opts = options or {}
+    lay = spec.layout
+    ep = int(opts.get("moe_ep", lay.ep))
+    etp = int(opts.get("moe_etp", lay.tp))
+    return ep, etp, max(lay.world // max(lay.pp * ep * etp, 1), 1)

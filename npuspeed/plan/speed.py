@@ -1,22 +1,25 @@
-"""Predicted step time: the FLOPs and bytes of a step priced by a calibration profile.
+"""Predicted step time from a calibration profile of this model's real modules (calibrate.py).
 
-The profile (`npuspeed plan --calibrate`, calibrate.py) holds what this machine achieved at
-the model's own shapes: GEMM rates by size (forward + both backward products), attention
-time per b x heads x s x s x d element for each kernel, element-wise time per activation
-byte, per-op framework overhead, AdamW time per parameter, and the collective's latency
-and bandwidth. A rank's step is its micro-batches' compute (forward + backward of its
-layers, the embedding and the loss), stretched by the pipeline bubble, plus the
-communication no feature hides, plus the optimizer step. Ranks that share cores (more ranks
-than cores, as on a CPU host) divide them.
+The profile holds, per parallel group shape (TP, SP, CP, EP), the forward and backward time
+of one Megatron TransformerLayer, of the embedding and of the output layer with the loss,
+measured inside a real group of ranks (so TP/CP/EP collectives, the waits for the other
+rank and the framework's Python per module are in them), at two token counts: a fixed part
+per call and a part per token, with the attention kernel's quadratic part priced apart. A
+plan whose attention kernel or recompute differs from the calibrated one is priced by the
+difference (kernel times alone; the recomputed forward). A step is then: every pipeline
+rank's micro-batches in Megatron's order (1F1B / interleaved, simulated with the
+point-to-point hop between stages: the bubble follows), Megatron's finalize_model_grads
+(the DP all-reduce or reduce-scatter), and the optimizer step, both fitted per parameter.
+Fused norm/SwiGLU/RoPE kernels are priced as the calibrated ones (no per-kernel table).
 """
 from __future__ import annotations
 
 import json
-import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from npuspeed.plan import schedule
 from npuspeed.plan.dims import dims
-from npuspeed.plan.params import chunk_params
+from npuspeed.plan.params import buffer_numel, chunk_params
 from npuspeed.plan.spec import RunSpec
 
 #: op kind -> the kernels the calibration times (a feature's PlanEffect.kernels names these)
@@ -26,9 +29,6 @@ KERNELS = {
     "glu": ("unfused", "fused"),
     "rope": ("unfused", "fused"),
 }
-
-#: autograd ops per transformer layer, forward + backward (the framework's per-op cost)
-OPS_PER_LAYER = 70
 
 
 @dataclass
@@ -40,6 +40,10 @@ class StepTime:
     comm_ms: dict
     optimizer_ms: float
     flops_per_step: float
+    #: forward and backward of one layer, one micro-batch (ms), and the group shape priced
+    layer_ms: tuple = (0.0, 0.0)
+    group: str = ""
+    notes: tuple = ()
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -48,35 +52,123 @@ class StepTime:
 def load_profile(path: str) -> dict:
     with open(path) as fh:
         profile = json.load(fh)
-    if "gemm" not in profile or "version" not in profile:
-        raise ValueError(f"{path} is not an `npuspeed plan --calibrate` profile")
+    if profile.get("version") != 2 or "groups" not in profile:
+        raise ValueError(f"{path} is not an `npuspeed plan --calibrate` profile of this version (2): calibrate again")
     return profile
 
 
-def _dtype(spec: RunSpec) -> str:
+def _dt(spec: RunSpec) -> str:
     return "fp32" if spec.batch.dtype == "fp32" else "bf16"
 
 
-def gemm_seconds(profile: dict, dtype: str, m: int, k: int, n: int) -> float:
-    """Forward + backward of [m, k] x [k, n]: 3 products, at the rate measured nearest in size."""
-    flops = 6.0 * m * k * n
-    table = profile["gemm"].get(dtype) or profile["gemm"]["fp32"]
-    for row in table:
-        if tuple(row[:3]) == (m, k, n):
-            return flops / row[4]
-    pts = sorted((float(row[3]), float(row[4])) for row in table)
-    lf = math.log(flops)
-    if lf <= math.log(pts[0][0]):
-        rate = pts[0][1]
-    elif lf >= math.log(pts[-1][0]):
-        rate = pts[-1][1]
-    else:
-        for (f0, r0), (f1, r1) in zip(pts, pts[1:]):
-            if math.log(f0) <= lf <= math.log(f1):
-                t = (lf - math.log(f0)) / (math.log(f1) - math.log(f0))
-                rate = r0 + t * (r1 - r0)
-                break
-    return flops / rate
+def _attention_s(profile, spec, kernel: str, b: int, s: int) -> float:
+    d = dims(spec)
+    table = profile["attention"].get(_dt(spec)) or next(iter(profile["attention"].values()))
+    return table.get(kernel, table["unfused"]) * b * d.heads * s * s * d.head_dim
+
+
+def _fit(points, values, extra) -> tuple[float, float]:
+    """(fixed s, s per token) through the measured points, `extra(b, s)` taken out first."""
+    ts = [b * s for b, s in points]
+    vs = [v - extra(b, s) for (b, s), v in zip(points, values)]
+    if len(ts) >= 2 and ts[0] != ts[1]:
+        per = (vs[0] - vs[1]) / (ts[0] - ts[1])
+        fixed = vs[0] - per * ts[0]
+        if per > 0 and fixed >= 0:
+            return fixed, per
+    return 0.0, max(vs[0], 0.0) / ts[0]
+
+
+class GroupTimes:
+    """Forward/backward seconds of a layer, the embedding and the head at one (b, s) for a
+    group shape of the profile."""
+
+    def __init__(self, profile: dict, spec: RunSpec, key: str, kernel0: str):
+        g = profile["groups"][key]
+        self.points = [tuple(p) for p in g["tokens"]]
+        cp = spec.layout.cp
+        attn = (lambda share: (lambda b, s: share * _attention_s(profile, spec, kernel0, b, s))) if cp == 1 else (
+            lambda share: (lambda b, s: 0.0))
+        self.fits = {}
+        for part in ("layer", "pre", "full"):
+            for i, name in enumerate(("f", "b")):
+                values = [row[i] for row in g[part]]
+                share = (1 / 3 if name == "f" else 2 / 3) if part == "layer" else 0.0
+                self.fits[(part, name)] = _fit(self.points, values, attn(share))
+        self.attn = attn
+
+    def at(self, part: str, which: str, b: int, s: int) -> float:
+        fixed, per = self.fits[(part, which)]
+        share = (1 / 3 if which == "f" else 2 / 3) if part == "layer" else 0.0
+        return fixed + per * b * s + self.attn(share)(b, s)
+
+
+def _recompute_extra(spec: RunSpec, kernel: str, layer_f: float, attn_f: float) -> float:
+    """Backward seconds a layer spends redoing forward work (Megatron's recompute)."""
+    m = spec.model
+    if m.recompute_granularity == "full":
+        return layer_f
+    if m.recompute_granularity == "selective" and kernel != "flash":
+        return attn_f
+    return 0.0
+
+
+def layer_seconds(profile: dict, spec: RunSpec, effects) -> tuple[float, float, float, float, float, float, str, list]:
+    """(layer f, layer b, embedding f, embedding b, head f, head b) at this run's micro-batch."""
+    from npuspeed.plan.calibrate import group_key
+
+    lay, m = spec.layout, spec.model
+    notes = []
+    key = group_key(lay.tp, lay.sp, lay.cp, lay.ep)
+    scale = 1.0
+    if key not in profile["groups"]:
+        fallback = group_key(1, False, 1, lay.ep) if group_key(1, False, 1, lay.ep) in profile["groups"] else next(
+            iter(profile["groups"]))
+        notes.append(f"group {key} not calibrated: priced from {fallback} / (TP x CP) (calibrate with these flags)")
+        key, scale = fallback, 1.0 / (lay.tp * lay.cp)
+    kernel0 = profile.get("variants", {}).get("core_attention", "unfused")
+    kernel = (effects.variants.get("core_attention", "unfused") if effects else "unfused")
+    g = GroupTimes(profile, spec, key, kernel0)
+    b, s = spec.batch.micro_batch, m.seq_length // lay.cp
+    lf, lb = g.at("layer", "f", b, s) * scale, g.at("layer", "b", b, s) * scale
+    pre_f, pre_b = g.at("pre", "f", b, s) * scale, g.at("pre", "b", b, s) * scale
+    full_f, full_b = g.at("full", "f", b, s) * scale, g.at("full", "b", b, s) * scale
+    emb = (max(pre_f - lf, 0.0), max(pre_b - lb, 0.0))
+    head = (max(full_f - pre_f, 0.0), max(full_b - pre_b, 0.0))
+    if lay.cp == 1 and kernel != kernel0:
+        d_attn = _attention_s(profile, spec, kernel, b, s) - _attention_s(profile, spec, kernel0, b, s)
+        lf, lb = lf + d_attn / 3, lb + 2 * d_attn / 3
+        notes.append(f"attention kernel {kernel} priced against the calibrated {kernel0} by the kernels alone")
+    # recompute: the calibrated layer already holds its own; add the difference
+    attn_f = _attention_s(profile, spec, kernel, b, s) / 3
+    calibrated = replace(spec, model=replace(m, recompute_granularity=profile.get("recompute_granularity")))
+    extra = _recompute_extra(spec, kernel, lf, attn_f) - _recompute_extra(calibrated, kernel, lf, attn_f)
+    if m.recompute_granularity == "full" and m.recompute_method == "block" and m.recompute_num_layers:
+        extra *= min(m.recompute_num_layers, spec.layers_per_chunk()) / max(spec.layers_per_chunk(), 1)
+    lb += extra
+    if effects is not None:
+        ew = profile["elementwise_s_per_byte"].get(_dt(spec)) or next(iter(profile["elementwise_s_per_byte"].values()))
+        d = dims(spec)
+        act = ew * 2 * d.tokens * d.ffn * d.glu * d.act  # the activation's forward again
+        planned = "mlp_activation" in effects.variants and effects.variants["mlp_activation"] != "keep"
+        was = profile.get("variants", {}).get("mlp_activation", "keep") != "keep"
+        lb += act * (int(planned) - int(was))
+    return lf, lb, emb[0], emb[1], head[0], head[1], key, notes
+
+
+def _line(points, nbytes: float) -> float:
+    """Seconds for `nbytes` through two measured [bytes, seconds] points (latency + bandwidth)."""
+    (n0, t0), (n1, t1) = points[0], points[-1]
+    per = max((t1 - t0) / max(n1 - n0, 1), 0.0)
+    return max(t0 - per * n0, 0.0) + per * nbytes
+
+
+def _per_param(points, params: float, col: int) -> float:
+    """Fixed + per-parameter fit through [params, grad bytes, finalize s, step s] rows."""
+    (p0, *r0), (p1, *r1) = points[0], points[-1]
+    t0, t1 = r0[col], r1[col]
+    per = max((t1 - t0) / max(p1 - p0, 1), 0.0)
+    return max(t0 - per * p0, 0.0) + per * params
 
 
 def layer_flops(spec: RunSpec) -> float:
@@ -87,75 +179,49 @@ def layer_flops(spec: RunSpec) -> float:
     return 6.0 * mm + 3.0 * attn
 
 
-def _layer_seconds(spec: RunSpec, effects, profile: dict) -> float:
-    d = dims(spec)
-    dt = _dtype(spec)
-    qkv = (d.heads + 2 * d.groups) * d.head_dim
-    t = gemm_seconds(profile, dt, d.tokens, d.hidden, qkv)
-    t += gemm_seconds(profile, dt, d.tokens, d.heads * d.head_dim, d.hidden)
-    t += gemm_seconds(profile, dt, d.tokens, d.hidden, d.ffn * d.glu)
-    t += gemm_seconds(profile, dt, d.tokens, d.ffn, d.hidden)
-    kernel = effects.kernels.get("attention", "unfused") if effects else "unfused"
-    if spec.model.recompute_granularity == "selective" and kernel == "unfused":
-        kernel_factor = 4.0 / 3.0  # the S x S forward runs twice
-    else:
-        kernel_factor = 1.0
-    attn = profile["attention"].get(dt, profile["attention"]["fp32"])
-    per = attn.get(kernel, attn["unfused"])
-    t += kernel_factor * per * d.batch * d.heads * d.seq * d.seq * d.head_dim
-    # element-wise work: norms, dropouts, adds, activation: bytes of [tokens, h] and [tokens, ffn]
-    ew = profile["elementwise_s_per_byte"].get(dt, profile["elementwise_s_per_byte"]["fp32"])
-    t += ew * (12 * d.tokens_sp * d.hidden + 4 * d.tokens * d.ffn * d.glu) * d.act
-    t += OPS_PER_LAYER * profile["op_overhead_s"]
-    if spec.model.recompute_granularity == "full":
-        t *= 4.0 / 3.0  # the forward runs again in backward
-    return t
-
-
-def _head_seconds(spec: RunSpec, profile: dict) -> float:
-    d = dims(spec)
-    dt = _dtype(spec)
-    t = gemm_seconds(profile, dt, d.tokens, d.hidden, d.vocab)
-    ew = profile["elementwise_s_per_byte"].get(dt, profile["elementwise_s_per_byte"]["fp32"])
-    return t + ew * 6 * d.tokens * d.vocab * 4 + 30 * profile["op_overhead_s"]
-
-
-def _collective_seconds(profile: dict, nbytes: float, calls: int) -> float:
-    c = profile["collective"]
-    return calls * c["latency_s"] + nbytes / c["bytes_per_s"]
-
-
 def step_time(spec: RunSpec, effects, profile: dict, volume: dict) -> StepTime:
     lay = spec.layout
     d = dims(spec)
     mbs = spec.batch.num_microbatches(lay.dp)
-    layers_per_rank = spec.model.num_layers // lay.pp
-    per_mb = layers_per_rank * _layer_seconds(spec, effects, profile)
-    per_mb_last = per_mb + _head_seconds(spec, profile)
-    compute = mbs * per_mb_last
-    if lay.pp > 1:
-        stage = per_mb_last / lay.chunks
-        bubble = (lay.pp - 1) * stage
-    else:
-        bubble = 0.0
-    overlap = getattr(effects, "overlap", {}) if effects else {}
-    comm = {}
-    calls = {"tp": 8 * layers_per_rank * mbs + 6 * mbs, "pp": 2 * lay.chunks * mbs, "dp": 2 * lay.chunks,
-             "cp": 4 * layers_per_rank * mbs, "ep": 4 * layers_per_rank * mbs}
-    for dim, nbytes in volume.items():
-        if nbytes:
-            comm[dim] = _collective_seconds(profile, nbytes, calls[dim]) * (1.0 - overlap.get(dim, 0.0))
+    lf, lb, ef, eb, hf, hb, key, notes = layer_seconds(profile, spec, effects)
+    key = key if key in profile["groups"] else next(iter(profile["groups"]))
+    n = spec.layers_per_chunk()
+    sched = profile["groups"][key].get("schedule", 0.0)  # Megatron's schedule, per micro-batch and chunk
+    fwd = [[sched + n * lf + (ef if r == 0 and c == 0 else 0.0) + (hf if r == lay.pp - 1 and c == lay.chunks - 1 else 0.0)
+            for c in range(lay.chunks)] for r in range(lay.pp)]
+    bwd = [[n * lb + (eb if r == 0 and c == 0 else 0.0) + (hb if r == lay.pp - 1 and c == lay.chunks - 1 else 0.0)
+            for c in range(lay.chunks)] for r in range(lay.pp)]
+    coll = profile["collective"]
+    hop = _line(coll["p2p"], d.h()) if lay.pp > 1 and coll.get("p2p") else 0.0
+    pipeline = schedule.simulate(lay.pp, lay.chunks, mbs, fwd, bwd, hop)
+    busiest = max(sum(f + b for f, b in zip(fr, br)) * mbs for fr, br in zip(fwd, bwd))
+    # finalize_model_grads and the optimizer step, on the rank with the most parameters
     params = max(sum(chunk_params(spec, r, c).total for c in range(lay.chunks)) for r in range(lay.pp))
-    owned = params / lay.dp if lay.distributed_optimizer else params
-    optimizer = owned * profile["adam_s_per_param"] + params * profile.get("grad_pass_s_per_param", 0.0)
-    total = compute + bubble + sum(comm.values()) + optimizer + profile.get("step_overhead_s", 0.0)
-    # ranks sharing a host's cores share them (a CPU host runs every rank on the same cores)
-    per_node = min(lay.world, spec.extra.get("nproc_per_node") or lay.world)
-    threads = profile.get("threads", 1)
-    share = max(1.0, per_node * threads / max(profile.get("cores", per_node * threads), 1))
-    total *= share
+    grad_bytes = max(sum(buffer_numel(spec, chunk_params(spec, r, c)) for c in range(lay.chunks))
+                     for r in range(lay.pp)) * 4
+    opt = profile["optimizer"]["distributed" if lay.distributed_optimizer and lay.dp * lay.cp > 1 else "plain"]
+    pts = opt["points"]
+    dp_group = lay.dp * lay.cp
+    finalize = _per_param(pts, params, 1)
+    comm = {}
+    if dp_group > 1:
+        world = profile.get("world", 2)
+        ring = (dp_group - 1) / dp_group / max((world - 1) / world, 1e-9)
+        comm["dp"] = finalize * ring
+    else:  # no data-parallel reduction: what finalize does besides it (measured with one, so a bound)
+        comm["dp"] = 0.0
+    if lay.pp > 1:
+        comm["pp"] = hop * 2 * lay.chunks * mbs
+        if spec.model.tied_embeddings:
+            vocab = spec.model.padded_vocab(lay.tp) // lay.tp
+            comm["pp"] += _line(coll["all_reduce"], vocab * spec.model.hidden * 4)
+    optimizer = _per_param(pts, params, 2)
+    total = pipeline + comm["dp"] + (comm.get("pp", 0.0) - hop * 2 * lay.chunks * mbs if lay.pp > 1 else 0.0) \
+        + optimizer
     tokens = spec.batch.global_size(lay.dp) * spec.model.seq_length
-    flops = (layer_flops(spec) * spec.model.num_layers + 6.0 * d.tokens * d.hidden * d.vocab) * mbs * lay.dp * lay.tp
-    return StepTime(step_ms=total * 1e3, tokens_per_s=tokens / total, compute_ms=compute * share * 1e3,
-                    bubble_ms=bubble * share * 1e3, comm_ms={k: v * share * 1e3 for k, v in comm.items()},
-                    optimizer_ms=optimizer * share * 1e3, flops_per_step=flops)
+    flops = (layer_flops(spec) * spec.model.num_layers + 6.0 * d.tokens * d.hidden * d.vocab) * mbs * lay.dp * lay.tp \
+        * lay.cp
+    return StepTime(step_ms=total * 1e3, tokens_per_s=tokens / total, compute_ms=busiest * 1e3,
+                    bubble_ms=max(pipeline - busiest, 0.0) * 1e3, comm_ms={k: v * 1e3 for k, v in comm.items()},
+                    optimizer_ms=optimizer * 1e3, flops_per_step=flops, layer_ms=(lf * 1e3, lb * 1e3), group=key,
+                    notes=tuple(notes))

@@ -86,6 +86,26 @@ class ContextParallelFeature(Feature):
                     "npuspeed's CP (a Transformer Engine spec has TE's own CP): use --transformer-impl local")
         return None
 
+    def plan_effect(self, model, ctx):
+        """Per rank S/CP tokens (the planner splits the sequence); the core attention is the
+        CP algorithm's (ops_cp.py): what it saves and holds in flight, and what it sends."""
+        from npuspeed.features.base import PlanEffect
+        from npuspeed.plan import ops_cp
+        from npuspeed.plan.dims import dims
+
+        size = model.layout.cp
+        if size < 2:
+            return None
+        cp = CPLayout.make(ctx.args.context_parallel_algo or "megatron_cp_algo", size, ctx.args.ulysses_degree_in_cp)
+        what = {"ring": f"K/V blocks around a ring of {cp.ring}",
+                "ulysses": f"all-to-all over {cp.ulysses} ranks (heads for tokens)",
+                "hybrid": f"Ulysses all-to-all in groups of {cp.ulysses}, ring of {cp.ring} across them"}[cp.short]
+        return PlanEffect(
+            variants={"core_attention": "cp"}, kernels={"attention": "flash"},
+            options={"cp_ulysses": cp.ulysses, "cp_ring": cp.ring},
+            comm_per_layer=ops_cp.comm_per_layer(dims(model), cp.ulysses, cp.ring),
+            summary=f"activations of S/{size} tokens per rank; {cp.algo}: {what}; no S x S tensors")
+
     def path(self, ctx) -> str:
         cp = self.layout(ctx.args)
         what = {"ring": "ring attention: K/V blocks around the CP group (isend/irecv overlapped with each "

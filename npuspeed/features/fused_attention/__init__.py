@@ -124,6 +124,8 @@ class FusedAttentionFeature(Feature):
     def plan_effect(self, model, ctx):
         from npuspeed.features.base import PlanEffect
 
+        if model.layout.cp > 1:
+            return None  # every call goes to context parallelism, whose plan effect states it
         flash = PlanEffect(
             variants={"core_attention": "flash"}, kernels={"attention": "flash"},
             summary="no S x S tensors: the score buffer, softmax, dropout mask and dropped probabilities "

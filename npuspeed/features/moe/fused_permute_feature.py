@@ -42,6 +42,16 @@ class FusedPermuteFeature(Feature):
     def check_built(self, block, ctx) -> str | None:
         return needs_experts("--use-fused-moe-token-permute-and-unpermute", block)
 
+    def plan_effect(self, model, ctx):
+        """The fused ops keep the tensors Megatron's unfused permute keeps (the rows and the sorted
+        index), so memory is the same; time is in the calibrated layer (the worker runs them)."""
+        from npuspeed.features.base import PlanEffect
+
+        if not model.model.num_experts:
+            return None
+        return PlanEffect(summary="token permute/unpermute as one op each way: same saved tensors (rows, sorted "
+                                  "index), fewer passes over them")
+
     def path(self, ctx) -> str:
         if not self.enabled(ctx.args):
             return "off"

@@ -50,6 +50,16 @@ class GroupedGemmFeature(Feature):
                     f"moe_grouped_gemm=True (get_gpt_layer_local_spec); found {sorted(kinds)}")
         return None
 
+    def plan_effect(self, model, ctx):
+        """GroupedMLP: two weights for all local experts, one grouped mm each, SwiGLU x probability fused."""
+        from npuspeed.features.base import PlanEffect
+
+        if not model.model.num_experts:
+            return None
+        return PlanEffect(options={"moe_grouped": True},
+                          summary="local experts as one grouped matmul per weight (GroupedMLP); SwiGLU x router "
+                                  "probability in one op (saves its input only)")
+
     def path(self, ctx) -> str:
         if not self.enabled(ctx.args):
             return "off"

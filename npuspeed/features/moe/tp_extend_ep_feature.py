@@ -37,6 +37,17 @@ class TpExtendEpFeature(Feature):
     def check_built(self, block, ctx) -> str | None:
         return needs_experts("--moe-tp-extend-ep", block)
 
+    def plan_effect(self, model, ctx):
+        """Experts over EP x TP ranks, each whole (expert TP 1): fewer, unsplit experts per rank."""
+        from npuspeed.features.base import PlanEffect
+
+        lay = model.layout
+        if not model.model.num_experts or lay.tp < 2:
+            return None
+        return PlanEffect(options={"moe_ep": lay.ep * lay.tp, "moe_etp": 1},
+                          summary=f"experts over EP x TP = {lay.ep * lay.tp} ranks, each whole on one rank "
+                                  "(no expert-TP all-gather of tokens)")
+
     def path(self, ctx) -> str:
         if not self.enabled(ctx.args):
             return "off"

@@ -1,0 +1,298 @@
+"""One rank of `npuspeed plan --calibrate`: Megatron's real modules timed inside a real group.
+
+Every rank of the calibration world runs the same work at the same time, as a training
+step's ranks do: a tensor/context/expert-parallel group waits inside its collectives for
+its peers and for the cores they share, data-parallel replicas contend for the host. Per
+parallel group shape (TP, SP, CP, EP) it times, forward and backward apart, one
+TransformerLayer (a GPTModel chunk without pre/post process), the embedding (a chunk with
+pre-process, less the layer) and the output layer with the loss (the full chunk, less both),
+at the run's micro-batch and at half its tokens (to split per-module overhead from per-token
+work). With TP = 1 (all ranks data-parallel) it times Megatron's finalize_model_grads and
+optimizer step, plain and distributed, at one and two layers (a fixed part and a part per
+parameter), and the world's all-reduce and a point-to-point send (latency and bandwidth).
+Each figure is the fastest of a few repeats on each rank, the slowest rank's.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+REPEATS = 5
+MIN_ROUNDS, MAX_ROUNDS = 5, 40
+GROUP_BUDGET_S = 4.0  # per group shape: rounds continue while it lasts
+
+
+def _sync_max(value: float) -> float:
+    import torch.distributed as dist
+
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def _once(fn) -> tuple[float, float]:
+    """(forward s, backward s) of one call: `fn()` returns (out, grad or None) after the forward."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    t0 = time.perf_counter()
+    out, grad = fn()
+    t1 = time.perf_counter()
+    if grad is None:
+        out.backward()
+    else:
+        out.backward(grad)
+    return t1 - t0, time.perf_counter() - t1
+
+
+def _rounds(fns: dict, budget_s: float) -> dict:
+    """Fastest (forward, backward) of each fn, the slowest rank's. The fns take turns, round
+    after round (a warm-up, then at least MIN_ROUNDS, more while the budget lasts, at most
+    MAX_ROUNDS), so a burst of other work on a shared host hits them all alike and the
+    fastest of each comes from its quietest moment."""
+    import torch.distributed as dist
+
+    best = {k: [float("inf"), float("inf")] for k in fns}
+    start = time.perf_counter()
+    for i in range(MAX_ROUNDS + 1):
+        for k, fn in fns.items():
+            f, b = _once(fn)
+            if i:
+                best[k] = [min(best[k][0], f), min(best[k][1], b)]
+        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # every rank stops after the same round
+        if i >= MIN_ROUNDS and float(elapsed) > budget_s:
+            break
+    return {k: (_sync_max(v[0]), _sync_max(v[1])) for k, v in best.items()}
+
+
+def _init_groups(g: dict, seed: int) -> None:
+    from megatron.core import parallel_state as mpu
+    from megatron.core import tensor_parallel
+
+    if mpu.model_parallel_is_initialized():
+        mpu.destroy_model_parallel()
+    kwargs = dict(tensor_model_parallel_size=g["tp"], pipeline_model_parallel_size=1,
+                  expert_model_parallel_size=g.get("ep", 1))
+    if g.get("cp", 1) > 1:
+        kwargs["context_parallel_size"] = g["cp"]
+    if g.get("etp"):
+        kwargs["expert_tensor_parallel_size"] = g["etp"]
+    mpu.initialize_model_parallel(**kwargs)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def _inputs(spec, b: int, s: int, g: dict):
+    vocab = spec.model.vocab
+    tokens = torch.randint(0, vocab, (b, s))
+    positions = torch.arange(s).unsqueeze(0).expand(b, s).contiguous()
+    return tokens, positions, torch.randint(0, vocab, (b, s))
+
+
+def _ddp(model, cfg, spec):
+    """Wrapped as training wraps it: DDP's per-parameter hooks add each gradient into the buffer."""
+    from megatron.core.distributed import DistributedDataParallel as DDP
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    return DDP(config=cfg, ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=spec.batch.dtype != "fp32"),
+               module=model)
+
+
+def _schedule_overhead(full, cfg, tokens, positions, labels, b: int, s: int, full_s: float) -> float:
+    """Seconds per micro-batch Megatron's schedule adds to a chunk's forward and backward
+    (its forward_step/loss calls, loss scaling, output deallocation)."""
+    from functools import partial
+
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    def loss_func(output):
+        loss = output.float().sum() / output.numel()
+        return loss, {"lm loss": loss.detach()}
+
+    def forward_step(_it, model):
+        return model(tokens, positions, None, labels=labels), partial(loss_func)
+
+    run = get_forward_backward_func()
+    m = 4
+    best = float("inf")
+    import torch.distributed as dist
+
+    for i in range(2 * REPEATS):
+        dist.barrier()
+        t0 = time.perf_counter()
+        run(forward_step_func=forward_step, data_iterator=iter(()), model=full, num_microbatches=m, seq_length=s,
+            micro_batch_size=b, decoder_seq_length=s, forward_only=False)
+        if i:
+            best = min(best, time.perf_counter() - t0)
+    return max(_sync_max(best) / m - full_s, 0.0)
+
+
+def time_group(spec, g: dict, points: list[tuple[int, int]]) -> dict:
+    """Layer, embedding and head+loss times of one parallel group shape at (b, s) points."""
+    from megatron.core import parallel_state as mpu
+
+    from npuspeed.plan import calib_model
+
+    _init_groups(g, 1234)
+    dtype = calib_model.dtype_of(spec)
+    models = {}
+    for name, pre, post in (("block", False, False), ("pre", True, False), ("full", True, True)):
+        model, cfg = calib_model.build(spec, 1, g, pre=pre, post=post)
+        models[name] = _ddp(model if post else calib_model.unwrap(model), cfg, spec)
+    block, pre = models["block"], models["pre"]
+    full = models["full"]
+    cp = g.get("cp", 1)
+    h = spec.model.hidden
+    out = {"tokens": [list(p) for p in points], "layer": [], "pre": [], "full": [], "schedule": 0.0}
+    fns, inputs = {}, []
+    for i, (b, s) in enumerate(points):
+        s_local = s // cp
+        rows = s_local // g["tp"] if g["sp"] else s_local
+        x = torch.randn(rows, b, h, dtype=dtype)
+        tokens, positions, labels = _inputs(spec, b, s_local, g)
+        inputs.append((tokens, positions, labels, b, s_local))
+
+        def run_block(x=x):
+            x = x.detach().requires_grad_()
+            block.module.set_input_tensor(x)
+            y = block(None, None, None)
+            return y, torch.randn_like(y)
+
+        def run_pre(tokens=tokens, positions=positions):
+            y = pre(tokens, positions, None)
+            return y, torch.randn_like(y)
+
+        def run_full(tokens=tokens, positions=positions, labels=labels):
+            loss = full(tokens, positions, None, labels=labels)
+            return loss.float().sum() / loss.numel(), None
+
+        fns.update({("layer", i): run_block, ("pre", i): run_pre, ("full", i): run_full})
+    best = _rounds(fns, GROUP_BUDGET_S)
+    for part in ("layer", "pre", "full"):
+        out[part] = [list(best[(part, i)]) for i in range(len(points))]
+    tokens, positions, labels, b, s_local = inputs[0]
+    out["schedule"] = _schedule_overhead(full, cfg, tokens, positions, labels, b, s_local, sum(out["full"][0]))
+    del block, pre, full, models
+    mpu.destroy_model_parallel()
+    return out
+
+
+def time_optimizers(spec, clip_grad: float = 1.0) -> dict:
+    """Megatron's finalize_model_grads and optimizer.step(), plain and distributed, data-parallel
+    over the whole calibration world (TP 1), for chunks of 1 and 2 layers, taking turns:
+    {kind: {"points": [[params, grad bytes, finalize s, step s], ...]}}."""
+    from megatron.core.distributed import DistributedDataParallel as DDP
+    from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    from npuspeed.plan import calib_model
+
+    g = {"tp": 1, "sp": False}
+    _init_groups(g, 1234)
+    mixed = spec.batch.dtype != "fp32"
+    runs = {}
+    for kind, distributed in (("plain", False), ("distributed", True)):
+        for layers in (1, 2):
+            model, cfg = calib_model.build(spec, layers, g, pre=True, post=True)
+            ddp = DDP(config=cfg, ddp_config=DistributedDataParallelConfig(
+                grad_reduce_in_fp32=mixed, use_distributed_optimizer=distributed), module=model)
+            opt = get_megatron_optimizer(OptimizerConfig(
+                optimizer="adam", lr=1e-4, weight_decay=0.01, clip_grad=clip_grad, bf16=spec.batch.dtype == "bf16",
+                fp16=spec.batch.dtype == "fp16", params_dtype=calib_model.dtype_of(spec),
+                use_distributed_optimizer=distributed), [ddp])
+            cfg.finalize_model_grads_func = finalize_model_grads
+            runs[(kind, layers)] = (ddp, opt, [float("inf"), float("inf")])
+    start = time.perf_counter()
+    for i in range(MAX_ROUNDS + 1):
+        for ddp, opt, best in runs.values():
+            ddp.zero_grad_buffer()
+            opt.zero_grad()
+            for buf in ddp.buffers:
+                buf.grad_data.normal_(0, 1e-3)
+            torch.distributed.barrier()
+            t0 = time.perf_counter()
+            finalize_model_grads([ddp])
+            t1 = time.perf_counter()
+            opt.step()
+            t2 = time.perf_counter()
+            if i:
+                best[0], best[1] = min(best[0], t1 - t0), min(best[1], t2 - t1)
+        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+        torch.distributed.all_reduce(elapsed, op=torch.distributed.ReduceOp.MAX)
+        if i >= MIN_ROUNDS and float(elapsed) > GROUP_BUDGET_S:
+            break
+    out = {"plain": {"points": []}, "distributed": {"points": []}}
+    for (kind, _layers), (ddp, _opt, best) in runs.items():
+        params = sum(p.numel() for p in ddp.parameters())
+        grad_bytes = sum(buf.grad_data.numel() * buf.grad_data.element_size() for buf in ddp.buffers)
+        out[kind]["points"].append([params, grad_bytes, _sync_max(best[0]), _sync_max(best[1])])
+    del runs
+    from megatron.core import parallel_state as mpu
+
+    mpu.destroy_model_parallel()
+    return out
+
+
+def time_collectives() -> dict:
+    """World all-reduce and rank 0 -> 1 send of fp32 tensors: [[bytes, s], ...] each."""
+    import torch.distributed as dist
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    out = {"all_reduce": [], "p2p": []}
+    for n in (1 << 12, 1 << 22):
+        t = torch.ones(n // 4)
+        best = float("inf")
+        for i in range(REPEATS + 1):
+            dist.barrier()
+            t0 = time.perf_counter()
+            dist.all_reduce(t)
+            if i:
+                best = min(best, time.perf_counter() - t0)
+        out["all_reduce"].append([n, _sync_max(best)])
+        if world > 1:
+            best = float("inf")
+            for i in range(REPEATS + 1):
+                dist.barrier()
+                t0 = time.perf_counter()
+                if rank == 0:
+                    dist.send(t, 1)
+                elif rank == 1:
+                    dist.recv(t, 0)
+                if i:
+                    best = min(best, time.perf_counter() - t0)
+            out["p2p"].append([n, _sync_max(best if rank in (0, 1) else 0.0)])
+    return out
+
+
+def main(rank: int, world: int, port: int, job: dict, queue) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port), PYTHONWARNINGS="ignore")
+    torch.set_num_threads(job["threads"])
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    from npuspeed import runtime
+
+    runtime.initialize(job["argv"])  # the run's feature patches, as its training script gets them
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    spec = job["spec"]
+    result = {"groups": {}, "world": world}
+    try:
+        for key, g in job["groups"].items():
+            result["groups"][key] = time_group(spec, g, job["points"][key])
+        if job.get("optimizer"):
+            result["optimizer"] = time_optimizers(spec)
+        result["collective"] = time_collectives()
+    except Exception as exc:  # the parent reports it; the other ranks may be blocked in a collective
+        import traceback
+
+        queue.put({"rank": rank, "error": f"{exc}\n{traceback.format_exc()}"})
+        os._exit(1)
+    if rank == 0:
+        queue.put(result)
+    dist.barrier()
+    dist.destroy_process_group()
