@@ -166,6 +166,9 @@ def run_world(spec: RunSpec, argv: list[str], threads: int, timeout: float = 900
 
     world = calibration_world(spec)
     gs = groups(spec, world)
+    grouped = "--moe-grouped-gemm" in argv  # the experts the run builds (Megatron's flag)
+    for g in gs.values():
+        g["grouped_gemm"] = grouped
     job = {"spec": spec, "argv": [a for a in argv if not a.startswith("--npuspeed-device")], "threads": threads,
            "groups": gs, "points": {k: points(spec, g) for k, g in gs.items()}, "optimizer": True}
     ctx = mp.get_context("spawn")
