@@ -7,12 +7,15 @@ allocator's live-tensor peak, the largest over ranks. Prints a table (markdown w
 
     python benchmarks/plan_validate.py                 # every configuration (about 20 min here)
     python benchmarks/plan_validate.py --only tp2 pp2  # names containing these
-    python benchmarks/plan_validate.py --profile p.json  # also predicted step time
+    python benchmarks/plan_validate.py --speed         # also: calibrate each configuration
+                                                       # (npuspeed plan --calibrate) and compare
+                                                       # predicted with measured step time
 """
 from __future__ import annotations
 
 import argparse
 import csv
+import os
 import sys
 import tempfile
 import time
@@ -100,6 +103,20 @@ def run_example(argv: list[str], nproc: int, iters: int, env: dict | None = None
             return {"failed": True, "log": str(exc)[-4000:]}
 
 
+def calibrate(argv: list[str], nproc: int, path: Path) -> dict:
+    """`npuspeed plan --calibrate` for one configuration (its own flags and ranks), as a user runs it."""
+    import subprocess
+
+    from npuspeed.plan.speed import load_profile
+
+    proc = subprocess.run([sys.executable, "-m", "npuspeed.cli", "plan", "--calibrate", *argv, "--nproc-per-node",
+                           str(nproc), "--profile", str(path)], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"})
+    if proc.returncode:
+        raise RuntimeError(f"calibration failed: {proc.stdout[-2000:]}{proc.stderr[-4000:]}")
+    return load_profile(str(path))
+
+
 def predict(argv: list[str], nproc: int, profile=None):
     from npuspeed.plan.planner import plan
 
@@ -110,7 +127,9 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--only", nargs="*", default=None)
     p.add_argument("--iters", type=int, default=4)
-    p.add_argument("--profile", default=None, help="calibration profile for predicted step times")
+    p.add_argument("--profile", default=None, help="one calibration profile for every configuration's step time")
+    p.add_argument("--speed", action="store_true", help="calibrate each configuration (its own profile) and "
+                   "compare predicted with measured step time")
     p.add_argument("--markdown", action="store_true")
     p.add_argument("--replan", action="store_true",
                    help="run nothing: re-plan the configurations of the last rows in the CSV (e.g. with a "
@@ -140,7 +159,11 @@ def main() -> int:
                         "median_step_ms": float(row["measured_step_ms"])}
         else:
             measured = run_example(argv, nproc, args.iters)
-        planned = predict(argv, nproc, profile)
+        own = profile
+        if args.speed:
+            with tempfile.TemporaryDirectory() as tmp:
+                own = calibrate(argv, nproc, Path(tmp) / "profile.json")
+        planned = predict(argv, nproc, own)
         if measured.get("failed"):
             print(f"{name}: run failed\n{measured['log']}", file=sys.stderr)
             continue
