@@ -22,6 +22,7 @@ import torch
 
 from npuspeed.plan.dims import dims
 from npuspeed.plan.spec import RunSpec, layout_problems, replace_layout
+from npuspeed.plan.speed import group_key
 
 PROFILE_VERSION = 2
 
@@ -108,10 +109,6 @@ def kernels(spec: RunSpec, threads: int) -> dict:
         "sdpa_math": _attention_sdpa(d.batch, d.heads, d.seq, d.head_dim, dt, max(p, 0.1), False) / unit,
     }}
     return {"attention": attention, "elementwise_s_per_byte": {name: _elementwise(d.tokens, d.hidden, dt)}}
-
-
-def group_key(tp: int, sp: bool, cp: int = 1, ep: int = 1) -> str:
-    return f"tp{tp}{'-sp' if sp else ''}-cp{cp}-ep{ep}"
 
 
 def calibration_world(spec: RunSpec) -> int:

@@ -7,8 +7,9 @@
 - PP: each micro-batch's activation sent forward and its gradient back, per chunk boundary.
 - DP: the fp32 gradient buffer all-reduced once a step (reduce-scatter + parameter
   all-gather with the distributed optimizer: the same volume).
-- CP, EP: what the feature running them states in its plan effect (PlanEffect.comm_per_layer:
-  the ring's K/V and dK/dV, Ulysses' all-to-alls; the MoE dispatch and combine all-to-alls).
+- CP: the ring's K/V and dK/dV and Ulysses' all-to-alls (ops_cp.py) at the degrees the CP
+  feature's plan effect states; EP: the MoE dispatch and combine all-to-alls (ops_moe.py);
+  plus any PlanEffect.comm_per_layer a feature states.
 """
 from __future__ import annotations
 
@@ -50,6 +51,11 @@ def volume(spec: RunSpec, effects=None) -> dict:
         from npuspeed.plan.spec import expert_layout
 
         per_layer_comm.update(ops_moe.comm_per_layer(d, m, expert_layout(spec, getattr(effects, "options", None))[0]))
+    options = getattr(effects, "options", None) or {}
+    if lay.cp > 1 and "cp_ring" in options:
+        from npuspeed.plan import ops_cp
+
+        per_layer_comm.update(ops_cp.comm_per_layer(d, options["cp_ulysses"], options["cp_ring"]))
     per_layer_comm.update(getattr(effects, "comm_per_layer", None) or {})
     for dim, per_layer in per_layer_comm.items():
         out[dim] = per_layer * layers * mbs

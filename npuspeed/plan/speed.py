@@ -113,10 +113,13 @@ def _recompute_extra(spec: RunSpec, kernel: str, layer_f: float, attn_f: float) 
     return 0.0
 
 
+def group_key(tp: int, sp: bool, cp: int = 1, ep: int = 1) -> str:
+    """The profile's name of a parallel group shape (calibrate.py times one per shape)."""
+    return f"tp{tp}{'-sp' if sp else ''}-cp{cp}-ep{ep}"
+
+
 def layer_seconds(profile: dict, spec: RunSpec, effects) -> tuple[float, float, float, float, float, float, str, list]:
     """(layer f, layer b, embedding f, embedding b, head f, head b) at this run's micro-batch."""
-    from npuspeed.plan.calibrate import group_key
-
     lay, m = spec.layout, spec.model
     notes = []
     key = group_key(lay.tp, lay.sp, lay.cp, lay.ep)

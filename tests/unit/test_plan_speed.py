@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from npuspeed.plan import schedule
-from npuspeed.plan.calibrate import group_key, groups
+from npuspeed.plan.calibrate import groups
+from npuspeed.plan.speed import group_key
 from npuspeed.plan.planner import plan
 
 MODEL = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "4", "--seq-length", "256",

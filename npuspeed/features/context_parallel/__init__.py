@@ -88,10 +88,9 @@ class ContextParallelFeature(Feature):
 
     def plan_effect(self, model, ctx):
         """Per rank S/CP tokens (the planner splits the sequence); the core attention is the
-        CP algorithm's (ops_cp.py): what it saves and holds in flight, and what it sends."""
+        CP algorithm's, its Ulysses and ring degrees as options: the planner (plan/ops_cp.py)
+        prices what it saves, holds in flight and sends (a feature never imports the planner)."""
         from npuspeed.features.base import PlanEffect
-        from npuspeed.plan import ops_cp
-        from npuspeed.plan.dims import dims
 
         size = model.layout.cp
         if size < 2:
@@ -103,7 +102,6 @@ class ContextParallelFeature(Feature):
         return PlanEffect(
             variants={"core_attention": "cp"}, kernels={"attention": "flash"},
             options={"cp_ulysses": cp.ulysses, "cp_ring": cp.ring},
-            comm_per_layer=ops_cp.comm_per_layer(dims(model), cp.ulysses, cp.ring),
             summary=f"activations of S/{size} tokens per rank; {cp.algo}: {what}; no S x S tensors")
 
     def path(self, ctx) -> str:
