@@ -273,24 +273,26 @@ def main(rank: int, world: int, port: int, job: dict, queue) -> None:
     import warnings
 
     warnings.filterwarnings("ignore")
-    from npuspeed import runtime
-
-    runtime.initialize(job["argv"])  # the run's feature patches, as its training script gets them
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", rank=rank, world_size=world)
     spec = job["spec"]
     result = {"groups": {}, "world": world}
     try:
+        from npuspeed import runtime
+
+        runtime.initialize(job["argv"])  # the run's feature patches, as its training script gets them
+        dist.init_process_group("gloo", rank=rank, world_size=world)
         for key, g in job["groups"].items():
             result["groups"][key] = time_group(spec, g, job["points"][key])
         if job.get("optimizer"):
             result["optimizer"] = time_optimizers(spec)
-        result["collective"] = time_collectives()
+            result["collective"] = time_collectives()
     except Exception as exc:  # the parent reports it; the other ranks may be blocked in a collective
         import traceback
 
         queue.put({"rank": rank, "error": f"{exc}\n{traceback.format_exc()}"})
+        queue.close()
+        queue.join_thread()  # the message is out before the process is
         os._exit(1)
     if rank == 0:
         queue.put(result)

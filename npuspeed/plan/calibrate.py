@@ -154,30 +154,74 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
+#: the CP feature's flags (each takes a value): a world timing CP-1 group shapes runs without them
+CP_FLAGS = ("--context-parallel-size", "--context-parallel-algo", "--ulysses-degree-in-cp")
+
+
+def without_cp(argv: list[str]) -> list[str]:
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in CP_FLAGS:
+            skip = True
+        elif not a.startswith(tuple(f + "=" for f in CP_FLAGS)):
+            out.append(a)
+    return out
+
+
 def run_world(spec: RunSpec, argv: list[str], threads: int, timeout: float = 900.0) -> dict:
+    """Time every group shape of `groups`, the optimizer step and the collectives. A process
+    runs under one set of feature patches, as a training run does: with CP > 1 the run's CP
+    group shapes are timed in a world with its CP flags, the CP-1 shapes (--search's other
+    layouts), the optimizer and the collectives in a second world without them (the CP
+    feature refuses a model built without the CP size it was given)."""
+    world = calibration_world(spec)
+    gs = groups(spec, world)
+    grouped = "--moe-grouped-gemm" in argv  # the experts the run builds (Megatron's flag)
+    for g in gs.values():
+        g["grouped_gemm"] = grouped
+    argv = [a for a in argv if not a.startswith("--npuspeed-device")]
+    cp = spec.layout.cp
+    if cp <= 1:
+        return _world(spec, argv, threads, world, gs, True, timeout)
+    with_cp = {k: g for k, g in gs.items() if g["cp"] == cp}
+    plain = {k: g for k, g in gs.items() if g["cp"] != cp}
+    result = _world(spec, argv, threads, world, with_cp, False, timeout)
+    rest = _world(spec, without_cp(argv), threads, world, plain, True, timeout)
+    rest["groups"] = {**result["groups"], **rest["groups"]}
+    return rest
+
+
+def _world(spec: RunSpec, argv: list[str], threads: int, world: int, gs: dict, optimizer: bool,
+           timeout: float) -> dict:
     import queue as queue_mod
 
     import torch.multiprocessing as mp
 
     from npuspeed.plan import calib_worker
 
-    world = calibration_world(spec)
-    gs = groups(spec, world)
-    grouped = "--moe-grouped-gemm" in argv  # the experts the run builds (Megatron's flag)
-    for g in gs.values():
-        g["grouped_gemm"] = grouped
-    job = {"spec": spec, "argv": [a for a in argv if not a.startswith("--npuspeed-device")], "threads": threads,
-           "groups": gs, "points": {k: points(spec, g) for k, g in gs.items()}, "optimizer": True}
+    job = {"spec": spec, "argv": argv, "threads": threads, "groups": gs,
+           "points": {k: points(spec, g) for k, g in gs.items()}, "optimizer": optimizer}
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = _port()
     procs = [ctx.Process(target=calib_worker.main, args=(r, world, port, job, q)) for r in range(world)]
     for p in procs:
         p.start()
+    result = None
+    deadline = time.monotonic() + timeout
     try:
-        result = q.get(timeout=timeout)
-    except queue_mod.Empty:
-        result = {"error": f"calibration did not finish in {timeout:.0f} s"}
+        while result is None:
+            try:
+                result = q.get(timeout=2.0)
+            except queue_mod.Empty:
+                dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+                if dead:  # a rank died without a word (e.g. killed): do not wait out the timeout
+                    result = q.get(timeout=5.0) if not q.empty() else {
+                        "error": f"a calibration rank exited with status {dead[0]} and no message"}
+                elif time.monotonic() > deadline:
+                    result = {"error": f"calibration did not finish in {timeout:.0f} s"}
     finally:
         for p in procs:
             p.join(timeout=30)

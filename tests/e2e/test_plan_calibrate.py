@@ -26,3 +26,25 @@ def test_calibrate_writes_a_profile_the_plan_prices_a_step_from(tmp_path, capsys
     out = json.loads(capsys.readouterr().out)
     assert out["step_ms"] > 0 and out["tokens_per_s"] > 0
     assert out["breakdown"]["speed"]["group"] == group_key(1, False)
+
+
+def test_calibrate_a_context_parallel_run_times_its_cp_group_and_the_search_s_others(tmp_path, capsys):
+    """CP ranks run under the CP feature's patches, which refuse a model without CP: the CP-1
+    shapes --search prices are timed in a second world without the CP flags."""
+    path = tmp_path / "profile.json"
+    cp = ["--nproc-per-node", "2", "--use-flash-attn", "--context-parallel-size", "2"]
+    assert cli.main(TINY[:-2] + cp + ["--calibrate", "--profile", str(path)]) == 0
+    profile = load_profile(str(path))
+    assert {group_key(1, False, 2), group_key(1, False), group_key(2, False)} <= set(profile["groups"])
+    capsys.readouterr()
+    assert cli.main(TINY[:-2] + cp + ["--profile", str(path), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["step_ms"] > 0 and out["breakdown"]["speed"]["group"] == group_key(1, False, 2)
+
+
+def test_without_cp_drops_the_cp_flags_and_their_values():
+    from npuspeed.plan.calibrate import without_cp
+
+    argv = ["--a", "1", "--context-parallel-size", "2", "--context-parallel-algo=ulysses_cp_algo",
+            "--ulysses-degree-in-cp", "2", "--b"]
+    assert without_cp(argv) == ["--a", "1", "--b"]
