@@ -132,10 +132,12 @@ def layer_seconds(profile: dict, spec: RunSpec, effects) -> tuple[float, float, 
     kernel0 = profile.get("variants", {}).get("core_attention", "unfused")
     kernel = (effects.variants.get("core_attention", "unfused") if effects else "unfused")
     g = GroupTimes(profile, spec, key, kernel0)
-    b, s = spec.batch.micro_batch, m.seq_length // lay.cp
-    lf, lb = g.at("layer", "f", b, s) * scale, g.at("layer", "b", b, s) * scale
-    pre_f, pre_b = g.at("pre", "f", b, s) * scale, g.at("pre", "b", b, s) * scale
-    full_f, full_b = g.at("full", "f", b, s) * scale, g.at("full", "b", b, s) * scale
+    # the profile's points are (micro-batch, whole sequence), a CP group's ranks holding S/CP of it
+    # each (calib_worker.time_group): the fits are read at the run's whole sequence
+    b, s, seq = spec.batch.micro_batch, m.seq_length // lay.cp, m.seq_length
+    lf, lb = g.at("layer", "f", b, seq) * scale, g.at("layer", "b", b, seq) * scale
+    pre_f, pre_b = g.at("pre", "f", b, seq) * scale, g.at("pre", "b", b, seq) * scale
+    full_f, full_b = g.at("full", "f", b, seq) * scale, g.at("full", "b", b, seq) * scale
     emb = (max(pre_f - lf, 0.0), max(pre_b - lb, 0.0))
     head = (max(full_f - pre_f, 0.0), max(full_b - pre_b, 0.0))
     if lay.cp == 1 and kernel != kernel0:

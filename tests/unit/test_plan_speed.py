@@ -94,3 +94,13 @@ def test_calibration_groups_cover_the_search():
     assert keys == {group_key(1, False), group_key(2, False), group_key(2, True)}
     cp = plan([*MODEL, "--use-flash-attn", "--context-parallel-size", "2", "--nproc-per-node", "2"], with_removes=False)
     assert group_key(1, False, 2) in groups(cp.spec, 2)
+
+
+def test_a_cp_group_is_read_at_the_sequence_it_was_calibrated_with():
+    """The profile's points are (micro-batch, whole sequence); a CP rank holds S/CP of it. A CP
+    plan at the calibrated point gets the calibrated time back, not that of S/CP tokens."""
+    prof = profile()
+    prof["groups"][group_key(1, False, 2)] = _group(layer=(3 * MS, 6 * MS))
+    cp = _speed("--use-flash-attn", "--attention-dropout", "0", "--context-parallel-size", "2", prof=prof)
+    assert cp.group == group_key(1, False, 2)
+    assert cp.layer_ms == pytest.approx((3.0, 6.0))
