@@ -179,7 +179,7 @@ def time_group(spec, g: dict, points: list[tuple[int, int]]) -> dict:
     return out
 
 
-def time_optimizers(spec, clip_grad: float = 1.0) -> dict:
+def time_optimizers(spec, clip_grad: float = 1.0, grouped_gemm: bool = False) -> dict:
     """Megatron's finalize_model_grads and optimizer.step(), plain and distributed, data-parallel
     over the whole calibration world (TP 1), for chunks of 1 and 2 layers, taking turns:
     {kind: {"points": [[params, grad bytes, finalize s, step s], ...]}}."""
@@ -189,7 +189,7 @@ def time_optimizers(spec, clip_grad: float = 1.0) -> dict:
 
     from npuspeed.plan import calib_model
 
-    g = {"tp": 1, "sp": False}
+    g = {"tp": 1, "sp": False, "grouped_gemm": grouped_gemm}  # the experts the run builds
     _init_groups(g, 1234)
     mixed = spec.batch.dtype != "fp32"
     runs = {}
@@ -285,7 +285,7 @@ def main(rank: int, world: int, port: int, job: dict, queue) -> None:
         for key, g in job["groups"].items():
             result["groups"][key] = time_group(spec, g, job["points"][key])
         if job.get("optimizer"):
-            result["optimizer"] = time_optimizers(spec)
+            result["optimizer"] = time_optimizers(spec, grouped_gemm=job.get("grouped_gemm", False))
             result["collective"] = time_collectives()
     except Exception as exc:  # the parent reports it; the other ranks may be blocked in a collective
         import traceback

@@ -201,7 +201,7 @@ def _world(spec: RunSpec, argv: list[str], threads: int, world: int, gs: dict, o
 
     from npuspeed.plan import calib_worker
 
-    job = {"spec": spec, "argv": argv, "threads": threads, "groups": gs,
+    job = {"spec": spec, "argv": argv, "threads": threads, "groups": gs, "grouped_gemm": "--moe-grouped-gemm" in argv,
            "points": {k: points(spec, g) for k, g in gs.items()}, "optimizer": optimizer}
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
