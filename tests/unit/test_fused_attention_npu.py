@@ -160,12 +160,17 @@ class _FakeNpu:
     def __init__(self, cpu_accelerator):
         self._cpu = cpu_accelerator
         self.calls = []
+        self.grad_calls = []
 
         def record(*args, **kwargs):
             self.calls.append((args, kwargs))
             return emulator(*args, **kwargs)
 
-        self.torch_npu = types.SimpleNamespace(npu_fusion_attention=record)
+        def record_grad(*args, **kwargs):
+            self.grad_calls.append((args, kwargs))
+            return emulator_grad(*args, **kwargs)
+
+        self.torch_npu = types.SimpleNamespace(npu_fusion_attention=record, npu_fusion_attention_grad=record_grad)
 
     def has_fused_attention(self):
         return hasattr(self.torch_npu, "npu_fusion_attention")
