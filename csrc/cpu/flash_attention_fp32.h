@@ -9,7 +9,7 @@
 #include <optional>
 #include <tuple>
 
-#include "attention_rows.h"
+#include "attention_call.h"
 #include "fp32_gemm.h"
 #include "philox.h"
 
@@ -22,10 +22,7 @@ struct Shape {
   float scale;
 };
 
-struct Call {
-  attention::Rows rows;
-  philox::Dropout dropout;
-};
+using attention::Call;
 
 inline void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
   for (const auto* t : {&q, &k, &v}) {
@@ -45,13 +42,7 @@ inline Shape shape_of(const at::Tensor& q, const at::Tensor& k, double scale) {
           f32mm::round_up(q.size(0), kTile), f32mm::round_up(k.size(0), kTile), static_cast<float>(scale)};
 }
 
-inline Call make_call(const at::Tensor& q, const at::Tensor& k, bool causal, double dropout_p, int64_t seed,
-                      int64_t offset, int64_t q_pos0, int64_t k_pos0, int64_t head0,
-                      const std::optional<at::Tensor>& key_lo, const std::optional<at::Tensor>& key_hi) {
-  TORCH_CHECK(dropout_p >= 0.0 && dropout_p < 1.0, "npuspeed flash attention: dropout_p must be in [0, 1)");
-  return {attention::make_rows(causal, q_pos0, k_pos0, q.size(1), q.size(0), k.size(0), key_lo, key_hi),
-          philox::Dropout(dropout_p, seed, offset, q_pos0, k_pos0, head0)};
-}
+using attention::make_call;
 
 inline const float* head_ptr(const at::Tensor& x, int64_t b, int64_t h) {
   return x.data_ptr<float>() + b * x.stride(1) + h * x.stride(2);

@@ -1,6 +1,6 @@
 // Shared by the bf16 CPU flash attention forward and backward (flash_attention_bf16*.cpp): the
 // [s, b, h, d] head views, the operand packings of bf16_gemm.h, shape checks, and the
-// call's masking (../cpu/attention_rows.h) and dropout (../cpu/philox.h), which the portable
+// call (../cpu/attention_call.h: masking rows and philox dropout), which the portable
 // fp32 kernel shares so both draw the same masks.
 #pragma once
 // GCC 12's AVX-512 headers start reductions from _mm512_undefined_* and then warn about it.
@@ -14,7 +14,7 @@
 #include <limits>
 #include <vector>
 
-#include "../cpu/attention_rows.h"
+#include "../cpu/attention_call.h"
 #include "../cpu/philox.h"
 #include "bf16_gemm.h"
 
@@ -96,19 +96,9 @@ struct Shape {
   bool causal;
 };
 
-// Everything of one call besides the tensors: masking rows and dropout.
-struct Call {
-  attention::Rows rows;
-  philox::Dropout dropout;
-};
+using attention::Call;
 
-inline Call make_call(const at::Tensor& q, const at::Tensor& k, bool causal, double dropout_p, int64_t seed,
-                      int64_t offset, int64_t q_pos0, int64_t k_pos0, int64_t head0,
-                      const std::optional<at::Tensor>& key_lo, const std::optional<at::Tensor>& key_hi) {
-  TORCH_CHECK(dropout_p >= 0.0 && dropout_p < 1.0, "npuspeed flash attention: dropout_p must be in [0, 1)");
-  return {attention::make_rows(causal, q_pos0, k_pos0, q.size(1), q.size(0), k.size(0), key_lo, key_hi),
-          philox::Dropout(dropout_p, seed, offset, q_pos0, k_pos0, head0)};
-}
+using attention::make_call;
 
 inline void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
   TORCH_CHECK(bf16mm::cpu_has_avx512_bf16(),

@@ -16,7 +16,13 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+# CI keeps the suite short: plain DP2 runs with `make bench` (-m slow); the distributed
+# optimizer's DP2 case covers the data-parallel resume in CI.
+SLOW = ("dp2",)
+
+
+@pytest.mark.parametrize("layout", [pytest.param(name, marks=pytest.mark.slow if name in SLOW else ())
+                                    for name in LAYOUTS])
 def test_resume_is_bitwise(layout, tmp_path):
     nproc, extra = LAYOUTS[layout]
     args = TINY + extra + ["--train-iters", "10", "--hidden-dropout", "0.2", "--attention-dropout", "0.2"]

@@ -10,6 +10,8 @@ from launch import TINY, run_example
 
 BF16 = TINY + ["--bf16", "--train-iters", "20"]
 FLAG = ["--reuse-fp32-param"]
+#: bytes of a few fp32 scalars; the smallest residual of TINY (a norm weight) is larger
+SCALAR_SLACK = 64
 LAYOUTS = {
     "tp1": (1, []),
     "tp2": (2, ["--tensor-model-parallel-size", "2"]),
@@ -34,8 +36,10 @@ def test_bitwise_losses_and_weight_bytes(layout, tmp_path):
     assert "reuse_fp32_param" in reuse["log"]
     assert reuse["losses"] == base["losses"]
     # The step rebuilds the masters and frees their residuals: its peak is ordinary mixed
-    # precision's (the tracking allocator's byte counts are deterministic, not timings).
-    assert reuse["optimizer_step_peak_bytes"] <= base["optimizer_step_peak_bytes"], (
+    # precision's. The tracking allocator counts bytes, not time, but gloo frees the 4-byte
+    # scalars of the step's collectives (found-inf, grad norm) from its own thread, so either
+    # peak may hold one more or less of them; any residual left alive is far above that slack.
+    assert reuse["optimizer_step_peak_bytes"] <= base["optimizer_step_peak_bytes"] + SCALAR_SLACK, (
         reuse["optimizer_step_peak_bytes"], base["optimizer_step_peak_bytes"])
     ratio = reuse["weight_bytes"] / base["weight_bytes"]
     if "--use-distributed-optimizer" in extra:

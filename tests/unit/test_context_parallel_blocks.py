@@ -3,10 +3,10 @@ and each block's backward from the *final* out/LSE sums to the full gradients.
 
 Runs npuspeed's CPU kernel, PyTorch's CPU flash kernel and the NPU block kernel; no NPU
 exists here, so the NPU kernel runs against the documented-contract emulator of
-npu_fusion_attention (tests/unit/npu_fusion_attention_emulator.py) plus an emulated
-npu_fusion_attention_grad written below from its documented contract (P recomputed from
-softmax_max / softmax_sum, D from attention_in). It checks npuspeed's wiring (layouts, LSE
-from max + log(sum), the final LSE passed back as max with sum 1, masks), not the NPU.
+npu_fusion_attention and npu_fusion_attention_grad (tests/unit/npu_fusion_attention_emulator.py;
+the gradient recomputes P from softmax_max / softmax_sum and D from attention_in). It checks
+npuspeed's wiring (layouts, LSE from max + log(sum), the final LSE passed back as max with
+sum 1, masks), not the NPU.
 """
 from __future__ import annotations
 
@@ -21,35 +21,9 @@ from npuspeed.features.context_parallel.ring import _merge
 from npuspeed.ops import flash_attention as cpu_flash
 
 
-def npu_fusion_attention_grad(query, key, value, dy, head_num, input_layout, *, pse=None, padding_mask=None,
-                              atten_mask=None, softmax_max=None, softmax_sum=None, softmax_in=None,
-                              attention_in=None, scale_value=1.0, keep_prob=1.0, pre_tockens=emu.UNBOUNDED,
-                              next_tockens=emu.UNBOUNDED, inner_precise=0, seed=0, offset=0, numels=0,
-                              prefix=None, actual_seq_qlen=None, actual_seq_kvlen=None, sparse_mode=0, **_):
-    """EMULATOR of the documented gradient op: (dq, dk, dv, dpse) in the input layout."""
-    assert keep_prob == 1.0 and pse is None and actual_seq_qlen is None
-    d = query.shape[-1] // head_num if input_layout in ("SBH", "BSH") else query.shape[-1]
-    q, k, v, g, o = (emu._to_bnsd(t, input_layout, d).double() for t in (query, key, value, dy, attention_in))
-    groups = q.shape[1] // k.shape[1]
-    kk, vv = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
-    s = q @ kk.transpose(-1, -2) * scale_value
-    mask = emu._mask(atten_mask, sparse_mode, pre_tockens, next_tockens, q.shape[0], q.shape[1], q.shape[2],
-                     k.shape[2], q.device)
-    p = torch.exp(s - softmax_max[..., :1].double()) / softmax_sum[..., :1].double()
-    if mask is not None:
-        p = p.masked_fill(mask, 0.0)
-    dp = g @ vv.transpose(-1, -2)
-    ds = p * (dp - (g * o).sum(-1, keepdim=True))
-    dq = ds @ kk * scale_value
-    dk = (ds.transpose(-1, -2) @ q * scale_value).unflatten(1, (-1, groups)).sum(2)
-    dv = (p.transpose(-1, -2) @ g).unflatten(1, (-1, groups)).sum(2)
-    back = lambda t, like: emu._from_bnsd(t.to(like.dtype), input_layout).view_as(like)  # noqa: E731
-    return back(dq, query), back(dk, key), back(dv, value), None
-
-
 class FakeTorchNpu:
     npu_fusion_attention = staticmethod(emu.npu_fusion_attention)
-    npu_fusion_attention_grad = staticmethod(npu_fusion_attention_grad)
+    npu_fusion_attention_grad = staticmethod(emu.npu_fusion_attention_grad)
 
 
 def _kernels():

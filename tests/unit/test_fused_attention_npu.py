@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from npu_fusion_attention_emulator import npu_fusion_attention as emulator
+from npu_fusion_attention_emulator import npu_fusion_attention_grad as emulator_grad
 from test_fused_attention import band_mask, make_attention, make_inputs, make_windowed, run
 
 
@@ -75,6 +76,82 @@ def test_emulator_sparse_modes(sq, sk):
         call(atten_mask=torch.ones(sq, sk, dtype=torch.bool).triu(1), sparse_mode=2)
 
 
+TND_Q, TND_K = [3, 0, 5, 4], [3, 2, 7, 4]  # per-sequence lengths; one empty query sequence
+
+
+def _tnd_inputs(gen, n=4, n2=2, d=8, requires_grad=False):
+    q = torch.randn(sum(TND_Q), n, d, generator=gen, requires_grad=requires_grad)
+    k, v = (torch.randn(sum(TND_K), n2, d, generator=gen, requires_grad=requires_grad) for _ in range(2))
+    cu = lambda lengths: torch.tensor(lengths).cumsum(0).tolist()  # noqa: E731
+    return q, k, v, cu(TND_Q), cu(TND_K)
+
+
+def _tnd_naive(q, k, v, scale, causal):
+    """Per sequence, naive BNSD attention (rightDownCausal when causal); out [T, N, D], lse [T, N]."""
+    outs, lses, qa, ka = [], [], 0, 0
+    for sq, sk in zip(TND_Q, TND_K):
+        qi, ki, vi = (x.permute(1, 0, 2)[None] for x in (q[qa:qa + sq], k[ka:ka + sk], v[ka:ka + sk]))
+        i, j = torch.arange(sq)[:, None], torch.arange(sk)[None, :]
+        allowed = (j <= i + sk - sq) if causal else torch.ones(sq, sk, dtype=torch.bool)
+        outs.append(naive(qi, ki, vi, scale, allowed)[0].permute(1, 0, 2))
+        kk = ki.repeat_interleave(q.shape[1] // k.shape[1], 1)
+        lses.append(((qi @ kk.transpose(-1, -2)) * scale).masked_fill(~allowed, float("-inf"))
+                    .logsumexp(-1)[0].t())
+        qa, ka = qa + sq, ka + sk
+    return torch.cat(outs), torch.cat(lses)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "sparse3"])
+@pytest.mark.parametrize("softmax_layout", ["", "TND"], ids=["default-stats", "tnd-stats"])
+def test_emulator_tnd_varlen(causal, softmax_layout):
+    """TND: each sequence attends to its own keys only; GQA; stats in the documented storage."""
+    gen = torch.Generator().manual_seed(2)
+    q, k, v, cu_q, cu_k = _tnd_inputs(gen)
+    mask = dict(atten_mask=COMPRESSED, sparse_mode=3) if causal else {}
+    out = emulator(q, k, v, 4, "TND", scale=0.4, actual_seq_qlen=cu_q, actual_seq_kvlen=cu_k,
+                   softmax_layout=softmax_layout, **mask)
+    ref, lse = _tnd_naive(q, k, v, 0.4, causal)
+    torch.testing.assert_close(out[0], ref)
+    assert out[1].shape == (sum(TND_Q), 4, 8) and out[2].shape == out[1].shape
+    stats = out[1][..., 0] + out[2][..., 0].log()
+    if softmax_layout == "":  # storage: each sequence's [N, Sq_i] in turn
+        flat, qa, parts = stats.reshape(-1), 0, []
+        for sq in TND_Q:
+            parts.append(flat[qa * 4:(qa + sq) * 4].view(4, sq).t())
+            qa += sq
+        stats = torch.cat(parts)
+    torch.testing.assert_close(stats, lse)
+
+
+@pytest.mark.parametrize("softmax_layout", ["", "TND"])
+def test_emulator_tnd_grad(softmax_layout):
+    """The TND gradient op, given the forward's max / sum, equals autograd of the naive reference."""
+    gen = torch.Generator().manual_seed(4)
+    q, k, v, cu_q, cu_k = _tnd_inputs(gen, requires_grad=True)
+    kw = dict(atten_mask=COMPRESSED, sparse_mode=3, actual_seq_qlen=cu_q, actual_seq_kvlen=cu_k,
+              softmax_layout=softmax_layout)
+    out, smax, ssum = emulator(q.detach(), k.detach(), v.detach(), 4, "TND", scale=0.4, **kw)[:3]
+    dy = torch.randn(out.shape, generator=gen)
+    grads = emulator_grad(q.detach(), k.detach(), v.detach(), dy, 4, "TND", softmax_max=smax, softmax_sum=ssum,
+                          attention_in=out, scale_value=0.4, **kw)
+    _tnd_naive(q, k, v, 0.4, causal=True)[0].backward(dy)
+    for got, want in zip(grads[:3], (q.grad, k.grad, v.grad)):
+        torch.testing.assert_close(got, want)
+
+
+def test_emulator_tnd_contract_errors():
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, cu_q, cu_k = _tnd_inputs(gen)
+    with pytest.raises(ValueError, match="needs actual_seq_qlen"):
+        emulator(q, k, v, 4, "TND")
+    with pytest.raises(ValueError, match="ends at"):
+        emulator(q, k, v, 4, "TND", actual_seq_qlen=cu_q[:-1] + [cu_q[-1] - 1], actual_seq_kvlen=cu_k)
+    with pytest.raises(TypeError, match="host list"):
+        emulator(q, k, v, 4, "TND", actual_seq_qlen=torch.tensor(cu_q), actual_seq_kvlen=cu_k)
+    with pytest.raises(ValueError, match="for input_layout TND"):
+        emulator(q[None], k[None], v[None], 4, "BSND", actual_seq_qlen=cu_q, actual_seq_kvlen=cu_k)
+
+
 class _FakeNpu:
     """A CPU accelerator that says it is an NPU and carries the emulator as its torch_npu."""
 
@@ -83,12 +160,17 @@ class _FakeNpu:
     def __init__(self, cpu_accelerator):
         self._cpu = cpu_accelerator
         self.calls = []
+        self.grad_calls = []
 
         def record(*args, **kwargs):
             self.calls.append((args, kwargs))
             return emulator(*args, **kwargs)
 
-        self.torch_npu = types.SimpleNamespace(npu_fusion_attention=record)
+        def record_grad(*args, **kwargs):
+            self.grad_calls.append((args, kwargs))
+            return emulator_grad(*args, **kwargs)
+
+        self.torch_npu = types.SimpleNamespace(npu_fusion_attention=record, npu_fusion_attention_grad=record_grad)
 
     def has_fused_attention(self):
         return hasattr(self.torch_npu, "npu_fusion_attention")

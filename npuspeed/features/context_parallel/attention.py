@@ -115,4 +115,6 @@ def attention(module, query, key, value, attention_mask, packed_seq_params, acce
                                         else "") if cp.size > 1 else "CP1"
     label = f"{kernel.name}+{cp.short if cp.size > 1 else 'documents'}"
     doc_text = f", {docs.count} packed documents" if docs is not None else ""
+    if docs is not None and kernel.varlen:
+        doc_text += " (one varlen call per block)"
     return context, label, f"{mode}{doc_text}: blocks on {why}"

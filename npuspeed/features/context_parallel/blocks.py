@@ -32,7 +32,8 @@ class Block:
 
     causal: the diagonal block of a causal layer (q0 == k0, sq == sk); else every key is
     visible, except what the documents exclude: key_lo / key_hi (int32 [b, sq], global key
-    positions a row may see) for kernels that take ranges, `tiles` for the others."""
+    positions a row may see) for kernels that take ranges, `tiles` for the others (run one
+    call per tile, or one call for all of them by a `varlen` kernel)."""
 
     q0: int
     k0: int
@@ -48,6 +49,8 @@ class BlockKernel:
     name = ""
     #: takes per-row key ranges (documents) itself; else documents run tile by tile
     key_ranges = False
+    #: takes a block's document pieces (`Block.tiles`) in one call itself (NPU's TND layout)
+    varlen = False
     #: draws attention dropout from (seed, offset, global positions, global head): the same
     #: mask whatever the CP layout, so a block may drop out
     dropout = False
@@ -78,8 +81,9 @@ def _empty_outputs(q: torch.Tensor):
 
 
 def tiled_forward(kernel: BlockKernel, q, k, v, block: Block, spec: CallSpec):
-    """`kernel.forward` over a block whose documents it cannot take: one dense call per tile."""
-    if block.tiles is None:
+    """`kernel.forward` over a block whose documents it cannot take: one dense call per tile
+    (a `varlen` kernel gets the tiles and makes one call)."""
+    if block.tiles is None or kernel.varlen:
         return kernel.forward(q, k, v, block, spec)
     out, lse = _empty_outputs(q)
     for row, tiles in enumerate(block.tiles):
@@ -92,7 +96,7 @@ def tiled_forward(kernel: BlockKernel, q, k, v, block: Block, spec: CallSpec):
 
 
 def tiled_backward(kernel: BlockKernel, dout, q, k, v, out, lse, block: Block, spec: CallSpec):
-    if block.tiles is None:
+    if block.tiles is None or kernel.varlen:
         return kernel.backward(dout, q, k, v, out, lse, block, spec)
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     for row, tiles in enumerate(block.tiles):

@@ -4,19 +4,22 @@ NPU: the op returns softmax_max and softmax_sum ([b, n, s, 8], the value repeate
 lse = max + log(sum). Its gradient op recomputes P from the max and sum it is given, so a
 ring passes the final LSE as the max and ones as the sum (P = exp(s - lse)), with the final
 output as `attention_in`. Causal diagonal blocks use the compressed 2048 x 2048 mask with
-sparse_mode 2 (no S x S tensor).
+sparse_mode 2 (no S x S tensor). A block of packed documents is ONE call in the op's TND
+(varlen) layout, each document piece a sequence of actual_seq_qlen / actual_seq_kvlen
+(npu_varlen.py), not one call per piece.
 
 CUDA: `_scaled_dot_product_flash_attention` (bf16/fp16) or
 `_scaled_dot_product_efficient_attention` (fp32), both returning the LSE and taking it back
 in backward. K/V heads are repeated for them (the raw ops have no GQA).
 
 Neither draws dropout at global positions, so under CP they run with attention dropout 0
-(the feature refuses dropout there at start-up); documents run tile by tile.
+(the feature refuses dropout there at start-up); on CUDA documents run tile by tile.
 """
 from __future__ import annotations
 
 import torch
 
+from npuspeed.features.context_parallel import npu_varlen
 from npuspeed.features.context_parallel.blocks import Block, BlockKernel, CallSpec, expand_kv, reduce_kv_grad
 
 NPU = "npu_fusion_attention"
@@ -26,19 +29,26 @@ _COMPRESSED = 2048
 
 class NpuFusion(BlockKernel):
     name = NPU
+    varlen = True
 
     def __init__(self, torch_npu):
         self.torch_npu = torch_npu
         self._mask = None
 
+    def _compressed(self, device):
+        if self._mask is None:
+            self._mask = torch.ones(_COMPRESSED, _COMPRESSED, dtype=torch.bool, device=device).triu_(1)
+        return self._mask
+
     def _mask_args(self, block: Block, device) -> dict:
         if not block.causal:
             return {"atten_mask": None, "sparse_mode": 0}
-        if self._mask is None:
-            self._mask = torch.ones(_COMPRESSED, _COMPRESSED, dtype=torch.bool, device=device).triu_(1)
-        return {"atten_mask": self._mask, "sparse_mode": 2}
+        return {"atten_mask": self._compressed(device), "sparse_mode": 2}
 
     def forward(self, q, k, v, block: Block, spec: CallSpec):
+        if block.tiles is not None:
+            return npu_varlen.forward(self.torch_npu, q, k, v, block.causal, block.tiles, spec.scale,
+                                      self._compressed(q.device))
         sq, b, hq, d = q.shape
         sk, hk = k.shape[0], k.shape[2]
         res = self.torch_npu.npu_fusion_attention(
@@ -49,6 +59,9 @@ class NpuFusion(BlockKernel):
         return out.view(sq, b, hq, d), lse.float()
 
     def backward(self, dout, q, k, v, out, lse, block: Block, spec: CallSpec):
+        if block.tiles is not None:
+            return npu_varlen.backward(self.torch_npu, dout, q, k, v, out, lse, block.causal, block.tiles,
+                                       spec.scale, self._compressed(q.device))
         sq, b, hq, d = q.shape
         sk, hk = k.shape[0], k.shape[2]
         smax = lse.float().unsqueeze(-1).expand(b, hq, sq, 8).contiguous()
