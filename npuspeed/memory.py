@@ -1,7 +1,6 @@
 """Memory accounting shared by the example and the benchmarks."""
 from __future__ import annotations
 
-import torch
 
 
 def _optimizers(optimizer):

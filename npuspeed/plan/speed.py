@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 
 from npuspeed.plan import schedule
 from npuspeed.plan.dims import dims
-from npuspeed.plan.params import buffer_numel, chunk_params
+from npuspeed.plan.params import chunk_params
 from npuspeed.plan.spec import RunSpec
 
 #: op kind -> the kernels the calibration times (a feature's PlanEffect.kernels names these)
@@ -202,8 +202,6 @@ def step_time(spec: RunSpec, effects, profile: dict, volume: dict) -> StepTime:
     busiest = max(sum(f + b for f, b in zip(fr, br)) * mbs for fr, br in zip(fwd, bwd))
     # finalize_model_grads and the optimizer step, on the rank with the most parameters
     params = max(sum(chunk_params(spec, r, c).total for c in range(lay.chunks)) for r in range(lay.pp))
-    grad_bytes = max(sum(buffer_numel(spec, chunk_params(spec, r, c)) for c in range(lay.chunks))
-                     for r in range(lay.pp)) * 4
     opt = profile["optimizer"]["distributed" if lay.distributed_optimizer and lay.dp * lay.cp > 1 else "plain"]
     pts = opt["points"]
     dp_group = lay.dp * lay.cp
