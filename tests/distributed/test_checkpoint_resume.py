@@ -16,9 +16,10 @@ LAYOUTS = {
 }
 
 
-# CI keeps the suite short: plain DP2 runs with `make bench` (-m slow); the distributed
-# optimizer's DP2 case covers the data-parallel resume in CI.
-SLOW = ("dp2",)
+# CI keeps the suite short: TP1 and plain DP2 run with `make bench` (-m slow); in CI the
+# TP2+SP and distributed-optimizer DP2 cases cover them (and test_flash_attention_dropout_e2e
+# resumes TP1 with dropout bitwise).
+SLOW = ("tp1", "dp2")
 
 
 @pytest.mark.parametrize("layout", [pytest.param(name, marks=pytest.mark.slow if name in SLOW else ())
