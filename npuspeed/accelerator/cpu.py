@@ -21,6 +21,15 @@ CACHE_ENV = "NPUSPEED_CPU_CACHE_MB"
 LIMIT_ENV = "NPUSPEED_CPU_MEMORY_LIMIT_MB"
 
 
+def _env_mib(name: str, default: str, parse, example: str):
+    """A MiB count from the environment; a value that is not one is an error naming the variable."""
+    raw = os.environ.get(name, default)
+    try:
+        return parse(raw)
+    except ValueError:
+        raise AcceleratorError(f"{name}={raw!r} is not a number of MiB; give e.g. {example}") from None
+
+
 class CpuAccelerator(Accelerator):
     name = "cpu"
     dist_backend = "gloo"
@@ -114,13 +123,7 @@ class CpuAccelerator(Accelerator):
 
     def configure_host_cache(self) -> str:
         """Cache large freed blocks (`NPUSPEED_CPU_CACHE_MB`, default 2048; 0 turns it off)."""
-        raw = os.environ.get(CACHE_ENV, "2048")
-        try:
-            mib = int(raw)
-        except ValueError:
-
-            raise AcceleratorError(f"{CACHE_ENV}={raw!r} is not a number of MiB; give e.g. 2048, "
-                                   "or 0 to turn the CPU block cache off") from None
+        mib = _env_mib(CACHE_ENV, "2048", int, "2048, or 0 to turn the CPU block cache off")
         tracker = self._tracker()
         if not tracker.enabled():
             self._host_cache = f"off: {tracker.describe()}"
@@ -133,18 +136,13 @@ class CpuAccelerator(Accelerator):
     def configure_memory_limit(self) -> str:
         """Refuse allocations above `NPUSPEED_CPU_MEMORY_LIMIT_MB` of live tensors (unset or 0:
         no limit) with torch.OutOfMemoryError, as a device with that much memory would."""
-        raw = os.environ.get(LIMIT_ENV, "0")
-        try:
-            mib = float(raw)
-        except ValueError:
-            raise AcceleratorError(f"{LIMIT_ENV}={raw!r} is not a number of MiB; give e.g. 512, "
-                                   "or 0 for no limit") from None
+        mib = _env_mib(LIMIT_ENV, "0", float, "512, or 0 for no limit")
         tracker = self._tracker()
         if mib <= 0:
             tracker.set_limit(0)
             self._memory_limit = "none"
         elif not tracker.set_limit(int(mib * 2**20)):
-            raise AcceleratorError(f"{LIMIT_ENV}={raw}: the tracking allocator cannot enforce a limit "
+            raise AcceleratorError(f"{LIMIT_ENV}={mib:g}: the tracking allocator cannot enforce a limit "
                                    f"here ({tracker.describe()}); rebuild npuspeed's op library or unset it")
         else:
             self._memory_limit = f"{mib:g} MiB of live tensors ({LIMIT_ENV})"
