@@ -15,7 +15,7 @@ Each calibrated figure is read at its fastest repeat (profile `estimate`, defaul
 typical time, so the fastest repeat is low by each call's spread (most where a call waits on
 its peers: TP/CP/EP collectives on ranks sharing cores), but on a shared host a median taken
 during a burst of other work keeps the burst: measured here (README, "Planning a run") the
-median over-predicted TP-1 layouts by up to 90%, so it is not the default.
+median over-predicted TP-1 layouts by up to 94%, so it is not the default.
 Fused norm/SwiGLU/RoPE kernels are priced as the calibrated ones (no per-kernel table).
 """
 from __future__ import annotations
