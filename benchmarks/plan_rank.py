@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -86,26 +87,33 @@ def main() -> int:
         rows = []
         for name, flags in LAYOUTS.items():
             planned = predict(model + COMMON + flags, 2, profile)
+            # the same profile read at its median repeats (speed.py: the fastest are the default)
+            alt = predict(model + COMMON + flags, 2, {**profile, "estimate": "median"})
             ms = fastest[name]
             rows.append({"layout": name, "predicted_tokens_s": planned.speed.tokens_per_s,
                          "measured_tokens_s": tokens / (ms / 1e3), "predicted_step_ms": planned.speed.step_ms,
                          "measured_step_ms": ms, "error": planned.speed.step_ms / ms - 1.0,
                          "measured_passes_ms": passes[name], "measured_noise": noise[name],
+                         "predicted_median_step_ms": alt.speed.step_ms,
+                         "predicted_median_tokens_s": alt.speed.tokens_per_s, "load_avg_1m": os.getloadavg()[0],
                          "breakdown": planned.speed.as_dict()})
             r = rows[-1]
             print(f"{size:20s} {name:12s} predicted {r['predicted_tokens_s']:8.0f} tokens/s "
                   f"({r['predicted_step_ms']:7.1f} ms)  measured {r['measured_tokens_s']:8.0f} tokens/s "
                   f"({r['measured_step_ms']:7.1f} ms, passes differ {r['measured_noise']:5.1%})  "
-                  f"{r['error']:+6.1%}", flush=True)
+                  f"{r['error']:+6.1%}  [median-repeat estimate {r['predicted_median_step_ms']:7.1f} ms "
+                  f"{r['predicted_median_step_ms'] / ms - 1.0:+6.1%}]  load {r['load_avg_1m']:.2f}", flush=True)
         top_p = [r["layout"] for r in sorted(rows, key=lambda r: -r["predicted_tokens_s"])][:3]
         top_m = [r["layout"] for r in sorted(rows, key=lambda r: -r["measured_tokens_s"])][:3]
+        top_alt = [r["layout"] for r in sorted(rows, key=lambda r: -r["predicted_median_tokens_s"])][:3]
         same = top_p == top_m
         agree += same
         inversions = _inversions(rows, top_p, noise)
         agree_noise += not inversions
         print(f"{size}: top 3 predicted {top_p}, measured {top_m}: {'same' if same else 'different'}; "
               f"inversions beyond the passes' spread: {inversions or 'none'}; "
-              f"calibration {profile['seconds']:.0f} s\n", flush=True)
+              f"calibration {profile['seconds']:.0f} s; median-repeat estimate's top 3 {top_alt}: "
+              f"{'same' if top_alt == top_m else 'different'}\n", flush=True)
         results[size] = {"rows": rows, "top_predicted": top_p, "top_measured": top_m, "same": same,
                          "inversions_beyond_noise": inversions, "calibration_s": profile["seconds"]}
     out = ROOT / "benchmarks" / "results"

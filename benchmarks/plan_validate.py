@@ -164,6 +164,8 @@ def main() -> int:
             with tempfile.TemporaryDirectory() as tmp:
                 own = calibrate(argv, nproc, Path(tmp) / "profile.json")
         planned = predict(argv, nproc, own)
+        # the same profile read at its median repeats (speed.py: the fastest are the default)
+        median = predict(argv, nproc, {**own, "estimate": "median"}) if own else None
         if measured.get("failed"):
             print(f"{name}: run failed\n{measured['log']}", file=sys.stderr)
             continue
@@ -174,12 +176,18 @@ def main() -> int:
                "measured_step_ms": min(measured["step_ms"][1:]) if measured.get("step_ms") else measured.get(
                    "median_step_ms"),
                "predicted_step_ms": planned.speed.step_ms if planned.speed else None,
+               "predicted_median_step_ms": median.speed.step_ms if median and median.speed else None,
+               "load_avg_1m": os.getloadavg()[0],
                "flags": " ".join(extra), "wall_s": time.time() - t0, "step_error": None}
         rows.append(row)
         step = ""
         if row["predicted_step_ms"]:
             row["step_error"] = row["predicted_step_ms"] / row["measured_step_ms"] - 1.0
             step = f"  step {row['predicted_step_ms']:.0f} / {row['measured_step_ms']:.0f} ms {row['step_error']:+6.1%}"
+            if row["predicted_median_step_ms"]:
+                step += (f" (median-repeat estimate {row['predicted_median_step_ms']:.0f} ms "
+                         f"{row['predicted_median_step_ms'] / row['measured_step_ms'] - 1.0:+6.1%})")
+            step += f"  load {row['load_avg_1m']:.2f}"
         print(f"{name:45s} predicted {row['predicted_mib']:8.2f} MiB  measured {row['measured_mib']:8.2f} MiB  "
               f"{row['error']:+6.1%}{step}", flush=True)
     out = ROOT / "benchmarks" / "results"

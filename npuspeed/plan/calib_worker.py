@@ -10,7 +10,10 @@ at the run's micro-batch and at half its tokens (to split per-module overhead fr
 work). With TP = 1 (all ranks data-parallel) it times Megatron's finalize_model_grads and
 optimizer step, plain and distributed, at one and two layers (a fixed part and a part per
 parameter), and the world's all-reduce and a point-to-point send (latency and bandwidth).
-Each figure is the fastest of a few repeats on each rank, the slowest rank's.
+Each figure is kept twice, both the slowest rank's: the fastest of the repeats on each rank,
+and their median (`<part>_median`). A step is a sum of many calls, so it takes each call's
+typical time, not its luckiest: where a call waits on its peers (TP/CP/EP collectives on a
+host whose ranks share cores) the fastest repeat is well below the typical one (speed.py).
 """
 from __future__ import annotations
 
@@ -32,6 +35,12 @@ def _sync_max(value: float) -> float:
     return float(t.item())
 
 
+def _median(values: list) -> float:
+    ordered = sorted(values)
+    n = len(ordered)
+    return ordered[n // 2] if n % 2 else 0.5 * (ordered[n // 2 - 1] + ordered[n // 2])
+
+
 def _once(fn) -> tuple[float, float]:
     """(forward s, backward s) of one call: `fn()` returns (out, grad or None) after the forward."""
     import torch.distributed as dist
@@ -48,24 +57,26 @@ def _once(fn) -> tuple[float, float]:
 
 
 def _rounds(fns: dict, budget_s: float) -> dict:
-    """Fastest (forward, backward) of each fn, the slowest rank's. The fns take turns, round
-    after round (a warm-up, then at least MIN_ROUNDS, more while the budget lasts, at most
-    MAX_ROUNDS), so a burst of other work on a shared host hits them all alike and the
-    fastest of each comes from its quietest moment."""
+    """{fn: ((fastest forward, fastest backward), (median forward, median backward))}, each the
+    slowest rank's. The fns take turns, round after round (a warm-up, then at least
+    MIN_ROUNDS, more while the budget lasts, at most MAX_ROUNDS), so a burst of other work on
+    a shared host hits them all alike."""
     import torch.distributed as dist
 
-    best = {k: [float("inf"), float("inf")] for k in fns}
+    seen = {k: ([], []) for k in fns}
     start = time.perf_counter()
     for i in range(MAX_ROUNDS + 1):
         for k, fn in fns.items():
             f, b = _once(fn)
             if i:
-                best[k] = [min(best[k][0], f), min(best[k][1], b)]
+                seen[k][0].append(f)
+                seen[k][1].append(b)
         elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # every rank stops after the same round
         if i >= MIN_ROUNDS and float(elapsed) > budget_s:
             break
-    return {k: (_sync_max(v[0]), _sync_max(v[1])) for k, v in best.items()}
+    return {k: ((_sync_max(min(f)), _sync_max(min(b))), (_sync_max(_median(f)), _sync_max(_median(b))))
+            for k, (f, b) in seen.items()}
 
 
 def _init_groups(g: dict, seed: int) -> None:
@@ -100,9 +111,10 @@ def _ddp(model, cfg, spec):
                module=model)
 
 
-def _schedule_overhead(full, cfg, tokens, positions, labels, b: int, s: int, full_s: float) -> float:
+def _schedule_overhead(full, cfg, tokens, positions, labels, b: int, s: int, full_s: tuple) -> tuple:
     """Seconds per micro-batch Megatron's schedule adds to a chunk's forward and backward
-    (its forward_step/loss calls, loss scaling, output deallocation)."""
+    (its forward_step/loss calls, loss scaling, output deallocation): (from the fastest runs,
+    from the median runs), `full_s` the chunk's own (fastest, median) forward + backward."""
     from functools import partial
 
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -116,7 +128,7 @@ def _schedule_overhead(full, cfg, tokens, positions, labels, b: int, s: int, ful
 
     run = get_forward_backward_func()
     m = 4
-    best = float("inf")
+    times = []
     import torch.distributed as dist
 
     for i in range(2 * REPEATS):
@@ -125,8 +137,8 @@ def _schedule_overhead(full, cfg, tokens, positions, labels, b: int, s: int, ful
         run(forward_step_func=forward_step, data_iterator=iter(()), model=full, num_microbatches=m, seq_length=s,
             micro_batch_size=b, decoder_seq_length=s, forward_only=False)
         if i:
-            best = min(best, time.perf_counter() - t0)
-    return max(_sync_max(best) / m - full_s, 0.0)
+            times.append(time.perf_counter() - t0)
+    return tuple(max(_sync_max(t) / m - f, 0.0) for t, f in ((min(times), full_s[0]), (_median(times), full_s[1])))
 
 
 def time_group(spec, g: dict, points: list[tuple[int, int]]) -> dict:
@@ -169,11 +181,13 @@ def time_group(spec, g: dict, points: list[tuple[int, int]]) -> dict:
             return loss.float().sum() / loss.numel(), None
 
         fns.update({("layer", i): run_block, ("pre", i): run_pre, ("full", i): run_full})
-    best = _rounds(fns, GROUP_BUDGET_S)
+    timed = _rounds(fns, GROUP_BUDGET_S)
     for part in ("layer", "pre", "full"):
-        out[part] = [list(best[(part, i)]) for i in range(len(points))]
+        out[part] = [list(timed[(part, i)][0]) for i in range(len(points))]
+        out[part + "_median"] = [list(timed[(part, i)][1]) for i in range(len(points))]
     tokens, positions, labels, b, s_local = inputs[0]
-    out["schedule"] = _schedule_overhead(full, cfg, tokens, positions, labels, b, s_local, sum(out["full"][0]))
+    out["schedule"], out["schedule_median"] = _schedule_overhead(
+        full, cfg, tokens, positions, labels, b, s_local, (sum(out["full"][0]), sum(out["full_median"][0])))
     del block, pre, full, models
     mpu.destroy_model_parallel()
     return out
@@ -182,7 +196,8 @@ def time_group(spec, g: dict, points: list[tuple[int, int]]) -> dict:
 def time_optimizers(spec, clip_grad: float = 1.0, grouped_gemm: bool = False) -> dict:
     """Megatron's finalize_model_grads and optimizer.step(), plain and distributed, data-parallel
     over the whole calibration world (TP 1), for chunks of 1 and 2 layers, taking turns:
-    {kind: {"points": [[params, grad bytes, finalize s, step s], ...]}}."""
+    {kind: {"points": [[params, grad bytes, finalize s, step s], ...], "points_median": (the same
+    with the median repeats)}}."""
     from megatron.core.distributed import DistributedDataParallel as DDP
     from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -203,10 +218,10 @@ def time_optimizers(spec, clip_grad: float = 1.0, grouped_gemm: bool = False) ->
                 fp16=spec.batch.dtype == "fp16", params_dtype=calib_model.dtype_of(spec),
                 use_distributed_optimizer=distributed), [ddp])
             cfg.finalize_model_grads_func = finalize_model_grads
-            runs[(kind, layers)] = (ddp, opt, [float("inf"), float("inf")])
+            runs[(kind, layers)] = (ddp, opt, ([], []))
     start = time.perf_counter()
     for i in range(MAX_ROUNDS + 1):
-        for ddp, opt, best in runs.values():
+        for ddp, opt, seen in runs.values():
             ddp.zero_grad_buffer()
             opt.zero_grad()
             for buf in ddp.buffers:
@@ -218,16 +233,18 @@ def time_optimizers(spec, clip_grad: float = 1.0, grouped_gemm: bool = False) ->
             opt.step()
             t2 = time.perf_counter()
             if i:
-                best[0], best[1] = min(best[0], t1 - t0), min(best[1], t2 - t1)
+                seen[0].append(t1 - t0)
+                seen[1].append(t2 - t1)
         elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
         torch.distributed.all_reduce(elapsed, op=torch.distributed.ReduceOp.MAX)
         if i >= MIN_ROUNDS and float(elapsed) > GROUP_BUDGET_S:
             break
-    out = {"plain": {"points": []}, "distributed": {"points": []}}
-    for (kind, _layers), (ddp, _opt, best) in runs.items():
+    out = {"plain": {"points": [], "points_median": []}, "distributed": {"points": [], "points_median": []}}
+    for (kind, _layers), (ddp, _opt, (fin, step)) in runs.items():
         params = sum(p.numel() for p in ddp.parameters())
         grad_bytes = sum(buf.grad_data.numel() * buf.grad_data.element_size() for buf in ddp.buffers)
-        out[kind]["points"].append([params, grad_bytes, _sync_max(best[0]), _sync_max(best[1])])
+        out[kind]["points"].append([params, grad_bytes, _sync_max(min(fin)), _sync_max(min(step))])
+        out[kind]["points_median"].append([params, grad_bytes, _sync_max(_median(fin)), _sync_max(_median(step))])
     del runs
     from megatron.core import parallel_state as mpu
 

@@ -10,6 +10,12 @@ difference (kernel times alone; the recomputed forward). A step is then: every p
 rank's micro-batches in Megatron's order (1F1B / interleaved, simulated with the
 point-to-point hop between stages: the bubble follows), Megatron's finalize_model_grads
 (the DP all-reduce or reduce-scatter), and the optimizer step, both fitted per parameter.
+Each calibrated figure is read at its fastest repeat (profile `estimate`, default "fastest");
+"median" reads the median repeats the profile also keeps. A step sums many calls at their
+typical time, so the fastest repeat is low by each call's spread (most where a call waits on
+its peers: TP/CP/EP collectives on ranks sharing cores), but on a shared host a median taken
+during a burst of other work keeps the burst: measured here (README, "Planning a run") the
+median over-predicted TP-1 layouts by up to 94%, so it is not the default.
 Fused norm/SwiGLU/RoPE kernels are priced as the calibrated ones (no per-kernel table).
 """
 from __future__ import annotations
@@ -57,6 +63,17 @@ def load_profile(path: str) -> dict:
     return profile
 
 
+ESTIMATES = ("fastest", "median")
+
+
+def _pick(table: dict, key: str, profile: dict):
+    """`table[key]` at the profile's estimate: `key + "_median"` where measured and asked for."""
+    estimate = profile.get("estimate", "fastest")
+    if estimate not in ESTIMATES:
+        raise ValueError(f"profile estimate {estimate!r}: one of {ESTIMATES}")
+    return table.get(key + "_median", table[key]) if estimate == "median" else table[key]
+
+
 def _dt(spec: RunSpec) -> str:
     return "fp32" if spec.batch.dtype == "fp32" else "bf16"
 
@@ -92,7 +109,7 @@ class GroupTimes:
         self.fits = {}
         for part in ("layer", "pre", "full"):
             for i, name in enumerate(("f", "b")):
-                values = [row[i] for row in g[part]]
+                values = [row[i] for row in _pick(g, part, profile)]
                 share = (1 / 3 if name == "f" else 2 / 3) if part == "layer" else 0.0
                 self.fits[(part, name)] = _fit(self.points, values, attn(share))
         self.attn = attn
@@ -191,7 +208,8 @@ def step_time(spec: RunSpec, effects, profile: dict, volume: dict) -> StepTime:
     lf, lb, ef, eb, hf, hb, key, notes = layer_seconds(profile, spec, effects)
     key = key if key in profile["groups"] else next(iter(profile["groups"]))
     n = spec.layers_per_chunk()
-    sched = profile["groups"][key].get("schedule", 0.0)  # Megatron's schedule, per micro-batch and chunk
+    g = profile["groups"][key]  # Megatron's schedule, per micro-batch and chunk:
+    sched = _pick(g, "schedule", profile) if "schedule" in g else 0.0
     fwd = [[sched + n * lf + (ef if r == 0 and c == 0 else 0.0) + (hf if r == lay.pp - 1 and c == lay.chunks - 1 else 0.0)
             for c in range(lay.chunks)] for r in range(lay.pp)]
     bwd = [[n * lb + (eb if r == 0 and c == 0 else 0.0) + (hb if r == lay.pp - 1 and c == lay.chunks - 1 else 0.0)
@@ -203,7 +221,7 @@ def step_time(spec: RunSpec, effects, profile: dict, volume: dict) -> StepTime:
     # finalize_model_grads and the optimizer step, on the rank with the most parameters
     params = max(sum(chunk_params(spec, r, c).total for c in range(lay.chunks)) for r in range(lay.pp))
     opt = profile["optimizer"]["distributed" if lay.distributed_optimizer and lay.dp * lay.cp > 1 else "plain"]
-    pts = opt["points"]
+    pts = _pick(opt, "points", profile)
     dp_group = lay.dp * lay.cp
     finalize = _per_param(pts, params, 1)
     comm = {}

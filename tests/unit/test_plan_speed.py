@@ -104,3 +104,29 @@ def test_a_cp_group_is_read_at_the_sequence_it_was_calibrated_with():
     cp = _speed("--use-flash-attn", "--attention-dropout", "0", "--context-parallel-size", "2", prof=prof)
     assert cp.group == group_key(1, False, 2)
     assert cp.layer_ms == pytest.approx((3.0, 6.0))
+
+
+def test_the_profile_estimate_picks_the_fastest_or_the_median_repeats():
+    """The calibration keeps each call's fastest and median repeats; the plan reads the fastest
+    unless the profile's estimate says median (older profiles have the fastest alone)."""
+    prof = profile()
+    for g in prof["groups"].values():
+        for part in ("layer", "pre", "full"):
+            g[part + "_median"] = [[2 * t for t in row] for row in g[part]]
+        g["schedule_median"] = 0.0
+    for opt in prof["optimizer"].values():
+        opt["points_median"] = [[p, n, 2 * f, 2 * s] for p, n, f, s in opt["points"]]
+    fastest = _speed(prof=prof)
+    assert fastest.step_ms == pytest.approx(_speed().step_ms)  # as a profile without medians
+    typical = _speed(prof={**prof, "estimate": "median"})
+    assert typical.layer_ms == pytest.approx(tuple(2 * t for t in fastest.layer_ms))
+    assert typical.optimizer_ms == pytest.approx(2 * fastest.optimizer_ms)
+    assert typical.step_ms == pytest.approx(2 * fastest.step_ms)
+    with pytest.raises(ValueError, match="estimate"):
+        _speed(prof={**prof, "estimate": "mean"})
+
+
+def test_the_calibration_median_of_repeats():
+    from npuspeed.plan.calib_worker import _median
+
+    assert _median([3.0, 1.0, 2.0]) == 2.0 and _median([4.0, 1.0, 2.0, 3.0]) == 2.5
