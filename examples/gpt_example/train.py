@@ -262,6 +262,7 @@ def _train(args, progress) -> dict:
     forward_backward = get_forward_backward_func()
     step_func = partial(forward_step, check_finite=check_for_nan(args), layout=batch_layout(args, tokenizer.eod))
     losses, step_times, skipped, nonfinite = [], [], 0, []
+    parts = {"forward_backward_ms": [], "optimizer_step_ms": []}  # rank 0's, per iteration
     run_peak = step_peak = 0  # the run's peak, and the largest optimizer-step peak (above the step's start)
     tokens_per_iter = args.global_batch_size * args.seq_length
     start_iteration = iteration
@@ -278,7 +279,11 @@ def _train(args, progress) -> dict:
         )
         run_peak = max(run_peak, acc.max_memory_allocated())
         acc.reset_peak_memory_stats()
+        acc.synchronize()
+        t1 = time.perf_counter()
         ok, grad_norm, _ = optimizer.step()
+        acc.synchronize()
+        t2 = time.perf_counter()
         step_peak = max(step_peak, acc.max_memory_allocated())
         if ok:
             scheduler.step(increment=args.global_batch_size)
@@ -293,6 +298,8 @@ def _train(args, progress) -> dict:
             nonfinite.append(iteration)
         losses.append(loss)
         step_times.append(step_ms)
+        parts["forward_backward_ms"].append((t1 - t0) * 1000.0)
+        parts["optimizer_step_ms"].append((t2 - t1) * 1000.0)
         if iteration % args.log_interval == 0:
             peak = _max_over_ranks(max(run_peak, acc.max_memory_allocated()))
             if rank0:
@@ -335,6 +342,10 @@ def _train(args, progress) -> dict:
         # iterations whose loss or gradient was NaN/Inf (reported in the log as they happen)
         "nonfinite_iterations": nonfinite,
         "context_parallel_size": args.context_parallel_size,
+        # per iteration (rank 0), the step's two parts as `npuspeed plan` predicts them: zeroing,
+        # the schedule's forward/backward and finalize_model_grads (the DP reduction); the
+        # optimizer step (clip, update, the distributed optimizer's parameter gather)
+        **parts,
     }
     if rank0 and args.summary_json:
         with open(args.summary_json, "w") as f:

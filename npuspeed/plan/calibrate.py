@@ -158,16 +158,27 @@ def _port() -> int:
 CP_FLAGS = ("--context-parallel-size", "--context-parallel-algo", "--ulysses-degree-in-cp")
 
 
-def without_cp(argv: list[str]) -> list[str]:
+#: flags that count layers of a chunk: the calibration builds chunks of one or two layers, so
+#: their variant is timed on every layer built and speed.py scales it by the layers the run
+#: applies it to (effects.layers_for)
+LAYER_COUNT_FLAGS = ("--recompute-activation-function-num-layers",)
+
+
+def without(argv: list[str], flags: tuple) -> list[str]:
+    """`argv` less `flags` (each with its value, as `--flag v` or `--flag=v`)."""
     out, skip = [], False
     for a in argv:
         if skip:
             skip = False
-        elif a in CP_FLAGS:
+        elif a in flags:
             skip = True
-        elif not a.startswith(tuple(f + "=" for f in CP_FLAGS)):
+        elif not a.startswith(tuple(f + "=" for f in flags)):
             out.append(a)
     return out
+
+
+def without_cp(argv: list[str]) -> list[str]:
+    return without(argv, CP_FLAGS)
 
 
 def run_world(spec: RunSpec, argv: list[str], threads: int, timeout: float = 900.0) -> dict:
@@ -181,7 +192,7 @@ def run_world(spec: RunSpec, argv: list[str], threads: int, timeout: float = 900
     grouped = "--moe-grouped-gemm" in argv  # the experts the run builds (Megatron's flag)
     for g in gs.values():
         g["grouped_gemm"] = grouped
-    argv = [a for a in argv if not a.startswith("--npuspeed-device")]
+    argv = without([a for a in argv if not a.startswith("--npuspeed-device")], LAYER_COUNT_FLAGS)
     cp = spec.layout.cp
     if cp <= 1:
         return _world(spec, argv, threads, world, gs, True, timeout)

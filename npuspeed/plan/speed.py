@@ -172,9 +172,12 @@ def layer_seconds(profile: dict, spec: RunSpec, effects) -> tuple[float, float, 
         ew = profile["elementwise_s_per_byte"].get(_dt(spec)) or next(iter(profile["elementwise_s_per_byte"].values()))
         d = dims(spec)
         act = ew * 2 * d.tokens * d.ffn * d.glu * d.act  # the activation's forward again
-        planned = "mlp_activation" in effects.variants and effects.variants["mlp_activation"] != "keep"
+        # the share of a chunk's layers that recompute it (all, or the first N), against the
+        # calibrated layer's (calibrate.py times the variant on every layer it builds)
+        n = max(spec.layers_per_chunk(), 1)
+        planned = len(effects.layers_for("mlp_activation", n)) / n
         was = profile.get("variants", {}).get("mlp_activation", "keep") != "keep"
-        lb += act * (int(planned) - int(was))
+        lb += act * (planned - int(was))
     return lf, lb, emb[0], emb[1], head[0], head[1], key, notes
 
 

@@ -21,6 +21,10 @@ def test_readme_example_trains(tmp_path):
     assert run["tokens_per_s"] > 0 and run["mean_step_ms"] > 0
     assert len(run["step_ms"]) == 10 and min(run["step_ms"][1:]) <= run["median_step_ms"] <= max(run["step_ms"][1:])
     assert "elapsed time per iteration (ms)" in run["log"] and "lm loss" in run["log"]
+    # the step's two parts (what `npuspeed plan` predicts apart) add up to less than the step
+    for i, step in enumerate(run["step_ms"]):
+        fb, opt = run["forward_backward_ms"][i], run["optimizer_step_ms"][i]
+        assert fb > 0 and opt > 0 and fb + opt <= step
 
 
 def test_indexed_dataset_trains(tmp_path):

@@ -130,3 +130,20 @@ def test_the_calibration_median_of_repeats():
     from npuspeed.plan.calib_worker import _median
 
     assert _median([3.0, 1.0, 2.0]) == 2.0 and _median([4.0, 1.0, 2.0, 3.0]) == 2.5
+
+
+def test_activation_recompute_of_the_first_n_layers_is_priced_by_their_share():
+    """The calibration times the activation recompute on every layer it builds (its chunks hold
+    one or two layers, so `--recompute-activation-function-num-layers` is left out there); a
+    plan recomputing the first N of a chunk's layers pays N / layers of that."""
+    from npuspeed.plan.calibrate import LAYER_COUNT_FLAGS, without
+
+    base = _speed()
+    every = _speed("--recompute-activation-function")
+    half = _speed("--recompute-activation-function", "--recompute-activation-function-num-layers", "2")
+    extra = every.layer_ms[1] - base.layer_ms[1]
+    assert extra > 0 and half.layer_ms[1] - base.layer_ms[1] == pytest.approx(extra / 2)
+    calibrated = profile(variants={"mlp_activation": "recompute"})  # a profile timed with it on
+    assert _speed("--recompute-activation-function", prof=calibrated).layer_ms[1] == pytest.approx(base.layer_ms[1])
+    argv = ["--bf16", "--recompute-activation-function-num-layers", "2", "--recompute-activation-function-num-layers=3"]
+    assert without(argv, LAYER_COUNT_FLAGS) == ["--bf16"]
