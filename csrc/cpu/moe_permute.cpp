@@ -124,7 +124,7 @@ void unpermute_kernel(const T* x, const float* p, T* out, const std::vector<int6
   using A = acc_t<T>;
   constexpr int64_t S = kStep<T>;
   const int64_t padded = (H + S - 1) / S * S;  // whole steps: the accumulator needs no tails
-  const int64_t grain = std::max<int64_t>(1, 8192 / std::max<int64_t>(H, 1));
+  const int64_t grain = row_grain(8192, H);
   at::parallel_for(0, num_tokens, grain, [&](int64_t t0, int64_t t1) {
     std::vector<A> acc(padded);
     for (int64_t t = t0; t < t1; ++t) {
@@ -196,7 +196,7 @@ void unpermute_bwd_kernel(const T* g, const T* x, const int64_t* idx, const floa
   using V = AVec<T>;
   using A = acc_t<T>;
   constexpr int64_t S = kStep<T>;
-  const int64_t grain = std::max<int64_t>(1, 8192 / std::max<int64_t>(H, 1));
+  const int64_t grain = row_grain(8192, H);
   at::parallel_for(0, N, grain, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const T* gr = g + idx[r] * H;

@@ -29,7 +29,7 @@ void rms_norm_fwd_kernel(const T* x, const acc_t<T>* w, T* y, acc_t<T>* rstd_out
   using A = acc_t<T>;
   using V = AVec<T>;
   constexpr int64_t S = kStep<T>;
-  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(h, 1));
+  const int64_t grain = row_grain(32768, h);
   at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* xr = x + r * h;
@@ -152,7 +152,7 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward_cpu(const at::Tensor& grad,
     if (rows > 0) {
       NPUSPEED_DISPATCH_FLOATING(x.scalar_type(), "npuspeed::rms_norm_backward", [&] {
         using A = acc_t<scalar_t>;
-        const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(h, 1));
+        const int64_t grain = row_grain(32768, h);
         at::parallel_for(0, rows, grain, [&](int64_t b, int64_t e) {
           rms_norm_bwd_rows<scalar_t>(g.const_data_ptr<scalar_t>(), x.const_data_ptr<scalar_t>(),
                                       w.const_data_ptr<A>(), rs.const_data_ptr<A>(),

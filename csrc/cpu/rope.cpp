@@ -88,7 +88,7 @@ template <typename T, bool kBackward>
 void rope_kernel(const T* x, const acc_t<T>* c, const acc_t<T>* sn, T* out, const RopeGeometry& g,
                  bool interleaved) {
   const int64_t rows = g.s * g.b * g.h;
-  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(g.d, 1));
+  const int64_t grain = row_grain(16384, g.d);
   at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const int64_t hi = r % g.h, bi = (r / g.h) % g.b, si = r / (g.h * g.b);

@@ -25,7 +25,7 @@ void swiglu_fwd(const T* x, const float* p, T* y, int64_t rows, int64_t f) {
   using V = AVec<T>;
   using A = acc_t<T>;
   constexpr int64_t S = kStep<T>;
-  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(f, 1));
+  const int64_t grain = row_grain(16384, f);
   at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* a_row = x + r * 2 * f;
@@ -48,7 +48,7 @@ void swiglu_bwd(const T* g, const T* x, const float* p, T* dx, float* dp, int64_
   using V = AVec<T>;
   using A = acc_t<T>;
   constexpr int64_t S = kStep<T>;
-  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(f, 1));
+  const int64_t grain = row_grain(16384, f);
   at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
     const V one(A(1));
     for (int64_t r = begin; r < end; ++r) {

@@ -25,6 +25,12 @@ using AVec = at::vec::Vectorized<acc_t<T>>;
 template <typename T>
 constexpr int64_t kStep = 2 * AVec<T>::size();
 
+// Rows per at::parallel_for task: about `elements` elements of rows `width` long, at least one
+// row (below that a task costs more to hand out than to run).
+inline int64_t row_grain(int64_t elements, int64_t width) {
+  return std::max<int64_t>(1, elements / std::max<int64_t>(width, 1));
+}
+
 // Full step: `p` holds at least kStep<T> elements.
 template <typename T>
 inline void load2(const T* p, AVec<T>& a, AVec<T>& b) {
