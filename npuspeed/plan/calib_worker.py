@@ -166,17 +166,17 @@ def time_group(spec, g: dict, points: list[tuple[int, int]]) -> dict:
         tokens, positions, labels = _inputs(spec, b, s_local, g)
         inputs.append((tokens, positions, labels, b, s_local))
 
-        def run_block(x=x):
+        def run_block(x=x, block=block):
             x = x.detach().requires_grad_()
             block.module.set_input_tensor(x)
             y = block(None, None, None)
             return y, torch.randn_like(y)
 
-        def run_pre(tokens=tokens, positions=positions):
+        def run_pre(tokens=tokens, positions=positions, pre=pre):
             y = pre(tokens, positions, None)
             return y, torch.randn_like(y)
 
-        def run_full(tokens=tokens, positions=positions, labels=labels):
+        def run_full(tokens=tokens, positions=positions, labels=labels, full=full):
             loss = full(tokens, positions, None, labels=labels)
             return loss.float().sum() / loss.numel(), None
 
@@ -193,11 +193,24 @@ def time_group(spec, g: dict, points: list[tuple[int, int]]) -> dict:
     return out
 
 
+#: the optimizer's second chunk: the run's layers up to this many (a deeper model extrapolates)
+OPTIMIZER_MAX_LAYERS = 4
+
+
+def optimizer_layers(spec) -> tuple[int, int]:
+    """Chunk depths the optimizer is timed at: one layer, and as many as a rank of the run can
+    hold (up to OPTIMIZER_MAX_LAYERS), so that plans interpolate between the two points. With
+    1 and 2 layers alone the per-parameter slope is one layer's difference of two times each
+    holding the embedding, and a 4-layer DP rank read it three times over, noise included."""
+    return 1, max(2, min(spec.model.num_layers, OPTIMIZER_MAX_LAYERS))
+
+
 def time_optimizers(spec, clip_grad: float = 1.0, grouped_gemm: bool = False) -> dict:
     """Megatron's finalize_model_grads and optimizer.step(), plain and distributed, data-parallel
-    over the whole calibration world (TP 1), for chunks of 1 and 2 layers, taking turns:
+    over the whole calibration world (TP 1), for chunks of `optimizer_layers`, taking turns:
     {kind: {"points": [[params, grad bytes, finalize s, step s], ...], "points_median": (the same
-    with the median repeats)}}."""
+    with the median repeats)}}. The DDP config is the run's: gradient buffers in fp32 under
+    mixed precision, the NaN check of every bucket before its reduction (Megatron-LM's default)."""
     from megatron.core.distributed import DistributedDataParallel as DDP
     from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -209,10 +222,11 @@ def time_optimizers(spec, clip_grad: float = 1.0, grouped_gemm: bool = False) ->
     mixed = spec.batch.dtype != "fp32"
     runs = {}
     for kind, distributed in (("plain", False), ("distributed", True)):
-        for layers in (1, 2):
+        for layers in optimizer_layers(spec):
             model, cfg = calib_model.build(spec, layers, g, pre=True, post=True)
             ddp = DDP(config=cfg, ddp_config=DistributedDataParallelConfig(
-                grad_reduce_in_fp32=mixed, use_distributed_optimizer=distributed), module=model)
+                grad_reduce_in_fp32=mixed, use_distributed_optimizer=distributed,
+                check_for_nan_in_grad=spec.extra.get("check_for_nan_in_grad", True)), module=model)
             opt = get_megatron_optimizer(OptimizerConfig(
                 optimizer="adam", lr=1e-4, weight_decay=0.01, clip_grad=clip_grad, bf16=spec.batch.dtype == "bf16",
                 fp16=spec.batch.dtype == "fp16", params_dtype=calib_model.dtype_of(spec),

@@ -59,6 +59,8 @@ def _megatron(p: argparse.ArgumentParser) -> None:
     add("--sequence-parallel", action="store_true")
     add("--use-distributed-optimizer", action="store_true")
     add("--overlap-grad-reduce", action="store_true")
+    # Megatron-LM checks every gradient bucket for NaN before its reduction unless told not to
+    add("--no-check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad", action="store_false")
     add("--micro-batch-size", type=int, default=1)
     add("--global-batch-size", type=int)
     add("--bf16", action="store_true")
@@ -160,5 +162,6 @@ def parse(argv: list[str]) -> tuple[RunSpec, argparse.Namespace, list[str]]:
                 problems.append(f"not modeled: {what}; drop it to plan the rest")
     mem = int(ns.device_memory_gb * 2**30) if ns.device_memory_gb else None
     spec = RunSpec(model=model, layout=layout, batch=batch, feature_argv=tuple(rest), devices=devices,
-                   device_memory_bytes=mem, extra={"problems": problems, "nproc_per_node": nproc})
+                   device_memory_bytes=mem, extra={"problems": problems, "nproc_per_node": nproc,
+                          "check_for_nan_in_grad": ns.check_for_nan_in_loss_and_grad and not ns.fp16})
     return spec, ns, rest

@@ -147,3 +147,19 @@ def test_activation_recompute_of_the_first_n_layers_is_priced_by_their_share():
     assert _speed("--recompute-activation-function", prof=calibrated).layer_ms[1] == pytest.approx(base.layer_ms[1])
     argv = ["--bf16", "--recompute-activation-function-num-layers", "2", "--recompute-activation-function-num-layers=3"]
     assert without(argv, LAYER_COUNT_FLAGS) == ["--bf16"]
+
+
+def test_the_optimizer_is_timed_across_the_depth_a_rank_holds():
+    """Interpolated between one layer and the run's depth (up to 4 layers), not extrapolated
+    from a 1-vs-2-layer difference; the NaN check Megatron-LM runs on each bucket is timed
+    with it unless the run turns it off."""
+    from npuspeed.plan.calib_worker import optimizer_layers
+
+    def spec(*flags):
+        return plan([*MODEL, *flags, "--nproc-per-node", "2"], with_removes=False).spec
+
+    assert optimizer_layers(spec()) == (1, 4)
+    assert optimizer_layers(spec("--num-layers", "12")) == (1, 4)
+    assert optimizer_layers(spec("--num-layers", "1")) == (1, 2)
+    assert spec().extra["check_for_nan_in_grad"] is True
+    assert spec("--no-check-for-nan-in-loss-and-grad").extra["check_for_nan_in_grad"] is False
