@@ -173,7 +173,7 @@ def layout_problems(spec: RunSpec) -> list[str]:
             out.append(f"--num-experts {m.num_experts} is not divisible by --expert-model-parallel-size {lay.ep}")
         if lay.world % (lay.tp * lay.ep * lay.pp):
             out.append(f"world size {lay.world} is not divisible by TP x EP x PP = {lay.tp * lay.ep * lay.pp}")
-        if lay.ep > 1 and lay.sp is False and lay.tp > 1:
+        if not lay.sp and lay.tp > 1:  # Megatron-Core's MoELayer refuses to train so, with or without EP
             out.append("MoE with --tensor-model-parallel-size > 1 needs --sequence-parallel (Megatron-Core)")
     elif lay.ep > 1:
         out.append(f"--expert-model-parallel-size {lay.ep} without --num-experts")

@@ -79,3 +79,15 @@ def test_moe_feature_effects():
 def test_moe_what_is_not_modeled_is_said():
     p = plan([*MODEL, *MOE, "--moe-expert-capacity-factor", "1.0", "--nproc-per-node", "1"], with_removes=False)
     assert not p.ok and any("capacity" in x for x in p.problems)
+
+
+def test_moe_with_tp_needs_sp_and_the_calibration_times_only_shapes_that_train():
+    """Megatron-Core's MoELayer refuses to train with TP > 1 and no SP (EP or not): the plan
+    lists it, and --calibrate does not time that group shape (it crashed there)."""
+    from npuspeed.plan.calibrate import groups
+    from npuspeed.plan.speed import group_key
+
+    p = plan([*MODEL, *MOE, "--tensor-model-parallel-size", "2", "--nproc-per-node", "2"], with_removes=False)
+    assert not p.ok and any("--sequence-parallel" in x for x in p.problems)
+    ok = _plan(*MOE, "--tensor-model-parallel-size", "2", "--sequence-parallel", "--moe-tp-extend-ep")
+    assert set(groups(ok.spec, 2)) == {group_key(1, False), group_key(2, True)}
