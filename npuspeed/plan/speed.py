@@ -9,7 +9,8 @@ plan whose attention kernel or recompute differs from the calibrated one is pric
 difference (kernel times alone; the recomputed forward). A step is then: every pipeline
 rank's micro-batches in Megatron's order (1F1B / interleaved, simulated with the
 point-to-point hop between stages: the bubble follows), Megatron's finalize_model_grads
-(the DP all-reduce or reduce-scatter), and the optimizer step, both fitted per parameter.
+(the DP all-reduce or reduce-scatter), and the optimizer step, both fitted per parameter
+between a one-layer chunk and one of the run's depth (up to 4 layers), so a plan interpolates.
 Each calibrated figure is read at its fastest repeat (profile `estimate`, default "fastest");
 "median" reads the median repeats the profile also keeps. A step sums many calls at their
 typical time, so the fastest repeat is low by each call's spread (most where a call waits on
