@@ -44,6 +44,9 @@ LAYOUTS = {
     "DP2": [],
     "DP2 distopt": ["--use-distributed-optimizer"],
 }
+#: the parallel layouts alone (TP, SP, PP, DP), without a feature set such as the distributed
+#: optimizer: the issue's "layouts" (its --search enumerates "layouts and feature sets")
+PARALLEL = ("TP2", "TP2+SP", "PP2", "DP2")
 
 
 def _inversions(rows: list, top_p: list, noise: dict, pred: str, meas: str) -> list:
@@ -93,7 +96,7 @@ def main() -> int:
     p.add_argument("--only", nargs="*", default=None, help="model sizes whose name contains these")
     args = p.parse_args()
     results = {}
-    agree = {name: [0, 0] for name, _, _ in PAIRINGS}  # strict, counting ties
+    agree = {name: [0, 0, 0] for name, _, _ in PAIRINGS}  # strict, counting ties, parallel layouts alone
     within = {name: [] for name, _, _ in PAIRINGS}
     sizes = {k: v for k, v in SIZES.items() if not args.only or any(o in k for o in args.only)}
     for size, model in sizes.items():
@@ -144,9 +147,14 @@ def main() -> int:
             agree[pairing][1] += not inversions
             res[pairing] = {"top_predicted": top_p, "top_measured": top_m, "same": top_p == top_m,
                             "inversions_beyond_noise": inversions}
+            par_p = [n for n in [r["layout"] for r in sorted(rows, key=lambda r: r[pred])] if n in PARALLEL][:3]
+            par_m = [n for n in [r["layout"] for r in sorted(rows, key=lambda r: r[meas])] if n in PARALLEL][:3]
+            agree[pairing][2] += par_p == par_m
+            res[pairing].update(parallel_top_predicted=par_p, parallel_top_measured=par_m)
             print(f"{size} {pairing}: top 3 predicted {top_p}, measured {top_m}: "
                   f"{'same' if top_p == top_m else 'different'}; inversions beyond the passes' spread: "
-                  f"{inversions or 'none'}", flush=True)
+                  f"{inversions or 'none'}; parallel layouts alone: predicted {par_p}, measured {par_m}: "
+                  f"{'same' if par_p == par_m else 'different'}", flush=True)
         print(f"{size}: calibration {profile['seconds']:.0f} s\n", flush=True)
         results[size] = res
     out = ROOT / "benchmarks" / "results"
@@ -155,7 +163,8 @@ def main() -> int:
     for pairing, _, _ in PAIRINGS:
         print(f"{pairing}: top-3 ranking matches in {agree[pairing][0]} of {len(sizes)} model sizes (in "
               f"{agree[pairing][1]} when layouts whose measured times differ less than their passes do count "
-              f"as tied); step time within 25% in {sum(within[pairing])} of {len(within[pairing])} layouts")
+              f"as tied; in {agree[pairing][2]} over the parallel layouts alone, {', '.join(PARALLEL)}); step "
+              f"time within 25% in {sum(within[pairing])} of {len(within[pairing])} layouts")
     return 0 if agree["fastest"][0] >= 2 else 1
 
 
