@@ -16,10 +16,11 @@ LAYOUTS = {
 }
 
 
-# CI keeps the suite short: TP1 and plain DP2 run with `make bench` (-m slow); in CI the
-# TP2+SP and distributed-optimizer DP2 cases cover them (and test_flash_attention_dropout_e2e
+# CI keeps the suite short: TP1, plain DP2 and distributed-optimizer DP2 run with `make bench`
+# (-m slow); in CI the TP2+SP case and the cross-layout resumes (test_checkpoint_layouts, a
+# distributed-optimizer DP2 checkpoint among them) cover them (and test_flash_attention_dropout_e2e
 # resumes TP1 with dropout bitwise).
-SLOW = ("tp1", "dp2")
+SLOW = ("tp1", "dp2", "dp2-distopt")
 
 
 @pytest.mark.parametrize("layout", [pytest.param(name, marks=pytest.mark.slow if name in SLOW else ())

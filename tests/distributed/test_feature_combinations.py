@@ -62,6 +62,8 @@ def test_all_features_on_match_all_off(layout, tmp_path):
     _compare(names, layout, tmp_path, bf16=False)
 
 
+# `make bench` (-m slow): CI runs all features on against all off (above)
+@pytest.mark.slow
 def test_all_features_on_bf16_with_shared_weights(tmp_path):
     names = [n for n in FEATURES if _allowed([n], "tp2-sp")]
     base, run = _compare(names, "tp2-sp", tmp_path, bf16=True)

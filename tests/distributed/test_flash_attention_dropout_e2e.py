@@ -55,6 +55,8 @@ def assert_kernel_ran(records, kernel: str) -> None:
         assert "dropout 0.1 in the kernel" in rec["reasons"][kernel], rec
 
 
+# `make bench` (-m slow): the TP1 resume below compares with an uninterrupted run bitwise in CI
+@pytest.mark.slow
 def test_same_layout_twice_is_bitwise(tmp_path):
     kernel = _kernel()
     args = DROPOUT + ["--train-iters", "6", "--use-flash-attn"]

@@ -52,6 +52,8 @@ def test_bitwise_losses_and_weight_bytes(layout, tmp_path):
         assert ratio <= 0.67 + 1e-3, ratio
 
 
+# `make bench` (-m slow): CI resumes a reuse-fp32-param checkpoint across layouts (test_checkpoint_layouts)
+@pytest.mark.slow
 def test_checkpoint_with_flag_resumes_with_and_without_it(tmp_path):
     args = TINY + ["--bf16", "--train-iters", "15"]
     ckpt = tmp_path / "ckpt"

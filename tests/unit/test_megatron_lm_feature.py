@@ -295,6 +295,8 @@ def _resume(which: str) -> dict:
 
 
 @pytest.mark.skipif(not in_range(">=0.16"), reason="the dp_reshardable path and its fixes are megatron-core 0.16's")
+# `make bench` (-m slow): the example's distributed-optimizer resume runs in CI (test_checkpoint_resume)
+@pytest.mark.slow
 def test_distributed_optimizer_resume_through_dist_checkpointing():
     """Real DistributedOptimizer, torch Adam: unpatched the load template asserts; with the
     template and no_grad fixes only, the step count is wrong after the load (0, shared) and
