@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from npuspeed.plan import cli
 from npuspeed.plan.speed import group_key, load_profile
 
@@ -28,6 +30,9 @@ def test_calibrate_writes_a_profile_the_plan_prices_a_step_from(tmp_path, capsys
     assert out["breakdown"]["speed"]["group"] == group_key(1, False)
 
 
+# `make bench` (-m slow): two calibration worlds (~25 s); CI calibrates a plain run above and
+# tests/unit/test_plan_speed.py checks the CP group shapes the calibration times
+@pytest.mark.slow
 def test_calibrate_a_context_parallel_run_times_its_cp_group_and_the_search_s_others(tmp_path, capsys):
     """CP ranks run under the CP feature's patches, which refuse a model without CP: the CP-1
     shapes --search prices are timed in a second world without the CP flags."""
