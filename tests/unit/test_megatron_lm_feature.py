@@ -295,7 +295,8 @@ def _resume(which: str) -> dict:
 
 
 @pytest.mark.skipif(not in_range(">=0.16"), reason="the dp_reshardable path and its fixes are megatron-core 0.16's")
-# `make bench` (-m slow): the example's distributed-optimizer resume runs in CI (test_checkpoint_resume)
+# `make bench` (-m slow): a distributed-optimizer checkpoint is resumed in CI by the example
+# (test_checkpoint_layouts, dp2distopt-reuse-to-dp1-bf16)
 @pytest.mark.slow
 def test_distributed_optimizer_resume_through_dist_checkpointing():
     """Real DistributedOptimizer, torch Adam: unpatched the load template asserts; with the
