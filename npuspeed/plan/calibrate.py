@@ -159,9 +159,8 @@ CP_FLAGS = ("--context-parallel-size", "--context-parallel-algo", "--ulysses-deg
 
 
 #: flags that count layers of a chunk: the calibration builds chunks of one layer (up to four for
-#: the optimizer), so
-#: their variant is timed on every layer built and speed.py scales it by the layers the run
-#: applies it to (effects.layers_for)
+#: the optimizer), so their variant is timed on every layer built and speed.py scales it by the
+#: layers the run applies it to (effects.layers_for)
 LAYER_COUNT_FLAGS = ("--recompute-activation-function-num-layers",)
 
 
