@@ -97,6 +97,9 @@ def _training(p):
     g.add_argument("--bf16", action="store_true")
     g.add_argument("--fp16", action="store_true")
     g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--deterministic-mode", action="store_true",
+                   help="Megatron-LM's flag: deterministic kernels and collectives, so that two runs (and a "
+                        "save/resume) give identical bits on every backend (npuspeed sets it up at import).")
     g.add_argument("--use-cpu-initialization", action="store_true",
                    help="initial weights drawn on the host, identical for every parallel layout")
     g.add_argument("--log-interval", type=int, default=1)

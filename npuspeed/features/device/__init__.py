@@ -11,7 +11,7 @@ import logging
 
 from npuspeed.features.base import Feature
 from npuspeed.features.device import (
-    cuda_shim, dist_backend, distopt_fixes, gloo_collectives, megatron_compat, megatron_fixes, rng,
+    cuda_shim, determinism, dist_backend, distopt_fixes, gloo_collectives, megatron_compat, megatron_fixes, rng,
 )
 from npuspeed.features.device.apex_guard import guard_apex
 
@@ -37,6 +37,7 @@ class DeviceFeature(Feature):
         warning = guard_apex()  # logs it
         if warning and warning not in ctx.notes:
             ctx.notes.append(warning)
+        determinism.apply(ctx)
         if accelerator.name == "npu":
             accelerator.transfer_to_npu()
         if accelerator.name == "cpu":
