@@ -379,6 +379,8 @@ def _train(args, progress) -> dict:
         # iterations whose loss or gradient was NaN/Inf (reported in the log as they happen)
         "nonfinite_iterations": nonfinite,
         "context_parallel_size": args.context_parallel_size,
+        # --deterministic-mode in force (deterministic torch algorithms on this rank)
+        "deterministic_mode": torch.are_deterministic_algorithms_enabled(),
         # per iteration (rank 0), the step's two parts as `npuspeed plan` predicts them: zeroing,
         # the schedule's forward/backward and finalize_model_grads (the DP reduction); the
         # optimizer step (clip, update, the distributed optimizer's parameter gather)

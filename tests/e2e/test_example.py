@@ -61,3 +61,17 @@ def test_importing_adaptor_after_megatron_warns_and_works():
     assert proc.returncode == 0, proc.stderr
     assert "imported before npuspeed.megatron_adaptor" in proc.stderr
     assert "device cpu" in proc.stdout
+
+
+def test_deterministic_mode_with_documents_on_the_unfused_path(tmp_path):
+    """--deterministic-mode is set up by the adaptor (said once in the log) and in force in
+    the run; packed documents without --use-flash-attn train on the example's document mask."""
+    args = ["--deterministic-mode", "--reset-attention-mask", "--reset-position-ids", "--mock-document-length", "16",
+            "--hidden-dropout", "0", "--attention-dropout", "0", "--train-iters", "3", "--use-cpu-initialization"]
+    run = run_example(args, tmp_path, nproc=1)
+    assert run["deterministic_mode"] is True
+    assert "--deterministic-mode: deterministic algorithms, CUBLAS_WORKSPACE_CONFIG=:4096:8" in run["log"]
+    assert all(math.isfinite(x) for x in run["losses"])
+    plain = run_example(args[1:], tmp_path, nproc=1, name="plain")
+    assert plain["deterministic_mode"] is False
+    assert plain["losses"] == run["losses"]  # the CPU kernels were deterministic already
