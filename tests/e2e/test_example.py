@@ -74,4 +74,6 @@ def test_deterministic_mode_with_documents_on_the_unfused_path(tmp_path):
     assert all(math.isfinite(x) for x in run["losses"])
     plain = run_example(args[1:], tmp_path, nproc=1, name="plain")
     assert plain["deterministic_mode"] is False
-    assert plain["losses"] == run["losses"]  # the CPU kernels were deterministic already
+    # torch's deterministic variants (e.g. of the embedding's index_add backward) sum in
+    # another order: the same training, not the same bits
+    assert max(abs(a - b) for a, b in zip(plain["losses"], run["losses"])) < 1e-4
