@@ -29,8 +29,9 @@ def log_segment(args, step_ms: float, world_size: int) -> str:
     if not getattr(args, "log_throughput", False):
         return ""
     tflops = throughput.tflops_per_rank(iteration_flops(args), step_ms, world_size)
-    # Megatron-LM's one decimal; below 1 TFLOP/s (CPU, tiny models) four, so the figure is not 0.0
-    return f" throughput per GPU (TFLOP/s/GPU): {tflops:.{1 if tflops >= 1 else 4}f} |"
+    # Megatron-LM's one decimal; below 1 TFLOP/s (CPU, tiny models) four digits, so it is not 0.0
+    return f" throughput per GPU (TFLOP/s/GPU): {tflops:.1f} |" if tflops >= 1 else \
+        f" throughput per GPU (TFLOP/s/GPU): {tflops:.4g} |"
 
 
 def summary_keys(args, mean_step_ms: float, world_size: int, device_name: str | None) -> dict:
