@@ -20,8 +20,9 @@ from dataclasses import dataclass
 #: bf16 dense (no sparsity) peak TFLOP/s of one device, from the vendors' data sheets.
 #: H100/H200 SXM: 989.4 (NVIDIA H100 / H200 data sheets, "BF16 Tensor Core" 1,979 with sparsity,
 #: halved); H100 PCIe: 756; A100 (SXM and PCIe): 312; Ascend 910B: 313 for the 910B3 (Huawei's
-#: Atlas 800T A2 figure of 313 TFLOPS FP16/BF16 per card; taken for every 910B: the 910B1/B2 are
-#: quoted near 376-414, so MFU on those reads high by up to ~25%). No CPU entry: a CPU's peak
+#: Atlas 800T A2 figure of 313 TFLOPS FP16/BF16 per card, an assumption for every 910B: other
+#: variants (910B1/B2) are quoted higher in public reports, so their MFU here reads high; pass
+#: --device-peak-tflops or measure with `npuspeed report --measure-peak`). No CPU entry: a CPU's peak
 #: depends on its cores and vector units; measure it (`npuspeed report --measure-peak`) and pass
 #: `--device-peak-tflops`.
 PEAK_BF16_TFLOPS = {
