@@ -19,7 +19,7 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from gpt_example import checkpoint, data
+from gpt_example import checkpoint, data, throughput
 from gpt_example.failures import NonFiniteError, Progress, check_for_nan, report_nonfinite, stop_cleanly
 from gpt_example.model import (
     _supported, build_model, initialize_by_global_name, padded_vocab_size, transformer_config,
@@ -241,9 +241,10 @@ def _per_rank(value: float) -> list[int]:
 
 def log_line(it, args, step_ms, lr, loss, grad_norm, peak, tokens_per_s, skipped) -> str:
     now = datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S")
+    tflops = throughput.log_segment(args, step_ms, torch.distributed.get_world_size())  # --log-throughput
     return (
         f" [{now}] iteration {it:8d}/{args.train_iters:8d} | consumed samples: {it * args.global_batch_size:12d} "
-        f"| elapsed time per iteration (ms): {step_ms:.1f} | tokens per second: {tokens_per_s:.1f} "
+        f"| elapsed time per iteration (ms): {step_ms:.1f} |{tflops} tokens per second: {tokens_per_s:.1f} "
         f"| learning rate: {lr:.6E} | global batch size: {args.global_batch_size:5d} | lm loss: {loss:.6E} "
         f"| grad norm: {grad_norm:.3f} | number of skipped iterations: {skipped:3d} "
         f"| peak memory (MB): {peak / 2**20:.1f} |"
@@ -385,6 +386,8 @@ def _train(args, progress) -> dict:
         # the schedule's forward/backward and finalize_model_grads (the DP reduction); the
         # optimizer step (clip, update, the distributed optimizer's parameter gather)
         **parts,
+        # Megatron-LM's model FLOPs over the mean step (as tokens_per_s), per rank; mfu against the peak
+        **throughput.summary_keys(args, mean_ms, torch.distributed.get_world_size(), acc.device_name()),
     }
     if rank0 and args.summary_json:
         with open(args.summary_json, "w") as f:
