@@ -4,7 +4,8 @@ per-mode cache of compiled kernels.
 Kernels are plain module-level functions whose `tl` global is bound here on first use and
 wrapped with `triton.jit` then. `triton.jit` decides at wrap time whether it builds an
 interpreted function (TRITON_INTERPRET=1) or a compiled one, so the cache is keyed by that
-mode: setting TRITON_INTERPRET after triton was imported is still honoured by the next call.
+mode. triton.language's own jitted helpers (tl.sum) are wrapped when triton is imported, so
+the interpreter needs TRITON_INTERPRET set before that import: `kernels()` says so if not.
 Loops in the kernels have constexpr trip counts only: triton 3.6's interpreter cannot take a
 runtime loop bound with numpy >= 2.4 (triton-lang/triton#9171), and fixed trip counts suit
 triton-ascend's compiler as well.
@@ -101,6 +102,10 @@ def kernels(module: types.ModuleType, names: tuple[str, ...], no_specialize: tup
     if hit is None:
         triton = importlib.import_module("triton")
         module.tl = importlib.import_module("triton.language")
+        if key[1] and type(module.tl.sum).__name__ != "InterpretedFunction":
+            raise RuntimeError("npuspeed.ops.triton: TRITON_INTERPRET=1 was set after triton was imported; "
+                               "triton.language's own jitted helpers (tl.sum) are compiled-mode, so the "
+                               "interpreter cannot run the kernels: set it before the process imports triton")
         hit = types.SimpleNamespace(**{
             name: triton.jit(getattr(module, name), do_not_specialize=list(no_specialize)) for name in names})
         _KERNELS[key] = hit
