@@ -20,7 +20,7 @@ import types
 _KERNELS: dict = {}
 _DEVICE_OF_BACKEND = {"cuda": "cuda", "hip": "cuda", "npu": "npu", "xpu": "xpu"}
 DTYPES = ("float32", "bfloat16", "float16")  # fp32 math inside; fp64 is left to the references
-MAX_ROW = 65536  # widest row one program holds in registers (RMSNorm)
+MAX_ROW = 16384  # widest row one program holds (RMSNorm; its backward keeps dW in registers too: beyond this it spills)
 
 
 def interpreting() -> bool:

@@ -6,7 +6,7 @@ fp32 math, rounded once to the output dtype. Backward: each program handles ROWS
 rows, writes dx and keeps its partial weight gradient in fp32; the [programs, N] partials are
 summed afterwards (no atomics, the same result on every run). Semantics are
 `npuspeed.ops.rms_norm.rms_norm_reference`'s; what the kernels do not take (fp64, rows wider
-than 65536, a weight that is not 1-D of the row width) runs that reference.
+than 16384, a weight that is not 1-D of the row width) runs that reference.
 """
 from __future__ import annotations
 
