@@ -96,3 +96,17 @@ def test_every_kernel_compiles_for_gpus_without_one(target, monkeypatch):
         compiled = triton.compile(ASTSource(fn, signature, constexprs), target=gpu, options={"num_warps": warps})
         binary = "cubin" if target == "cuda" else "hsaco"
         assert compiled.asm.get(binary), f"{module_name}.{kernel}: no {binary}"
+
+
+def test_interpreter_flag_set_after_triton_import_is_refused_with_the_fix():
+    pytest.importorskip("triton", reason="triton is not installed (pip install -e .[test] on Linux x86_64)")
+    probe = ("import os, torch, triton, triton.language\n"
+             "os.environ['TRITON_INTERPRET'] = '1'\n"
+             "from npuspeed.ops.triton import rms_norm\n"
+             "try:\n    rms_norm.rms_norm(torch.randn(2, 8), None)\nexcept RuntimeError as e:\n    print(e)\n")
+    env = _env()
+    env.pop("TRITON_INTERPRET", None)
+    proc = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "set it before the process imports triton" in proc.stdout

@@ -149,9 +149,14 @@ class _Unpermute(torch.autograd.Function):
         return d_permuted, None, d_probs, None
 
 
+def supports(tokens: torch.Tensor, row_probs: torch.Tensor | None = None) -> bool:
+    """Whether the kernels take these [rows, H] tokens (and [N] row probabilities); else the references run."""
+    return tokens.dim() == 2 and _runtime.supported_dtype(*((tokens,) if row_probs is None else (tokens, row_probs)))
+
+
 def permute(tokens: torch.Tensor, routing_map: torch.Tensor):
     """(permuted [N, H], sorted_indices [N], tokens_per_expert [E]), as `permute_reference`."""
-    if not _runtime.supported_dtype(tokens) or tokens.dim() != 2:
+    if not supports(tokens):
         return permute_reference(tokens, routing_map)
     _runtime.check_runs_on("moe_permute", tokens, routing_map)
     sorted_indices = routing_map.bool().T.nonzero()[:, 1]
@@ -162,10 +167,9 @@ def permute(tokens: torch.Tensor, routing_map: torch.Tensor):
 def unpermute(permuted: torch.Tensor, sorted_indices: torch.Tensor, row_probs: torch.Tensor | None,
               num_tokens: int) -> torch.Tensor:
     """[num_tokens, H]: each token's rows summed, weighted by `row_probs` [N], as `unpermute_reference`."""
-    checked = (permuted,) if row_probs is None else (permuted, row_probs)
-    if not _runtime.supported_dtype(*checked) or permuted.dim() != 2:
+    if not supports(permuted, row_probs):
         return unpermute_reference(permuted, sorted_indices, row_probs, num_tokens)
-    _runtime.check_runs_on("moe_unpermute", permuted, sorted_indices, *checked[1:])
+    _runtime.check_runs_on("moe_unpermute", permuted, sorted_indices, *(() if row_probs is None else (row_probs,)))
     return _Unpermute.apply(permuted, sorted_indices, row_probs, int(num_tokens))
 
 

@@ -121,7 +121,8 @@ class _RoPE(torch.autograd.Function):
         return dq, dk, None, None, None
 
 
-def _fits(t, freqs) -> bool:
+def supports(t: torch.Tensor, freqs: torch.Tensor) -> bool:
+    """Whether the kernel takes this call (else the reference runs)."""
     return supported(t, freqs) and freqs.device == t.device and _runtime.supported_dtype(t)
 
 
@@ -134,7 +135,7 @@ def _tables(t, freqs, mscale):
 def rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, interleaved: bool = False,
                    mscale: float = 1.0) -> torch.Tensor:
     """Megatron's rotary embedding of t [s, b, h, d] by the angles `freqs`."""
-    if not _fits(t, freqs):
+    if not supports(t, freqs):
         return rotary_pos_emb_reference(t, freqs, interleaved, mscale)
     _runtime.check_runs_on("rope", t, freqs)
     cos, sin = _tables(t, freqs, mscale)
@@ -146,7 +147,7 @@ def rotary_pos_emb_qk(q: torch.Tensor, k: torch.Tensor, freqs: torch.Tensor, int
     """(rotary_pos_emb(q, freqs), rotary_pos_emb(k, freqs)) in one kernel launch each way.
 
     q [s, b, hq, d] and k [s, b, hk, d] (hk may differ: GQA) share s, b, d and the angles."""
-    if not (_fits(q, freqs) and _fits(k, freqs) and q.dtype == k.dtype and q.shape[:2] == k.shape[:2]
+    if not (supports(q, freqs) and supports(k, freqs) and q.dtype == k.dtype and q.shape[:2] == k.shape[:2]
             and q.shape[-1] == k.shape[-1]):
         return (rotary_pos_emb(q, freqs, interleaved, mscale), rotary_pos_emb(k, freqs, interleaved, mscale))
     _runtime.check_runs_on("rope", q, k, freqs)
