@@ -220,9 +220,9 @@ def _iteration_loss(losses_reduced) -> torch.Tensor:
 
 
 def _collective_device() -> torch.device:
-    """Where tensors handed to a collective live: NCCL/HCCL take only device tensors, gloo CPU ones."""
-    acc = get_accelerator()
-    return torch.device("cpu") if acc.name == "cpu" else acc.device()
+    """Where tensors handed to a collective live: NCCL/HCCL take only device tensors, gloo CPU
+    ones (the CPU accelerator's device)."""
+    return get_accelerator().device()
 
 
 def _max_over_ranks(value: float) -> float:
