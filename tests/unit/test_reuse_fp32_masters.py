@@ -16,10 +16,10 @@ def test_masters_are_freed_at_rest_and_rebuilt_exactly():
     shared = SharedMasters([(model, main)])
     shared.release()
     assert main.untyped_storage().nbytes() == 0  # the fp32 copy is gone
-    assert shared.pairs[0].residual.numel() == 1000
+    assert shared.segments[0].residual.numel() == 1000
     shared.materialize()
     assert torch.equal(main.view(torch.int32), exact.view(torch.int32))
-    assert shared.pairs[0].residual is None  # during the step: master, no residual
+    assert shared.segments[0].residual is None  # during the step: master, no residual
     # A step: new masters; Megatron copies them into the bf16 params before release.
     main.add_(0.125)
     model.copy_(main)
