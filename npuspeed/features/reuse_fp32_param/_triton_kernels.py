@@ -9,7 +9,10 @@ Each program walks blocks of BLOCK elements, seen as [BLOCK // 8, 8] so that one
 byte of tie bits (bit i of byte r = element 8 r + i, the chunked device codec's layout);
 a grid capped at `max_programs` loops ITERS times (Ascend runs a grid of about its core
 count; ITERS is a constant: 1 below 2^28 elements a buffer, and the interpreter needs it so).
-Whether the module was decorated under the interpreter is fixed at import: INTERPRETED.
+Whether the module was decorated under the interpreter is fixed at import: INTERPRETED. The
+kernels call no @triton.jit library function (tl.sum is one): those are decorated when
+triton is first imported, so they would refuse the interpreter in a process (a test session)
+that imported triton before TRITON_INTERPRET=1 was set.
 """
 import os
 
@@ -18,6 +21,11 @@ import triton.language as tl
 
 # read as Triton reads it (triton-ascend's older base has no `triton.knobs`)
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+@triton.jit
+def _bit_or(a, b):
+    return a | b
 
 
 @triton.jit
@@ -36,7 +44,7 @@ def split_kernel(bits_ptr, res_ptr, mask_ptr, n, BLOCK: tl.constexpr, ITERS: tl.
         tl.store(res_ptr + idx, low.to(tl.int16), mask=inside)
         # an exact tie whose (odd) high half rounded up to even
         tie = ((low == 0x8000) & (((word >> 16) & 1) == 1)).to(tl.int32)
-        byte = tl.sum(tie << cols[None, :], axis=1)
+        byte = tl.reduce(tie << cols[None, :], 1, _bit_or)  # bits are disjoint: OR packs them
         bidx = start // 8 + rows
         tl.store(mask_ptr + bidx, byte.to(tl.uint8), mask=bidx * 8 < n)
 

@@ -68,20 +68,44 @@ def _use_cpp(*tensors: torch.Tensor) -> bool:
     return all(t.device.type == "cpu" and t.is_contiguous() for t in tensors) and has_op("fp32_split")
 
 
+#: what each implementation is, for `npuspeed report`
+DESCRIPTIONS = {
+    "triton": "Triton kernel, one launch per buffer and direction",
+    "device": "chunked PyTorch device codec (no Triton for this device)",
+    "cpp": "C++ npuspeed::fp32_split/fp32_merge",
+    "reference": "pure-PyTorch codec",
+}
+
+
 def implementation(tensor: torch.Tensor) -> str:
-    """The codec for `tensor`: the forced one (NPUSPEED_REUSE_CODEC), else C++ or the reference
-    on CPU, else the Triton kernel where triton compiles for the device, else the chunked one."""
+    """The codec for `tensor` (see `implementation_for`)."""
+    return implementation_for(tensor.device.type)
+
+
+def implementation_for(device_type: str) -> str:
+    """The forced codec (NPUSPEED_REUSE_CODEC), else C++ or the reference on CPU, else the
+    Triton kernel where triton compiles for the device, else the chunked PyTorch one."""
     forced = os.environ.get(FORCE_ENV, "")
     if forced:
         if forced not in IMPLEMENTATIONS:
             raise ValueError(f"npuspeed: {FORCE_ENV}={forced!r}: use one of {', '.join(IMPLEMENTATIONS)} "
                              f"or unset it")
         return forced
-    if tensor.device.type == "cpu":
+    if device_type == "cpu":
         return "cpp" if has_op("fp32_split") else "reference"
     from npuspeed.features.reuse_fp32_param import triton_codec
 
-    return "triton" if triton_codec.available(tensor.device.type) else "device"
+    return "triton" if triton_codec.available(device_type) else "device"
+
+
+def ran() -> dict[str, int]:
+    """Codec calls so far in this process, by implementation (splits and merges)."""
+    found: dict[str, int] = {}
+    for name, n in telemetry.snapshot(COUNTER).items():
+        direction, _, impl = name[len(COUNTER):].partition(".")
+        if direction in ("split", "merge") and impl:
+            found[impl] = found.get(impl, 0) + n
+    return found
 
 
 def split(master: torch.Tensor, residual: torch.Tensor) -> Exceptions:
