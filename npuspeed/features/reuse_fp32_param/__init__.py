@@ -50,7 +50,8 @@ class ReuseFp32ParamFeature(Feature):
 
     def path(self, ctx) -> str:
         impl = codec.implementation_for(getattr(ctx.accelerator, "name", "cpu"))
-        text = (f"bf16 param + int16 residual + tie bits, one codec call per param-buffer segment; "
+        ties = "dense tie bits" if impl in codec.DENSE else "sparse tie list"
+        text = (f"bf16 param + int16 residual + {ties}, one codec call per param-buffer segment; "
                 f"masters rebuilt per step ({codec.DESCRIPTIONS[impl]})")
         ran = codec.ran()
         if ran:
