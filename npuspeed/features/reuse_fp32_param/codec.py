@@ -11,12 +11,13 @@ their payload in the bf16 rounding; their full patterns are kept the same sparse
 
 That is the CPU path (C++, or the reference). On an accelerator a sparse list needs a
 `nonzero`, which waits for the device; there the codec keeps the tie bits densely (1/8 byte
-a parameter) and works in bounded chunks (no full-size int32 temporaries), never syncing.
+a parameter) and never syncs.
 What it gives up: a NaN master comes back as a NaN with the canonical bf16 high half
 (infinities, zeros, subnormals and every finite value stay exact). The device codec has two
 implementations with identical results: one Triton launch per buffer and direction
 (triton_codec.py; CUDA, and Ascend through triton-ascend) and, where triton cannot compile for
-the device, the chunked PyTorch ops below (the portable reference of the kernels).
+the device, the PyTorch ops below in bounded chunks (no full-size int32 temporaries; the
+portable reference of the kernels, but several launches per 2^20 elements).
 
 Which one runs: `implementation()`; NPUSPEED_REUSE_CODEC=triton|device|cpp|reference forces
 one (triton on CPU tensors needs TRITON_INTERPRET=1). Each call counts
