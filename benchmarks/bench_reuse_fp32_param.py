@@ -9,6 +9,7 @@ over as many parameters as the model has, on the accelerator's device with the c
 (C++ on CPU, the Triton kernel on CUDA / NPU where triton compiles, else the chunked PyTorch
 codec; named in the row as codec_impl), and shown as a share of the baseline step.
     python benchmarks/bench_reuse_fp32_param.py [--iters 20] [--hidden 512] [--rounds 3]
+    python benchmarks/bench_reuse_fp32_param.py --codec-only 709000000 --codec-impls triton device
 """
 from __future__ import annotations
 
@@ -77,14 +78,43 @@ def codec_ms_per_step(params: int, contiguous: bool, repeat: int = 5) -> tuple[f
         torch.set_num_threads(threads)
 
 
+def codec_only(params: int, impls: list[str], contiguous: bool) -> None:
+    """The codec alone at `params` masters, per implementation (forced through
+    NPUSPEED_REUSE_CODEC): ms a step and GB/s, to compare with the device's memory bandwidth."""
+    import os
+
+    from npuspeed import get_accelerator
+    from npuspeed.features.reuse_fp32_param import codec
+
+    device = get_accelerator().device().type
+    for impl in impls or [codec.implementation_for(device)]:
+        os.environ[codec.FORCE_ENV] = impl
+        try:
+            ms, ran = codec_ms_per_step(params, contiguous)
+        finally:
+            os.environ.pop(codec.FORCE_ENV, None)
+        print(f"[reuse_fp32_param codec] {device} {ran}: {params} masters, "
+              f"{'one buffer' if contiguous else 'separate 1 Mi tensors'}: {ms:.2f} ms per step, "
+              f"{params * CODEC_BYTES_PER_PARAM / ms / 1e6:.1f} GB/s")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--codec-only", type=int, metavar="PARAMS", default=0,
+                        help="time only the codec over PARAMS masters (no training runs)")
+    parser.add_argument("--codec-impls", nargs="*", default=[], choices=["triton", "device", "cpp", "reference"],
+                        help="with --codec-only: the implementations to time (default: the one picked)")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--layouts", nargs="+", choices=["tp1", "dp2"], default=["tp1", "dp2"])
     opts = parser.parse_args()
+    if opts.codec_only:
+        Bench("reuse_fp32_param")  # the runs' allocator, as codec_ms_per_step expects
+        for contiguous in (False, True):
+            codec_only(opts.codec_only, opts.codec_impls, contiguous)
+        return
     model = ["--bf16", "--use-cpu-initialization", "--hidden-size", str(opts.hidden), "--num-layers",
              str(opts.layers), "--num-attention-heads", "8", "--seq-length", "256",
              "--micro-batch-size", "4", "--train-iters", str(opts.iters), "--log-interval", "100"]
