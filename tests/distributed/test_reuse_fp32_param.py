@@ -8,7 +8,8 @@ import pytest
 
 from launch import TINY, run_example
 
-BF16 = TINY + ["--bf16", "--train-iters", "20"]
+ITERS = 20
+BF16 = TINY + ["--bf16", "--train-iters", str(ITERS)]
 FLAG = ["--reuse-fp32-param"]
 #: bytes of a few fp32 scalars; the smallest residual of TINY (a norm weight) is larger
 SCALAR_SLACK = 64
@@ -36,6 +37,18 @@ def test_bitwise_losses_and_weight_bytes(layout, tmp_path):
     reuse = run_example(BF16 + extra + FLAG, tmp_path, nproc=nproc, name="reuse")
     assert "reuse_fp32_param" in reuse["log"]
     assert reuse["losses"] == base["losses"]
+    # One codec call per segment: one split at the optimizer's build and one per step, one merge
+    # per step. With the distributed optimizer the bf16 params live in DDP's contiguous buffer
+    # and a segment spans a rank's shard of many of them; without it each param has its own
+    # storage (a segment of one).
+    counters = reuse["npuspeed_counters"]
+    segments = counters["reuse.codec.segments"]
+    if "--use-distributed-optimizer" in extra:
+        assert segments < counters["reuse.codec.params"] / 2, counters
+    else:
+        assert segments == counters["reuse.codec.params"], counters
+    assert counters["reuse.codec.split.cpp"] == segments * (ITERS + 1), counters
+    assert counters["reuse.codec.merge.cpp"] == segments * ITERS, counters
     # The step rebuilds the masters and frees their residuals: its peak is ordinary mixed
     # precision's. The tracking allocator counts bytes, not time, but gloo frees the 4-byte
     # scalars of the step's collectives (found-inf, grad norm) from its own thread, so either

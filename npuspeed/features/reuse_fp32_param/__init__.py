@@ -10,7 +10,7 @@ the same for TE's fused Adam only; without TE (CPU, NPU) this is the path.
 from __future__ import annotations
 
 from npuspeed.features.base import Feature, FeatureError
-from npuspeed.features.reuse_fp32_param import patches
+from npuspeed.features.reuse_fp32_param import codec, patches
 
 
 class ReuseFp32ParamFeature(Feature):
@@ -29,6 +29,11 @@ class ReuseFp32ParamFeature(Feature):
         if ctx.megatron.fp16:
             raise FeatureError("--reuse-fp32-param works with --bf16 only (bf16 is the top half of "
                                "fp32; fp16 is not): replace --fp16 with --bf16 or drop the flag")
+        device = getattr(ctx.accelerator, "name", "cpu")
+        if codec.implementation_for(device) == "device":
+            ctx.note(f"--reuse-fp32-param: triton cannot compile for {device} here (install "
+                     "triton, or triton-ascend on an NPU); the chunked PyTorch device codec runs instead, "
+                     "many small launches a step")
 
     def register_patches(self, registry, ctx) -> None:
         patches.register(registry, self.name)
@@ -44,7 +49,11 @@ class ReuseFp32ParamFeature(Feature):
                                   "step itself holds full masters, as ordinary mixed precision does")
 
     def path(self, ctx) -> str:
-        from npuspeed.ops._extension import has_op
-
-        codec = "C++ npuspeed::fp32_split/fp32_merge" if has_op("fp32_split") else "pure-PyTorch codec"
-        return f"bf16 param + int16 residual + sparse tie list; masters rebuilt per step ({codec})"
+        impl = codec.implementation_for(getattr(ctx.accelerator, "name", "cpu"))
+        ties = "dense tie bits" if impl in codec.DENSE else "sparse tie list"
+        text = (f"bf16 param + int16 residual + {ties}, one codec call per param-buffer segment; "
+                f"masters rebuilt per step ({codec.DESCRIPTIONS[impl]})")
+        ran = codec.ran()
+        if ran:
+            text += "; ran: " + ", ".join(f"{k} x{n}" for k, n in sorted(ran.items()))
+        return text

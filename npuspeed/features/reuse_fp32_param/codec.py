@@ -11,12 +11,21 @@ their payload in the bf16 rounding; their full patterns are kept the same sparse
 
 That is the CPU path (C++, or the reference). On an accelerator a sparse list needs a
 `nonzero`, which waits for the device; there the codec keeps the tie bits densely (1/8 byte
-a parameter) and works in bounded chunks (no full-size int32 temporaries), never syncing.
+a parameter) and never syncs.
 What it gives up: a NaN master comes back as a NaN with the canonical bf16 high half
-(infinities, zeros, subnormals and every finite value stay exact).
+(infinities, zeros, subnormals and every finite value stay exact). The device codec has two
+implementations with identical results: one Triton launch per buffer and direction
+(triton_codec.py; CUDA, and Ascend through triton-ascend) and, where triton cannot compile for
+the device, the PyTorch ops below in bounded chunks (no full-size int32 temporaries; the
+portable reference of the kernels, but several launches per 2^20 elements).
+
+Which one runs: `implementation()`; NPUSPEED_REUSE_CODEC=triton|device|cpp|reference forces
+one (triton on CPU tensors needs TRITON_INTERPRET=1). Each call counts
+`reuse.codec.<split|merge>.<impl>`.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -24,8 +33,13 @@ import torch
 from npuspeed import telemetry
 from npuspeed.ops._extension import has_op
 
-#: counter prefix: reuse.codec.<split|merge>.<cpp|reference|device>, so tests can see which ran
+#: counter prefix: reuse.codec.<split|merge>.<cpp|reference|device|triton>, so tests can see which ran
 COUNTER = "reuse.codec."
+#: environment variable forcing one implementation (tests, comparisons)
+FORCE_ENV = "NPUSPEED_REUSE_CODEC"
+IMPLEMENTATIONS = ("triton", "device", "cpp", "reference")
+#: the implementations that keep the tie bits densely (Exceptions.tie_mask)
+DENSE = ("triton", "device")
 #: elements per chunk of the device codec: its temporaries stay a few MiB whatever the tensor
 DEVICE_CHUNK = 1 << 20
 
@@ -55,34 +69,86 @@ def _use_cpp(*tensors: torch.Tensor) -> bool:
     return all(t.device.type == "cpu" and t.is_contiguous() for t in tensors) and has_op("fp32_split")
 
 
+#: what each implementation is, for `npuspeed report`
+DESCRIPTIONS = {
+    "triton": "Triton kernel, one launch per buffer and direction",
+    "device": "chunked PyTorch device codec (no Triton for this device)",
+    "cpp": "C++ npuspeed::fp32_split/fp32_merge",
+    "reference": "pure-PyTorch codec",
+}
+
+
+def implementation(tensor: torch.Tensor) -> str:
+    """The codec for `tensor` (see `implementation_for`)."""
+    return implementation_for(tensor.device.type)
+
+
+def implementation_for(device_type: str) -> str:
+    """The forced codec (NPUSPEED_REUSE_CODEC), else C++ or the reference on CPU, else the
+    Triton kernel where triton compiles for the device, else the chunked PyTorch one."""
+    forced = os.environ.get(FORCE_ENV, "")
+    if forced:
+        if forced not in IMPLEMENTATIONS:
+            raise ValueError(f"npuspeed: {FORCE_ENV}={forced!r}: use one of {', '.join(IMPLEMENTATIONS)} "
+                             f"or unset it")
+        return forced
+    if device_type == "cpu":
+        return "cpp" if has_op("fp32_split") else "reference"
+    from npuspeed.features.reuse_fp32_param import triton_codec
+
+    return "triton" if triton_codec.available(device_type) else "device"
+
+
+def ran() -> dict[str, int]:
+    """Codec calls so far in this process, by implementation (splits and merges)."""
+    found: dict[str, int] = {}
+    for name, n in telemetry.snapshot(COUNTER).items():
+        direction, _, impl = name[len(COUNTER):].partition(".")
+        if direction in ("split", "merge") and impl:
+            found[impl] = found.get(impl, 0) + n
+    return found
+
+
 def split(master: torch.Tensor, residual: torch.Tensor) -> Exceptions:
-    """Write the low halves of `master` into `residual`; return the exceptions (C++, reference
-    on CPU, the sync-free device codec elsewhere)."""
-    if master.device.type != "cpu":
-        telemetry.count(COUNTER + "split.device")
+    """Write the low halves of `master` into `residual`; return the exceptions (C++ or the
+    reference on CPU, the sync-free device codec elsewhere: `implementation()`)."""
+    impl = implementation(master)
+    if impl == "cpp" and not _use_cpp(master, residual):
+        impl = "reference"
+    telemetry.count(COUNTER + "split." + impl)
+    if impl == "triton":
+        from npuspeed.features.reuse_fp32_param import triton_codec
+
+        return Exceptions(tie_mask=triton_codec.split(master, residual))
+    if impl == "device":
         return split_device(master, residual)
-    if _use_cpp(master, residual):
-        telemetry.count(COUNTER + "split.cpp")
+    if impl == "cpp":
         flat = master.detach().reshape(-1)
         tie_up, nan_index = torch.ops.npuspeed.fp32_split(flat, residual.view(-1))
         return Exceptions(tie_up, nan_index, flat.view(torch.int32)[nan_index].clone())
-    telemetry.count(COUNTER + "split.reference")
     return split_reference(master, residual)
 
 
 def merge(bf16: torch.Tensor, residual: torch.Tensor, exceptions: Exceptions, out: torch.Tensor) -> None:
-    """Rebuild the exact fp32 values into `out` (C++, reference or device codec, as `split` chose)."""
+    """Rebuild the exact fp32 values into `out`. Dense tie bits (either device codec) merge with
+    the device codec `implementation()` names, sparse lists with C++ or the reference."""
+    impl = implementation(out)
     if exceptions.tie_mask is not None:
-        telemetry.count(COUNTER + "merge.device")
+        impl = impl if impl in DENSE else "device"
+    else:
+        impl = "cpp" if _use_cpp(bf16, residual, out) and impl != "reference" else "reference"
+    telemetry.count(COUNTER + "merge." + impl)
+    if impl == "triton":
+        from npuspeed.features.reuse_fp32_param import triton_codec
+
+        triton_codec.merge(bf16, residual, exceptions.tie_mask, out)
+    elif impl == "device":
         merge_device(bf16, residual, exceptions, out)
-        return
-    if _use_cpp(bf16, residual, out):
-        telemetry.count(COUNTER + "merge.cpp")
+    elif impl == "cpp":
         torch.ops.npuspeed.fp32_merge(bf16.detach().reshape(-1), residual.view(-1), exceptions.tie_up,
                                       exceptions.nan_index, exceptions.nan_bits, out.view(-1))
-        return
-    telemetry.count(COUNTER + "merge.reference")
-    merge_reference(bf16, residual, exceptions, out)
+    else:
+        merge_reference(bf16, residual, exceptions, out)
 
 
 def split_reference(master: torch.Tensor, residual: torch.Tensor) -> Exceptions:

@@ -1,0 +1,165 @@
+"""The Triton codec of --reuse-fp32-param, run on CPU tensors under Triton's interpreter.
+
+It must give the chunked device codec's residual and tie bits bit for bit, and merge back
+exactly what that codec merges (NaN patterns included): the same data layout, so either can
+merge what the other split. Small buffers and blocks (the interpreter is slow) and a capped
+grid, so blocks, loops over blocks and a partial last byte of tie bits are all exercised.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import types
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_reuse_fp32_codec import SPECIAL
+
+from npuspeed import telemetry
+from npuspeed.features.reuse_fp32_param import codec, triton_codec
+from npuspeed.features.reuse_fp32_param.shared_masters import SharedMasters
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                                reason="triton is not installed (the Triton codec is tested under its interpreter)")
+
+
+@contextlib.contextmanager
+def _env(**values):
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _floats(bits: list[int]) -> torch.Tensor:
+    return torch.tensor([b - (1 << 32) if b >= 1 << 31 else b for b in bits], dtype=torch.int32).view(torch.float32)
+
+
+def _against_chunked(bits: list[int], block: int = 64, max_programs: int = 3) -> None:
+    x = _floats(bits)
+    bf16 = x.to(torch.bfloat16)
+    res, want_res = torch.empty(x.numel(), dtype=torch.int16), torch.empty(x.numel(), dtype=torch.int16)
+    with _env(TRITON_INTERPRET="1"):
+        mask = triton_codec.split(x, res, block=block, max_programs=max_programs)
+        want = codec.split_device(x, want_res)
+        assert torch.equal(res, want_res)
+        assert torch.equal(mask, want.tie_mask)
+        out, want_out = torch.full_like(x, 7.0), torch.empty_like(x)
+        triton_codec.merge(bf16, res, mask, out, block=block, max_programs=max_programs)
+    codec.merge_device(bf16, want_res, want, want_out)
+    assert torch.equal(out.view(torch.int32), want_out.view(torch.int32))  # NaNs too
+    ok = torch.isnan(x) | (out.view(torch.int32) == x.view(torch.int32))  # every non-NaN exact
+    assert bool(ok.all()), [hex(b) for b, good in zip(bits, ok.tolist()) if not good][:10]
+
+
+def test_special_patterns_and_ties_match_the_chunked_codec():
+    _against_chunked(SPECIAL)
+    lows = list(range(0, 1 << 16, 251)) + [0x7FFF, 0x8000, 0x8001]
+    for high in (0x3F80, 0x3F81, 0xBF80, 0xBF81, 0x0000, 0x7F7F, 0xFF80, 0x7FC0):
+        _against_chunked([(high << 16) | low for low in lows], block=32)  # loops over blocks
+
+
+def test_default_block_and_several_programs():
+    torch.manual_seed(0)
+    bits = torch.randint(-(1 << 31), (1 << 31) - 1, (2 * triton_codec.BLOCK + 13,), dtype=torch.int32)
+    bits[::5] = (bits[::5] & ~0xFFFF) | 0x8000  # many ties, both parities
+    _against_chunked([b & 0xFFFFFFFF for b in bits.tolist()], block=triton_codec.BLOCK,
+                     max_programs=triton_codec.MAX_PROGRAMS)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.integers(min_value=0, max_value=(1 << 32) - 1), min_size=1, max_size=200))
+def test_random_bit_patterns(bits):
+    _against_chunked(bits)
+
+
+@settings(max_examples=10, deadline=None)
+@given(st.lists(st.integers(min_value=0, max_value=(1 << 16) - 1), min_size=1, max_size=64))
+def test_all_ties(highs):
+    _against_chunked([(h << 16) | 0x8000 for h in highs], block=16)
+
+
+def test_dispatch_picks_triton_where_it_compiles(monkeypatch):
+    monkeypatch.delenv(codec.FORCE_ENV, raising=False)
+    monkeypatch.setattr(triton_codec, "available", lambda device_type: device_type == "cuda")
+    assert codec.implementation_for("cuda") == "triton"
+    assert codec.implementation_for("npu") == "device"  # no triton-ascend: the chunked codec
+    assert codec.implementation_for("cpu") in ("cpp", "reference")
+    monkeypatch.setenv(codec.FORCE_ENV, "bogus")
+    with pytest.raises(ValueError, match="NPUSPEED_REUSE_CODEC='bogus'"):
+        codec.implementation_for("cpu")
+
+
+def test_triton_on_cpu_needs_the_interpreter():
+    x = torch.ones(8)
+    with _env(TRITON_INTERPRET="0"), pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        triton_codec.split(x, torch.empty(8, dtype=torch.int16))
+
+
+def test_forced_triton_path_runs_per_buffer_segment_and_is_counted():
+    """Four params back to back in one bf16 buffer (as DDP lays them out for the distributed
+    optimizer): two segments (none larger than the largest param), one Triton split and merge
+    per segment and step, masters exact, the report names the codec that ran."""
+    torch.manual_seed(1)
+    sizes = [24, 30, 40, 100]
+    buffer = torch.zeros(sum(sizes), dtype=torch.bfloat16)
+    mains, models, offset = [], [], 0
+    for n in sizes:
+        main = torch.randn(n) * 0.02
+        main.view(torch.int32)[:2] = torch.tensor([0x3F818000, 0x3F808000])  # ties: odd, even high half
+        models.append(buffer[offset:offset + n])
+        models[-1].copy_(main)
+        mains.append(main)
+        offset += n
+    exact = [m.clone() for m in mains]
+    telemetry.reset(codec.COUNTER)
+    with _env(TRITON_INTERPRET="1", **{codec.FORCE_ENV: "triton"}):
+        shared = SharedMasters(list(zip(models, mains)))
+        shared.release()
+        segments = [len(s.mains) for s in shared.segments]  # plain values: an empty storage must not be printed
+        freed = all(m.untyped_storage().nbytes() == 0 for m in mains)
+        assert segments == [3, 1] and freed
+        shared.materialize()
+    for got, want in zip(mains, exact):
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    assert telemetry.get(codec.COUNTER + "split.triton") == 2
+    assert telemetry.get(codec.COUNTER + "merge.triton") == 2
+    assert telemetry.get(codec.COUNTER + "segments") == 2 and telemetry.get(codec.COUNTER + "params") == 4
+    assert codec.ran() == {"triton": 4}
+
+    from npuspeed.features.reuse_fp32_param import ReuseFp32ParamFeature
+
+    ctx = types.SimpleNamespace(accelerator=types.SimpleNamespace(name="cpu"))
+    assert "ran: triton x4" in ReuseFp32ParamFeature().path(ctx)
+
+
+def test_kernels_compile_for_a_cuda_gpu_ahead_of_time():
+    """No GPU here: compile both kernels for sm_90 through Triton's own ptxas, with the 16-byte
+    alignment real buffers have, and check the loads are vectorized (128-bit)."""
+    from triton.backends import backends
+
+    if "nvidia" not in backends:
+        pytest.skip("this triton has no nvidia backend")
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    with _env(TRITON_INTERPRET="0"):
+        kernels = triton_codec._kernels()
+        for fn, types_ in ((kernels.split_kernel, ["*i32", "*i16", "*u8"]),
+                           (kernels.merge_kernel, ["*i16", "*i16", "*u8", "*i32"])):
+            names = fn.arg_names
+            signature = dict(zip(names, types_ + ["i32", "constexpr", "constexpr"]))
+            source = ASTSource(fn=fn, signature=signature, constexprs={"BLOCK": triton_codec.BLOCK, "ITERS": 1},
+                               attrs={(i,): [["tt.divisibility", 16]] for i in range(len(types_) + 1)})
+            ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+            assert "ld.global.v4.b32" in ptx, fn.arg_names
