@@ -10,6 +10,7 @@ Autograd and fake (meta) kernels of the C++ ops are registered on first use, not
 """
 from __future__ import annotations
 
+import contextlib
 import sys
 from typing import Callable
 
@@ -21,6 +22,7 @@ from npuspeed.ops._extension import has_op
 CPP_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 PREFIX = "ops."
 _REGISTERED: set[str] = set()
+_QUIET = [0]  # > 0 while a trial or a chosen call runs: record() counts nothing
 
 
 def calls() -> dict[tuple[str, str], int]:
@@ -44,7 +46,18 @@ def implementation(op: str, *tensors: torch.Tensor) -> str:
 
 
 def record(op: str, impl: str) -> None:
-    telemetry.count(f"{PREFIX}{op}.{impl}")
+    if not _QUIET[0]:
+        telemetry.count(f"{PREFIX}{op}.{impl}")
+
+
+@contextlib.contextmanager
+def quiet():
+    """Count nothing inside (fused_choice's trials; a chosen call is counted by its chooser)."""
+    _QUIET[0] += 1
+    try:
+        yield
+    finally:
+        _QUIET[0] -= 1
 
 
 def torch_npu():
