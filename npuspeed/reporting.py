@@ -42,7 +42,15 @@ def collect() -> dict:
         "late_import": state.late_import,
         "counters": telemetry.snapshot(),
         "attention_calls": _attention_calls(),
+        "fused_op_choices": _fused_op_choices(),
     }
+
+
+def _fused_op_choices() -> list[dict]:
+    """Per op and shape: which implementation the fused-op flags run, and why (measured)."""
+    from npuspeed.ops import fused_choice
+
+    return [dict(c.as_dict(), line=c.line()) for c in fused_choice.choices()]
 
 
 def _attention_calls() -> dict:
@@ -78,6 +86,9 @@ def render(data: dict) -> str:
     if calls.get("calls"):
         out += ["", "attention calls (kernel: count, why):"]
         out += [f"  - {k}: {n} ({calls['reasons'].get(k, '')})" for k, n in sorted(calls["calls"].items())]
+    if data.get("fused_op_choices"):
+        out += ["", "fused op choices (op [shape dtype device]: implementation (why)):"]
+        out += [f"  - {c['line']}" for c in data["fused_op_choices"]]
     if data["notes"]:
         out += ["", "notes:"] + [f"  - {n}" for n in data["notes"]]
     return "\n".join(out)

@@ -105,12 +105,21 @@ class Guard:
                 memory_tracker.restore_peak(*peaks)
 
 
-def _time_once(run: Callable[[], None], sync: Callable[[], None]) -> float:
+def clock_for(inputs) -> Callable[[], float]:
+    """The clock a trial reads: the calling thread's CPU time for CPU tensors with one intra-op
+    thread (all the work is on this thread, and a busy host's preemption is not counted, so
+    the order of the candidates is stable), wall time otherwise (several threads: their
+    parallel efficiency is part of the speed; accelerators: after a synchronize)."""
+    on_cpu = all(t.device.type == "cpu" for t in inputs)
+    return time.thread_time if on_cpu and torch.get_num_threads() == 1 else time.perf_counter
+
+
+def _time_once(run: Callable[[], None], sync: Callable[[], None], clock=time.perf_counter) -> float:
     sync()
-    start = time.perf_counter()
+    start = clock()
     run()
     sync()
-    return time.perf_counter() - start
+    return clock() - start
 
 
 class Chooser:
@@ -118,22 +127,33 @@ class Chooser:
     can be injected (tests give fake timings); `sync` waits for the device (timing)."""
 
     def __init__(self, repeats: int = 3, trial: Callable[[str, Callable], float] | None = None,
-                 sync: Callable[[], None] | None = None, guard: Callable | None = None):
-        self.repeats = repeats
+                 sync: Callable[[], None] | None = None, guard: Callable | None = None,
+                 budget_s: float = 0.2):
+        self.repeats, self.budget_s = repeats, budget_s
         self.sync = sync or (lambda: None)
-        self.trial = trial or (lambda name, run: _time_once(run, self.sync))
+        self._injected = trial
+        self.clock = time.perf_counter
+        self.trial = trial or (lambda name, run: _time_once(run, self.sync, self.clock))
         self.guard = guard or Guard()
         self.choices: dict[tuple, Choice] = {}
+        self._noted = set()
 
-    def configure(self, *, sync=None, guard=None) -> None:
-        """The accelerator's synchronize and state guard (set by the fused-op features)."""
+    def configure(self, *, sync=None, guard=None, notify=None) -> None:
+        """The accelerator's synchronize and state guard, and where the one note per op goes
+        when a flag takes Megatron's path (set by the fused-op features: ctx.note)."""
         if sync is not None:
             self.sync = sync
         if guard is not None:
             self.guard = guard
+        if notify is not None:
+            self.notify = notify
+
+    notify: Callable[[str], None] | None = None
+    _noted: set = set()
 
     def clear(self) -> None:
         self.choices.clear()
+        self._noted.clear()
 
     def pick(self, op: str, key: tuple, text: str, candidates: dict[str, Callable],
              inputs: tuple) -> Choice:
@@ -153,6 +173,10 @@ class Chooser:
         else:
             choice = self._measure(op, text, candidates, inputs)
         self.choices[key] = choice
+        if choice.impl == MEGATRON and choice.ms and self.notify is not None and op not in self._noted:
+            self._noted.add(op)
+            self.notify(f"fused {op}: Megatron's own path runs for {choice.label} (measured faster than "
+                        f"the fused kernels there: {choice.why}); `npuspeed report` lists every shape")
         return choice
 
     @staticmethod
@@ -165,6 +189,7 @@ class Chooser:
 
     def _measure(self, op, text, candidates, inputs) -> Choice:
         grads = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
+        self.clock = clock_for(inputs)
         runs, dropped, reference = {}, {}, None
         with self.guard(), _dispatch.quiet(), torch.enable_grad() if grads else contextlib.nullcontext():
             order = [MEGATRON] + [n for n in candidates if n != MEGATRON]
@@ -184,14 +209,22 @@ class Chooser:
                     continue
                 runs[name] = run
             best = {name: float("inf") for name in runs}
-            for _ in range(self.repeats):
+            spent, rounds = 0.0, 0
+            # at least `repeats` rounds; more (up to 4x) while cheap, as a busy host's stalls
+            # dwarf a sub-millisecond op and the minimum needs a few clean samples
+            while rounds < self.repeats or (rounds < 4 * self.repeats and spent < self.budget_s):
                 for name, run in runs.items():
-                    best[name] = min(best[name], self.trial(name, run))
+                    seconds = self.trial(name, run)
+                    best[name] = min(best[name], seconds)
+                    spent += seconds
+                rounds += 1
         ms = {name: s * 1e3 for name, s in best.items()}
         impl = min(ms, key=lambda n: (ms[n], n != MEGATRON))
         base = ms[MEGATRON]
         others = ", ".join(f"{n} {v:.3f}" for n, v in sorted(ms.items(), key=lambda kv: kv[1]))
         pass_ = "fwd+bwd" if grads else "fwd"
+        if self._injected is None and self.clock is time.thread_time:
+            pass_ += " CPU time"
         if impl == MEGATRON:
             why = f"Megatron's path is fastest here: {others} ms {pass_}"
         else:

@@ -23,7 +23,7 @@ class FusedOpFeature(Feature):
     def register_patches(self, registry, ctx) -> None:
         from npuspeed.features.fused_ops.measure import configure
 
-        configure(ctx.accelerator)
+        configure(ctx)
         self.patches.register(registry, self.name)
 
     @property

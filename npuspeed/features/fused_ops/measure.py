@@ -44,8 +44,9 @@ class AcceleratorGuard:
                 memory_tracker.restore_peak(peak, peak_reserved)
 
 
-def configure(accelerator) -> None:
-    """Point the process's fused-op chooser at this accelerator (idempotent)."""
+def configure(ctx) -> None:
+    """Point the process's fused-op chooser at this run's accelerator and note sink (idempotent)."""
     from npuspeed.ops import fused_choice
 
-    fused_choice.CHOOSER.configure(sync=accelerator.synchronize, guard=AcceleratorGuard(accelerator))
+    fused_choice.CHOOSER.configure(sync=ctx.accelerator.synchronize, guard=AcceleratorGuard(ctx.accelerator),
+                                   notify=ctx.note)
