@@ -50,3 +50,11 @@ def configure(ctx) -> None:
 
     fused_choice.CHOOSER.configure(sync=ctx.accelerator.synchronize, guard=AcceleratorGuard(ctx.accelerator),
                                    notify=ctx.note)
+
+
+def choice_lines(op: str) -> str:
+    """"; op [shape]: impl (why)" for each measured choice of `op` so far ("" if none)."""
+    from npuspeed.ops import fused_choice
+
+    made = [c.line() for c in fused_choice.choices() if c.op == op]
+    return "; " + "; ".join(made) if made else ""
