@@ -114,7 +114,9 @@ def clock_for(inputs) -> Callable[[], float]:
     return time.thread_time if on_cpu and torch.get_num_threads() == 1 else time.perf_counter
 
 
-def _time_once(run: Callable[[], None], sync: Callable[[], None], clock=time.perf_counter) -> float:
+def _time_once(run, sync: Callable[[], None], clock=time.perf_counter) -> float:
+    if hasattr(run, "prepare"):  # copying the inputs is not part of the time
+        run.prepare()
     sync()
     start = clock()
     run()
@@ -241,17 +243,30 @@ def _traced(inputs) -> bool:
     return torch.compiler.is_compiling() or any(t.is_meta or isinstance(t, FakeTensor) for t in inputs)
 
 
-def _make_run(fn, inputs, grads):
-    """A closure running fn forward (+ backward) on fresh leaves; returns the forward output."""
-    def run():
-        leaves = [t.detach().clone().requires_grad_(t.requires_grad) if t.is_floating_point() else t
-                  for t in inputs]
-        out = fn(*leaves)
-        if grads:
+class _Run:
+    """One candidate's trial: `prepare()` makes fresh leaves (untimed), calling it runs forward
+    (+ backward) on them and returns the forward output (it prepares itself if needed)."""
+
+    def __init__(self, fn, inputs, grads):
+        self.fn, self.inputs, self.grads, self.leaves = fn, inputs, grads, None
+
+    def prepare(self) -> None:
+        self.leaves = [t.detach().clone().requires_grad_(t.requires_grad) if t.is_floating_point() else t
+                       for t in self.inputs]
+
+    def __call__(self):
+        if self.leaves is None:
+            self.prepare()
+        leaves, self.leaves = self.leaves, None
+        out = self.fn(*leaves)
+        if self.grads:
             wrt = [t for t in leaves if t.requires_grad]
             torch.autograd.grad(out, wrt, torch.ones_like(out))
         return out.detach()
-    return run
+
+
+def _make_run(fn, inputs, grads) -> _Run:
+    return _Run(fn, inputs, grads)
 
 
 def _agrees(out: torch.Tensor, ref: torch.Tensor) -> bool:
