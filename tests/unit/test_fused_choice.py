@@ -197,3 +197,21 @@ def test_report_line_and_report_json(chooser):
                              "dist_backend": "gloo", "features": [], "ops": [], "patches": [], "notes": [],
                              "fused_op_choices": rows})
     assert "fused op choices" in text and choice.line() in text
+
+
+@needs_cpp
+@pytest.mark.parametrize("winner", ["cpp", "megatron"])
+def test_fused_rmsnorm_module_runs_the_choice(chooser, winner):
+    """The module --use-fused-rmsnorm builds: Megatron's choice is torch.nn.RMSNorm bit for bit."""
+    from npuspeed.features.fused_ops.rmsnorm import FusedRMSNorm
+
+    chooser.trial = FakeTimes(megatron=1.0 if winner == "megatron" else 2.0, cpp=1.0 if winner == "cpp" else 2.0)
+    plain = torch.nn.RMSNorm(16, eps=1e-6)
+    fused = torch.nn.RMSNorm(16, eps=1e-6)
+    fused.__class__ = FusedRMSNorm
+    x = _x(8, 16)
+    got, ref = fused(x), plain(x)
+    if winner == "megatron":
+        assert torch.equal(got, ref)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    assert _dispatch.calls() == {("rms_norm", winner): 1}
