@@ -138,7 +138,8 @@ class Chooser:
         self.trial = trial or (lambda name, run: _time_once(run, self.sync, self.clock))
         self.guard = guard or Guard()
         self.choices: dict[tuple, Choice] = {}
-        self._noted = set()
+        self.notify: Callable[[str], None] | None = None
+        self._noted: set[str] = set()
 
     def configure(self, *, sync=None, guard=None, notify=None) -> None:
         """The accelerator's synchronize and state guard, and where the one note per op goes
@@ -149,9 +150,6 @@ class Chooser:
             self.guard = guard
         if notify is not None:
             self.notify = notify
-
-    notify: Callable[[str], None] | None = None
-    _noted: set = set()
 
     def clear(self) -> None:
         self.choices.clear()
