@@ -282,11 +282,17 @@ def choices() -> list[Choice]:
     return list(CHOOSER.choices.values())
 
 
+#: device types whose tensors may take npuspeed's Triton kernels (not CPU: the interpreter is
+#: a test tool, not a fast path)
+TRITON_DEVICES = {"cuda", "npu"}
+
+
 def triton_kernel(module: str, name: str, *tensors: torch.Tensor):
-    """npuspeed's Triton kernel `npuspeed.ops.triton.<module>.<name>` for accelerator tensors,
-    or None (CPU tensors, triton not importable, or its `available()` says no). Imported
-    lazily: triton is an optional dependency and takes seconds to import."""
-    if not tensors or {t.device.type for t in tensors} - {"cuda", "npu"}:
+    """npuspeed's Triton kernel `npuspeed.ops.triton.<module>.<name>` for these accelerator
+    tensors, or None (CPU tensors, triton not importable, its `available()` says no, or its
+    `supports(*tensors)` refuses the call, where it would run a reference). Imported lazily:
+    triton is an optional dependency and takes seconds to import."""
+    if not tensors or {t.device.type for t in tensors} - TRITON_DEVICES:
         return None
     try:
         import importlib
@@ -295,6 +301,9 @@ def triton_kernel(module: str, name: str, *tensors: torch.Tensor):
     except ImportError:
         return None
     if not getattr(module_, "available", lambda: False)():
+        return None
+    supports = getattr(module_, "supports", None)
+    if supports is not None and not supports(*tensors):
         return None
     return getattr(module_, name, None)
 

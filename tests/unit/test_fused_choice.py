@@ -215,3 +215,31 @@ def test_fused_rmsnorm_module_runs_the_choice(chooser, winner):
         assert torch.equal(got, ref)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
     assert _dispatch.calls() == {("rms_norm", winner): 1}
+
+
+def test_triton_kernel_is_a_candidate_where_it_runs(chooser, monkeypatch):
+    """npuspeed.ops.triton.<op> (helper `triton`'s kernels) joins the candidates through a lazy
+    import: a stand-in module is chosen by its timing and counted; `supports` can refuse a call.
+    (CPU tensors are let in here only for the test; real runs offer Triton on CUDA/NPU.)"""
+    import sys
+    import types
+
+    fake = types.ModuleType("npuspeed.ops.triton.rms_norm")
+    fake.available = lambda: True
+    fake.supports = lambda x, w: x.shape[-1] % 16 == 0
+    fake.rms_norm = lambda x, w, eps: F.rms_norm(x, (x.shape[-1],), w, eps) * 1.0
+    package = types.ModuleType("npuspeed.ops.triton")
+    package.__path__ = []
+    monkeypatch.setitem(sys.modules, "npuspeed.ops.triton", package)
+    monkeypatch.setitem(sys.modules, "npuspeed.ops.triton.rms_norm", fake)
+    monkeypatch.setattr(fused_choice, "TRITON_DEVICES", {"cpu"})
+    chooser.trial = FakeTimes(megatron=3.0, cpp=2.0, triton=1.0)
+    w = torch.ones(16, requires_grad=True)
+    _norm_call(_x(8, 16), w)
+    assert _dispatch.calls() == {("rms_norm", "triton"): 1}
+    from npuspeed.ops import rms_norm as rms_mod
+
+    assert "triton" not in rms_mod.candidates(_x(8, 12), torch.ones(12), 1e-5, _megatron_norm)
+    monkeypatch.delitem(sys.modules, "npuspeed.ops.triton.rms_norm")
+    monkeypatch.setitem(sys.modules, "npuspeed.ops.triton", None)  # not importable: no candidate
+    assert "triton" not in rms_mod.candidates(_x(8, 16), w, 1e-5, _megatron_norm)
