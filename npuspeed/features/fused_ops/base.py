@@ -1,6 +1,7 @@
 """What the three fused-op features share: one flag each, the implementation they report,
-the notice when the fast kernel is absent (the reference then runs; training goes on), and
-the refusal when the model never builds what the flag fuses (a flag never silently idles)."""
+the notice when npuspeed's kernel is absent (Megatron's path then runs; training goes on), the measured
+choice per shape (npuspeed.ops.fused_choice) in the report, and the refusal when the model never builds
+what the flag fuses (a flag never silently idles)."""
 from __future__ import annotations
 
 import argparse
