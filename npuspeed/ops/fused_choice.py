@@ -175,8 +175,9 @@ class Chooser:
         self.choices[key] = choice
         if choice.impl == MEGATRON and choice.ms and self.notify is not None and op not in self._noted:
             self._noted.add(op)
-            self.notify(f"fused {op}: Megatron's own path runs for {choice.label} (measured faster than "
-                        f"the fused kernels there: {choice.why}); `npuspeed report` lists every shape")
+            timings = choice.why.split(": ", 1)[-1]
+            self.notify(f"fused {op}: Megatron's own path runs for {choice.label}, measured faster than "
+                        f"the fused kernels there ({timings}); `npuspeed report` lists every shape")
         return choice
 
     @staticmethod
