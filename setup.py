@@ -14,8 +14,12 @@ from setuptools import find_packages, setup
 
 EXTRAS = {
     "npu": ["torch_npu"],
-    # pybind11: the tests build a Megatron-LM-style dataset helper for this interpreter
-    "test": ["pytest>=7", "hypothesis>=6", "pytest-timeout", "pybind11"],
+    # pybind11: the tests build a Megatron-LM-style dataset helper for this interpreter.
+    # triton: the Triton kernels' numerics (npuspeed/ops/triton/) are tested on CPU through
+    # its interpreter (TRITON_INTERPRET=1); 3.6 is what the GPU device tier runs. Pinned to
+    # Linux x86_64, where its wheels are; elsewhere those tests skip and say why.
+    "test": ["pytest>=7", "hypothesis>=6", "pytest-timeout", "pybind11",
+             'triton==3.6.0; platform_system == "Linux" and platform_machine == "x86_64"'],
     "bench": ["matplotlib"],
     # What megatron.training (Megatron-LM core_v0.16) imports at load, plus pybind11 for the
     # dataset helper it builds at start-up. Not triton: a GPU compiler that npuspeed stands in

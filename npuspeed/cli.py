@@ -1,4 +1,4 @@
-"""The `npuspeed` command: `npuspeed report [--json] [feature flags ...]`,
+"""The `npuspeed` command: `npuspeed report [--json] [--measure-peak] [feature flags ...]`,
 `npuspeed patch-source DIR [--dry-run]` (prepare a Megatron-LM checkout) and
 `npuspeed plan [training flags]` (predict memory and speed, search layouts)."""
 from __future__ import annotations
@@ -20,6 +20,8 @@ def main(argv: list[str] | None = None) -> int:
                    "layouts; --calibrate this machine (npuspeed plan --help)")
     rep = sub.add_parser("report", help="device, features, patches and ops that apply here")
     rep.add_argument("--json", action="store_true", help="machine-readable output")
+    rep.add_argument("--measure-peak", action="store_true", help="time a large bf16 GEMM on the device and "
+                     "report its TFLOP/s (measured_peak_tflops; a peak for the example's --device-peak-tflops)")
     src = sub.add_parser("patch-source", help="add the npuspeed import line to a Megatron-LM "
                          "checkout's entry scripts and apply its source patches (idempotent)")
     src.add_argument("dir", help="the Megatron-LM checkout (its root, holding pretrain_gpt.py)")
@@ -38,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
 
         with exit_on_user_error():
             runtime.initialize(rest)
-        data = collect()
+        data = collect(measure_peak=args.measure_peak)
         print(json.dumps(data, indent=2, default=str) if args.json else render(data))
         return 0
     return 2

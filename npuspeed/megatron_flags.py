@@ -42,6 +42,8 @@ FLAGS: dict[str, tuple[str, dict]] = {
     "cp_comm_type": ("--cp-comm-type", {"type": str, "nargs": "+"}),
     "hierarchical_context_parallel_sizes": ("--hierarchical-context-parallel-sizes", {"type": int, "nargs": "+"}),
     "reset_attention_mask": ("--reset-attention-mask", {"action": "store_const", "const": True}),
+    # reproducible runs (npuspeed/features/device/determinism.py)
+    "deterministic_mode": ("--deterministic-mode", {"action": "store_const", "const": True}),
 }
 
 

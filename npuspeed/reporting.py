@@ -8,6 +8,8 @@ import platform
 
 import torch
 
+from npuspeed.throughput import measure_gemm_tflops, peak_tflops
+
 
 def _ops() -> list[dict]:
     from npuspeed.ops import catalog
@@ -15,7 +17,7 @@ def _ops() -> list[dict]:
     return catalog()
 
 
-def collect() -> dict:
+def collect(measure_peak: bool = False) -> dict:
     from npuspeed import runtime, telemetry
     from npuspeed._version import __version__
     from npuspeed.patching import registry
@@ -43,7 +45,21 @@ def collect() -> dict:
         "counters": telemetry.snapshot(),
         "attention_calls": _attention_calls(),
         "fused_op_choices": _fused_op_choices(),
+        # the table's bf16 dense peak for this device (None: not in the table, e.g. CPU) and,
+        # with --measure-peak, a large GEMM's measured TFLOP/s (for --device-peak-tflops)
+        "device_peak_tflops": peak_tflops(acc.device_name()),
+        **_measured_peak(acc, measure_peak),
     }
+
+
+def _measured_peak(acc, measure: bool) -> dict:
+    if not measure:
+        return {"measured_peak_tflops": None, "measured_peak": None}
+    import torch
+
+    dtype = torch.bfloat16 if acc.is_bf16_supported() else torch.float32
+    found = measure_gemm_tflops(acc.device(), acc.synchronize, dtype=dtype)
+    return {"measured_peak_tflops": found["tflops"], "measured_peak": found}
 
 
 def _fused_op_choices() -> list[dict]:
@@ -89,6 +105,20 @@ def render(data: dict) -> str:
     if data.get("fused_op_choices"):
         out += ["", "fused op choices (op [shape dtype device]: implementation (why)):"]
         out += [f"  - {c['line']}" for c in data["fused_op_choices"]]
+    out += ["", _peak_line(data)]
     if data["notes"]:
         out += ["", "notes:"] + [f"  - {n}" for n in data["notes"]]
     return "\n".join(out)
+
+
+def _peak_line(data: dict) -> str:
+    table = data.get("device_peak_tflops")
+    line = f"bf16 dense peak (table): {f'{table:g} TFLOP/s' if table else 'none for this device'}"
+    found = data.get("measured_peak")
+    if found:
+        line += (f"; measured: {found['tflops']:.3f} TFLOP/s ({found['dtype']} GEMM {found['n']}^3, best of "
+                 f"{found['repeats']}; median {found['median_tflops']:.3f}): pass --device-peak-tflops "
+                 f"{found['tflops']:.3g} for the example's mfu")
+    else:
+        line += " (npuspeed report --measure-peak times a bf16 GEMM)"
+    return line

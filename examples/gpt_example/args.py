@@ -81,6 +81,8 @@ def _parallel(p):
 
 
 def _training(p):
+    from gpt_example import throughput
+
     g = p.add_argument_group("training")
     g.add_argument("--micro-batch-size", type=int, default=2)
     g.add_argument("--global-batch-size", type=int, default=None, help="default: mbs x DP")
@@ -97,9 +99,13 @@ def _training(p):
     g.add_argument("--bf16", action="store_true")
     g.add_argument("--fp16", action="store_true")
     g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--deterministic-mode", action="store_true",
+                   help="Megatron-LM's flag: deterministic kernels and collectives, so that two runs (and a "
+                        "save/resume) give identical bits on every backend (npuspeed sets it up at import).")
     g.add_argument("--use-cpu-initialization", action="store_true",
                    help="initial weights drawn on the host, identical for every parallel layout")
     g.add_argument("--log-interval", type=int, default=1)
+    throughput.add_arguments(g)
     g.add_argument("--save", default=None)
     g.add_argument("--load", default=None)
     g.add_argument("--save-interval", type=int, default=None)

@@ -231,8 +231,12 @@ def build_train_iterator(args, tokenizer, consumed_samples, dp_rank, dp_size):
                                  args.reset_position_ids, args.eod_mask_loss)
         total = None
     sampler = MegatronOrderBatchSampler(total, consumed_samples, mbs, dp_rank, dp_size)
+    # On an accelerator the batches come in pinned host memory, so the training step's
+    # non_blocking copies overlap (the CPU backend has nothing to copy).
+    from npuspeed import get_accelerator
+
     loader = torch.utils.data.DataLoader(
         dataset, batch_sampler=sampler, num_workers=args.num_workers,
-        persistent_workers=args.num_workers > 0,
+        persistent_workers=args.num_workers > 0, pin_memory=get_accelerator().name != "cpu",
     )
     return iter(loader)

@@ -69,13 +69,16 @@ def packed_seq_params(tokens: torch.Tensor, eod: int):
 
 
 def document_mask(tokens: torch.Tensor, eod: int) -> torch.Tensor:
-    """[b, 1, s, s] bool, True = masked: causal and no attention across an EoD (reference only)."""
+    """[b, 1, s, s] bool, True = masked: causal and no attention across an EoD (reference only).
+
+    Built where `tokens` lives, without host loops: a token's document index is the number of
+    EoDs before it, and query i sees key j <= i only within its own document. On an
+    accelerator the mask is thus made on the device (no S x S host tensor, no copy)."""
     b, s = tokens.shape
-    mask = torch.ones(s, s, dtype=torch.bool).triu_(1).expand(b, 1, s, s).clone()
-    for row in range(b):
-        for i in (tokens[row] == eod).nonzero().flatten().tolist():
-            mask[row, 0, i + 1:, : i + 1] = True
-    return mask
+    ends = (tokens == eod).to(torch.int32)
+    doc = torch.cumsum(ends, dim=1) - ends  # EoDs strictly before each position
+    causal = torch.ones(s, s, dtype=torch.bool, device=tokens.device).triu_(1)
+    return (causal | (doc[:, :, None] != doc[:, None, :])).unsqueeze(1)
 
 
 def cp_split(batch: dict) -> dict:

@@ -86,6 +86,7 @@ def transformer_config(args) -> TransformerConfig:
         bf16=args.bf16,
         fp16=args.fp16,
         deallocate_pipeline_outputs=True,
+        deterministic_mode=args.deterministic_mode,
     )
     return TransformerConfig(**_supported(TransformerConfig, kwargs))
 

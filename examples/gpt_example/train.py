@@ -19,7 +19,7 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from gpt_example import checkpoint, data
+from gpt_example import checkpoint, data, throughput
 from gpt_example.failures import NonFiniteError, Progress, check_for_nan, report_nonfinite, stop_cleanly
 from gpt_example.model import (
     _supported, build_model, initialize_by_global_name, padded_vocab_size, transformer_config,
@@ -100,19 +100,21 @@ def loss_func(loss_mask: torch.Tensor, output: torch.Tensor, check_finite: bool 
 
 def batch_layout(args, eod: int):
     """What a micro-batch needs before the model, or None: packed documents
-    (--reset-attention-mask: PackedSeqParams with --use-flash-attn, else Megatron's S x S mask)
-    and the CP split (Megatron's get_batch_on_this_cp_rank). Returns batch -> (batch, mask, packed)."""
+    (--reset-attention-mask: PackedSeqParams with --use-flash-attn, else Megatron's S x S mask,
+    built on `device`) and the CP split (Megatron's get_batch_on_this_cp_rank).
+    Returns (batch, device) -> (batch, mask, packed)."""
     if not args.reset_attention_mask and args.context_parallel_size == 1:
         return None
     from gpt_example import documents
 
-    def layout(batch):
+    def layout(batch, device=None):
         packed = mask = None
         if args.reset_attention_mask:
             if getattr(args, "use_flash_attn", False):
                 packed = documents.packed_seq_params(batch["tokens"], eod)
-            else:  # Megatron's unfused attention needs the S x S mask
-                mask = documents.document_mask(batch["tokens"], eod)
+            else:  # Megatron's unfused attention needs the S x S mask: made on the device
+                tokens = batch["tokens"] if device is None else batch["tokens"].to(device, non_blocking=True)
+                mask = documents.document_mask(tokens, eod)
         if args.context_parallel_size > 1:
             batch = documents.cp_split(dict(batch))
         return batch, mask, packed
@@ -120,11 +122,28 @@ def batch_layout(args, eod: int):
     return layout
 
 
-def forward_step(data_iterator, model, check_finite: bool = False, layout=None):
+def to_device(batch: dict, mask, packed, device):
+    """The micro-batch on the accelerator (as Megatron-LM's get_batch does): tensors copied
+    with non_blocking from the DataLoader's pinned memory, the packed-document boundaries too
+    (cu_seqlens, as Transformer Engine expects them). Nothing moves on the CPU backend."""
+    if device.type == "cpu":
+        return batch, mask, packed
+    batch = {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
+    if packed is not None:
+        for name in ("cu_seqlens_q", "cu_seqlens_kv"):
+            value = getattr(packed, name, None)
+            if torch.is_tensor(value):
+                setattr(packed, name, value.to(device, non_blocking=True))
+    return batch, mask, packed
+
+
+def forward_step(data_iterator, model, check_finite: bool = False, layout=None, device=None):
     batch = next(data_iterator)
     mask = packed = None
     if layout is not None:
-        batch, mask, packed = layout(batch)
+        batch, mask, packed = layout(batch, device)
+    if device is not None:
+        batch, mask, packed = to_device(batch, mask, packed, device)
     output = model(batch["tokens"], batch["position_ids"], mask, labels=batch["labels"], packed_seq_params=packed)
     return output, partial(loss_func, batch["loss_mask"], check_finite=check_finite)
 
@@ -147,6 +166,16 @@ def build_optimizer(args, model):
         wd_incr_style="constant",
     )
     return optimizer, scheduler
+
+
+def to_accelerator(chunks):
+    """Model chunks onto the accelerator's current device before the Float16/DDP wrappers, as
+    Megatron-LM's get_model does (`.cuda(current_device)`): the optimizer wraps device
+    parameters and DDP's buffers are allocated beside them. A no-op on the CPU backend."""
+    acc = get_accelerator()
+    if acc.name == "cpu":
+        return chunks
+    return [chunk.to(acc.device()) for chunk in chunks]
 
 
 def wrap_float16(args, config, chunks):
@@ -181,7 +210,7 @@ def _configure_schedule_hooks(args, config, model, optimizer) -> None:
 
 def _iteration_loss(losses_reduced) -> torch.Tensor:
     """Mean lm loss of the iteration over micro-batches and data-parallel ranks (all ranks get it)."""
-    local = torch.zeros(1, dtype=torch.float64)
+    local = torch.zeros(1, dtype=torch.float64, device=_collective_device())
     if (mpu.is_pipeline_last_stage(ignore_virtual=True) and mpu.get_tensor_model_parallel_rank() == 0
             and mpu.get_context_parallel_rank() == 0):  # CP ranks report the same (all-reduced) loss
         values = [float(x["lm loss"]) for x in losses_reduced]
@@ -190,15 +219,21 @@ def _iteration_loss(losses_reduced) -> torch.Tensor:
     return local / mpu.get_data_parallel_world_size()
 
 
+def _collective_device() -> torch.device:
+    """Where tensors handed to a collective live: NCCL/HCCL take only device tensors, gloo CPU
+    ones (the CPU accelerator's device)."""
+    return get_accelerator().device()
+
+
 def _max_over_ranks(value: float) -> float:
-    t = torch.tensor([value], dtype=torch.float64)
+    t = torch.tensor([value], dtype=torch.float64, device=_collective_device())
     torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
     return float(t.item())
 
 
 def _per_rank(value: float) -> list[int]:
     """Every rank's value, in rank order (for comparing each rank with `npuspeed plan`)."""
-    t = torch.zeros(torch.distributed.get_world_size(), dtype=torch.float64)
+    t = torch.zeros(torch.distributed.get_world_size(), dtype=torch.float64, device=_collective_device())
     t[torch.distributed.get_rank()] = value
     torch.distributed.all_reduce(t)
     return [int(x) for x in t.tolist()]
@@ -206,9 +241,10 @@ def _per_rank(value: float) -> list[int]:
 
 def log_line(it, args, step_ms, lr, loss, grad_norm, peak, tokens_per_s, skipped) -> str:
     now = datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S")
+    tflops = throughput.log_segment(args, step_ms, torch.distributed.get_world_size())  # --log-throughput
     return (
         f" [{now}] iteration {it:8d}/{args.train_iters:8d} | consumed samples: {it * args.global_batch_size:12d} "
-        f"| elapsed time per iteration (ms): {step_ms:.1f} | tokens per second: {tokens_per_s:.1f} "
+        f"| elapsed time per iteration (ms): {step_ms:.1f} |{tflops} tokens per second: {tokens_per_s:.1f} "
         f"| learning rate: {lr:.6E} | global batch size: {args.global_batch_size:5d} | lm loss: {loss:.6E} "
         f"| grad norm: {grad_norm:.3f} | number of skipped iterations: {skipped:3d} "
         f"| peak memory (MB): {peak / 2**20:.1f} |"
@@ -240,6 +276,7 @@ def _train(args, progress) -> dict:
     chunks = build_model(args, config, args.padded_vocab_size)
     if args.use_cpu_initialization:
         initialize_by_global_name(chunks, args, config)
+    chunks = to_accelerator(chunks)
     model = wrap_ddp(args, config, wrap_float16(args, config, chunks))
     optimizer, scheduler = build_optimizer(args, model)
     _configure_schedule_hooks(args, config, model, optimizer)
@@ -260,7 +297,8 @@ def _train(args, progress) -> dict:
     acc.reset_peak_memory_stats()
     rank0 = torch.distributed.get_rank() == 0
     forward_backward = get_forward_backward_func()
-    step_func = partial(forward_step, check_finite=check_for_nan(args), layout=batch_layout(args, tokenizer.eod))
+    step_func = partial(forward_step, check_finite=check_for_nan(args), layout=batch_layout(args, tokenizer.eod),
+                        device=_collective_device())
     losses, step_times, skipped, nonfinite = [], [], 0, []
     cpu_times = []  # this rank's CPU time per step: steadier than wall time on a shared host
     parts = {"forward_backward_ms": [], "optimizer_step_ms": []}  # rank 0's, per iteration
@@ -346,10 +384,14 @@ def _train(args, progress) -> dict:
         # iterations whose loss or gradient was NaN/Inf (reported in the log as they happen)
         "nonfinite_iterations": nonfinite,
         "context_parallel_size": args.context_parallel_size,
+        # --deterministic-mode in force (deterministic torch algorithms on this rank)
+        "deterministic_mode": torch.are_deterministic_algorithms_enabled(),
         # per iteration (rank 0), the step's two parts as `npuspeed plan` predicts them: zeroing,
         # the schedule's forward/backward and finalize_model_grads (the DP reduction); the
         # optimizer step (clip, update, the distributed optimizer's parameter gather)
         **parts,
+        # Megatron-LM's model FLOPs over the mean step (as tokens_per_s), per rank; mfu against the peak
+        **throughput.summary_keys(args, mean_ms, torch.distributed.get_world_size(), acc.device_name()),
     }
     if rank0 and args.summary_json:
         with open(args.summary_json, "w") as f:

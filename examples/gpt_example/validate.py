@@ -96,6 +96,9 @@ def _training(args, dp: int) -> None:
               f"size {dp} = {mbs * dp}: use a multiple of {mbs * dp}")
     _need(args.min_lr <= args.lr, f"--min-lr {args.min_lr} is above --lr {args.lr}")
     _need(not (args.bf16 and args.fp16), "--bf16 and --fp16 exclude each other: pick one")
+    peak = getattr(args, "device_peak_tflops", None)
+    _need(peak is None or peak > 0, f"--device-peak-tflops {peak} must be > 0 (one device's bf16 dense peak; "
+                                    "drop it to use the table's or none)")
     if args.overlap_param_gather:
         _need(args.use_distributed_optimizer, "--overlap-param-gather needs --use-distributed-optimizer")
         _need(args.overlap_grad_reduce, "--overlap-param-gather needs --overlap-grad-reduce")

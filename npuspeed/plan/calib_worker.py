@@ -27,10 +27,17 @@ MIN_ROUNDS, MAX_ROUNDS = 5, 40
 GROUP_BUDGET_S = 4.0  # per group shape: rounds continue while it lasts
 
 
+def _device() -> torch.device:
+    """The accelerator's device: NCCL/HCCL collectives take device tensors, gloo host ones."""
+    from npuspeed import get_accelerator
+
+    return get_accelerator().device()
+
+
 def _sync_max(value: float) -> float:
     import torch.distributed as dist
 
-    t = torch.tensor([value], dtype=torch.float64)
+    t = torch.tensor([value], dtype=torch.float64, device=_device())
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t.item())
 
@@ -71,7 +78,7 @@ def _rounds(fns: dict, budget_s: float) -> dict:
             if i:
                 seen[k][0].append(f)
                 seen[k][1].append(b)
-        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=_device())
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # every rank stops after the same round
         if i >= MIN_ROUNDS and float(elapsed) > budget_s:
             break
@@ -249,7 +256,7 @@ def time_optimizers(spec, clip_grad: float = 1.0, grouped_gemm: bool = False) ->
             if i:
                 seen[0].append(t1 - t0)
                 seen[1].append(t2 - t1)
-        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=_device())
         torch.distributed.all_reduce(elapsed, op=torch.distributed.ReduceOp.MAX)
         if i >= MIN_ROUNDS and float(elapsed) > GROUP_BUDGET_S:
             break
@@ -273,7 +280,7 @@ def time_collectives() -> dict:
     world, rank = dist.get_world_size(), dist.get_rank()
     out = {"all_reduce": [], "p2p": []}
     for n in (1 << 12, 1 << 22):
-        t = torch.ones(n // 4)
+        t = torch.ones(n // 4, device=_device())
         best = float("inf")
         for i in range(REPEATS + 1):
             dist.barrier()

@@ -8,12 +8,19 @@ def _mib(n) -> str:
     return f"{n / MIB:,.1f} MiB"
 
 
+def _tflops(x: float) -> str:
+    """One decimal as Megatron-LM's log; four digits below 1 (CPU), so a small figure is not 0.0."""
+    return f"{x:,.1f}" if x >= 1 else f"{x:.4g}"
+
+
 def as_json(p) -> dict:
     lay, spec = p.spec.layout, p.spec
     out = {
         "peak_mem_bytes": p.peak if p.ok else None,
         "step_ms": p.speed.step_ms if p.speed else None,
         "tokens_per_s": p.speed.tokens_per_s if p.speed else None,
+        # Megatron-LM's model FLOPs of the step over the predicted step time, per rank
+        "tflops_per_s_per_rank": p.speed.tflops_per_s_per_rank if p.speed else None,
         "fits": p.fits,
         "problems": list(p.problems),
         "layout": {"tp": lay.tp, "pp": lay.pp, "vpp": lay.vpp, "dp": lay.dp, "cp": lay.cp, "ep": lay.ep,
@@ -73,7 +80,8 @@ def text(p) -> str:
         f"{k.upper()} {_mib(v)}" for k, v in p.comm.items() if v) or "communication: none")
     if p.speed:
         s = p.speed
-        lines.append(f"step {s.step_ms:,.1f} ms ({s.tokens_per_s:,.0f} tokens/s): compute {s.compute_ms:,.1f}, "
+        lines.append(f"step {s.step_ms:,.1f} ms ({s.tokens_per_s:,.0f} tokens/s, {_tflops(s.tflops_per_s_per_rank)} "
+                     f"TFLOP/s per rank): compute {s.compute_ms:,.1f}, "
                      f"bubble {s.bubble_ms:,.1f}, optimizer {s.optimizer_ms:,.1f}, comm " +
                      ", ".join(f"{k.upper()} {v:,.1f}" for k, v in s.comm_ms.items()) + " ms")
     else:
@@ -85,7 +93,9 @@ def search_json(ranked, rejected, top: int) -> dict:
     return {
         "top": [{"flags": c.flag_line(), "peak_mem_bytes": c.plan.peak,
                  "step_ms": c.plan.speed.step_ms if c.plan.speed else None,
-                 "tokens_per_s": c.plan.speed.tokens_per_s if c.plan.speed else None} for c in ranked[:top]],
+                 "tokens_per_s": c.plan.speed.tokens_per_s if c.plan.speed else None,
+                 "tflops_per_s_per_rank": c.plan.speed.tflops_per_s_per_rank if c.plan.speed else None}
+                for c in ranked[:top]],
         "candidates": len(ranked),
         "rejected": [{"flags": line, "reason": why} for line, why in rejected],
     }
@@ -97,7 +107,8 @@ def search_text(spec, ranked, rejected, top: int, calibrated: bool) -> str:
         lines.append("(no --profile: ranked by predicted peak memory only; calibrate for tokens/s)")
     world = f"torchrun --nproc-per-node {spec.extra.get('nproc_per_node') or spec.devices}"
     for i, c in enumerate(ranked[:top], 1):
-        speed = f"{c.plan.speed.tokens_per_s:,.0f} tokens/s, " if c.plan.speed else ""
+        speed = (f"{c.plan.speed.tokens_per_s:,.0f} tokens/s ({_tflops(c.plan.speed.tflops_per_s_per_rank)} "
+                 "TFLOP/s per rank), ") if c.plan.speed else ""
         lines.append(f"{i}. {speed}peak {_mib(c.plan.peak)}")
         lines.append(f"   {world} pretrain_gpt.py {c.flag_line()}")
     reasons = {}

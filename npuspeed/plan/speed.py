@@ -29,6 +29,7 @@ from npuspeed.plan import schedule
 from npuspeed.plan.dims import dims
 from npuspeed.plan.params import chunk_params
 from npuspeed.plan.spec import RunSpec
+from npuspeed.throughput import FlopsModel, model_flops, tflops_per_rank
 
 #: op kind -> the kernels the calibration times (a feature's PlanEffect.kernels names these)
 KERNELS = {
@@ -52,6 +53,8 @@ class StepTime:
     layer_ms: tuple = (0.0, 0.0)
     group: str = ""
     notes: tuple = ()
+    #: Megatron-LM's model FLOPs of the step (global batch) over the step time and the ranks
+    tflops_per_s_per_rank: float = 0.0
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -206,6 +209,16 @@ def layer_flops(spec: RunSpec) -> float:
     return 6.0 * mm + 3.0 * attn
 
 
+def megatron_model_flops(spec: RunSpec) -> float:
+    """Megatron-LM's count of one step's model FLOPs (npuspeed.throughput), the global batch's."""
+    m, lay = spec.model, spec.layout
+    shape = FlopsModel(num_layers=m.num_layers, hidden=m.hidden, ffn=m.ffn, heads=m.heads,
+                       query_groups=m.query_groups, kv_channels=m.kv_channels, seq_length=m.seq_length,
+                       padded_vocab=m.padded_vocab(lay.tp), swiglu=m.swiglu, num_experts=m.num_experts,
+                       moe_topk=m.moe_topk, moe_ffn=m.moe_ffn or None)
+    return model_flops(shape, spec.batch.global_size(lay.dp))
+
+
 def step_time(spec: RunSpec, effects, profile: dict, volume: dict) -> StepTime:
     lay = spec.layout
     d = dims(spec)
@@ -250,4 +263,5 @@ def step_time(spec: RunSpec, effects, profile: dict, volume: dict) -> StepTime:
     return StepTime(step_ms=total * 1e3, tokens_per_s=tokens / total, compute_ms=busiest * 1e3,
                     bubble_ms=max(pipeline - busiest, 0.0) * 1e3, comm_ms={k: v * 1e3 for k, v in comm.items()},
                     optimizer_ms=optimizer * 1e3, flops_per_step=flops, layer_ms=(lf * 1e3, lb * 1e3), group=key,
-                    notes=tuple(notes))
+                    notes=tuple(notes), tflops_per_s_per_rank=tflops_per_rank(
+                        megatron_model_flops(spec), total * 1e3, lay.tp * lay.pp * lay.cp * lay.dp))

@@ -90,6 +90,7 @@ EXAMPLE_ROWS = [
     ("param-gather-no-distopt", ["--overlap-param-gather", "--overlap-grad-reduce"], {},
      "--overlap-param-gather needs --use-distributed-optimizer"),
     ("bf16-and-fp16", ["--bf16", "--fp16"], {}, "--bf16 and --fp16 exclude each other: pick one"),
+    ("peak-tflops-zero", ["--device-peak-tflops", "0"], {}, "--device-peak-tflops 0.0 must be > 0"),
     ("min-lr-over-lr", ["--lr", "0.001", "--min-lr", "0.01"], {}, "--min-lr 0.01 is above --lr 0.001"),
     ("selective-with-method", ["--recompute-granularity", "selective", "--recompute-method", "uniform"], {},
      "--recompute-method applies to --recompute-granularity full only"),

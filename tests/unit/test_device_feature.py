@@ -230,3 +230,23 @@ def test_nccl_maps_to_gloo_and_megatron_seeds_in_a_one_rank_group():
     assert 0 < result["dropout_kept"] < 64 and result["dropout_from_tp_state"]
     assert result["allreduce"] == [1.0] * 4
     assert "CPU RNG state changed" not in proc.stderr
+
+
+COMPILE_UNDER_SHIM = """
+import torch
+import npuspeed.megatron_adaptor
+from torch.utils import _triton
+assert torch.cuda.is_available()  # the CPU shim's answer
+probes = [getattr(_triton, n) for n in dir(_triton) if n.startswith("has_") and hasattr(getattr(_triton, n), "cache_info")]
+print("CACHED", all(p.cache_info().currsize == 1 for p in probes), "TRITON", _triton.has_triton())
+"""
+
+
+def test_torch_probes_for_triton_are_answered_before_the_shim(tmp_path):
+    """With triton installed (a CUDA build of torch on a CPU host, or the test extra), torch's
+    cached probes would ask the shimmed torch.cuda for a device's properties inside dynamo and
+    fail every torch.compile (Megatron's MoE router); the device feature asks them first."""
+    proc = subprocess.run([sys.executable, "-c", COMPILE_UNDER_SHIM], capture_output=True, text=True, timeout=600,
+                          cwd=tmp_path, env=dict(os.environ, NPUSPEED_DEVICE="cpu"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "CACHED True TRITON False" in proc.stdout

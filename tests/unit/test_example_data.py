@@ -181,3 +181,21 @@ def test_preprocess_then_indexed_iterator_decodes_to_input(tmp_path):
     two = make_args("--data-path", prefix, prefix, "--data-cache-path", str(tmp_path / "cache"))
     with pytest.raises(RuntimeError, match="torch.distributed"):
         take(two, 1)
+
+
+def test_document_mask_is_megatron_ltor_mask_built_where_tokens_are():
+    """The vectorized mask (no host loops, so it is built on the accelerator) equals the
+    per-EoD construction of Megatron-LM's get_ltor_masks_and_position_ids."""
+    from gpt_example import documents
+
+    eod = 9
+    tokens = torch.tensor([[1, 2, eod, 3, 4, 5, eod, 6], [eod, 1, 2, 3, eod, eod, 4, 5]])
+    b, s = tokens.shape
+    ref = torch.ones(s, s, dtype=torch.bool).triu_(1).expand(b, 1, s, s).clone()
+    for row in range(b):
+        for i in (tokens[row] == eod).nonzero().flatten().tolist():
+            ref[row, 0, i + 1:, : i + 1] = True
+    mask = documents.document_mask(tokens, eod)
+    assert mask.shape == (b, 1, s, s) and mask.dtype == torch.bool
+    assert torch.equal(mask, ref)
+    assert documents.document_mask(tokens.to("meta"), eod).device.type == "meta"  # made beside the tokens

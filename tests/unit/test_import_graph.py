@@ -13,7 +13,8 @@ import pathlib
 PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "npuspeed"
 
 LAYERS = {
-    0: {"patching", "ops", "telemetry", "arguments", "megatron_flags", "context", "memory", "_version", "errors"},
+    0: {"patching", "ops", "telemetry", "arguments", "megatron_flags", "context", "memory", "_version", "errors",
+        "throughput"},
     1: {"accelerator"},
     2: {"features"},
     3: {"runtime"},

@@ -7,6 +7,8 @@ over R positions (a ring of one at CP 1 or under pure Ulysses), then the all-to-
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from npuspeed.features.base import FeatureError
@@ -74,6 +76,16 @@ def _dropout(module, head0: int) -> tuple[float, int, int, int]:
     return p, seed, offset, global_head0(module) + head0
 
 
+def _kernel_rng(module):
+    """Where a device kernel that draws its own dropout takes its random state: Megatron's
+    model-parallel tracker, as Megatron's attention dropout does (already forked under SP)."""
+    if module.config.sequence_parallel:
+        return contextlib.nullcontext()
+    from megatron.core import tensor_parallel
+
+    return tensor_parallel.get_cuda_rng_tracker().fork()
+
+
 def attention(module, query, key, value, attention_mask, packed_seq_params, accelerator, scale: float):
     """-> (context [s, b, hq * d], kernel label, why) for one core attention call."""
     cp = getattr(module, ATTR, None) or NO_CP
@@ -93,7 +105,8 @@ def attention(module, query, key, value, attention_mask, packed_seq_params, acce
     u_index = groups.rank(u_group)
     dropout_p, seed, offset, head0 = _dropout(module, u_index * (hq // cp.ulysses))
     kernel, why = _kernel(query, key, dropout_p, accelerator)
-    if dropout_p > 0 and not kernel.dropout:
+    per_call = dropout_p > 0 and not kernel.dropout and cp.size == 1 and kernel.per_call_dropout
+    if dropout_p > 0 and not kernel.dropout and not per_call:
         raise FeatureError(f"attention dropout under {'CP' if cp.size > 1 else 'packed documents'} needs a "
                            f"kernel that draws it at global positions; {kernel.name} does not: set "
                            "--attention-dropout 0")
@@ -107,7 +120,8 @@ def attention(module, query, key, value, attention_mask, packed_seq_params, acce
     plan = RingPlan(peers=groups.peers(r_group), size=cp.ring, position=groups.rank(r_group),
                     chunk=seq // (2 * cp.ring), causal=causal, kernel=kernel,
                     spec=CallSpec(scale, dropout_p, seed, offset, head0), docs=docs)
-    out = RingAttention.apply(query, key, value, plan)
+    with _kernel_rng(module) if per_call else contextlib.nullcontext():
+        out = RingAttention.apply(query, key, value, plan)
     if cp.ulysses > 1:
         out = HeadToSeq.apply(out, u_group, cp.ulysses, order, 0)
     context = out.reshape(out.shape[0], -1) if thd else out.reshape(s_local, b, -1)

@@ -54,6 +54,9 @@ class BlockKernel:
     #: draws attention dropout from (seed, offset, global positions, global head): the same
     #: mask whatever the CP layout, so a block may drop out
     dropout = False
+    #: draws dropout itself, independently per call (a device kernel's own generator): right
+    #: only where no output row merges blocks, i.e. a ring of one (CP 1, packed documents)
+    per_call_dropout = False
 
     def forward(self, q, k, v, block: Block, spec: CallSpec):
         raise NotImplementedError

@@ -13,12 +13,14 @@ CUDA: `_scaled_dot_product_flash_attention` (bf16/fp16) or
 in backward. K/V heads are repeated for them (the raw ops have no GQA).
 
 Neither draws dropout at global positions, so under CP they run with attention dropout 0
-(the feature refuses dropout there at start-up); on CUDA documents run tile by tile.
+(the feature refuses dropout there at start-up); at CP 1 (packed documents) CUDA's kernels
+draw it per call. On CUDA documents run tile by tile.
 """
 from __future__ import annotations
 
 import torch
 
+from npuspeed.features.base import FeatureError
 from npuspeed.features.context_parallel import npu_varlen
 from npuspeed.features.context_parallel.blocks import Block, BlockKernel, CallSpec, expand_kv, reduce_kv_grad
 
@@ -78,40 +80,68 @@ def _bhsd(x: torch.Tensor) -> torch.Tensor:
 
 
 class CudaAten(BlockKernel):
-    """Flash for 16-bit inputs, memory-efficient for fp32 (flash has no fp32)."""
+    """Flash for 16-bit inputs, memory-efficient for fp32 (flash has no fp32).
+
+    Dropout: these kernels draw their own mask from the device generator and return its
+    Philox seed/offset for backward; they cannot draw at global positions, so a CP ring runs
+    them without dropout. At CP 1 (packed documents) every query row sees the keys of one
+    tile only, so an independent draw per call is exactly Megatron's dropout: each forward
+    call's seed/offset is kept, first in first out per tile place, for its backward.
+    Dense calls pass no cumulative sequence lengths (None: an empty tensor would make the
+    backward treat the call as varlen with batch size -1).
+    """
+
+    per_call_dropout = True
 
     def __init__(self, dtype: torch.dtype):
         self.flash = dtype in (torch.bfloat16, torch.float16)
         self.name = CUDA_FLASH if self.flash else CUDA_EFFICIENT
+        if not self.flash and torch.are_deterministic_algorithms_enabled():
+            raise FeatureError("--deterministic-mode: fp32 attention blocks on CUDA run PyTorch's memory-"
+                               "efficient kernel, whose backward is not deterministic; train in --bf16 "
+                               "(flash kernel) or drop --deterministic-mode")
+        self._philox: dict[tuple, list] = {}
+
+    @staticmethod
+    def _place(q, k, block: Block) -> tuple:
+        return block.q0, block.k0, q.shape[0], k.shape[0]
 
     def forward(self, q, k, v, block: Block, spec: CallSpec):
         groups = q.shape[2] // k.shape[2]
         qq, kk, vv = _bhsd(q), _bhsd(expand_kv(k, groups)), _bhsd(expand_kv(v, groups))
         if self.flash:
-            res = torch.ops.aten._scaled_dot_product_flash_attention(qq, kk, vv, 0.0, block.causal, False,
+            res = torch.ops.aten._scaled_dot_product_flash_attention(qq, kk, vv, spec.dropout_p, block.causal, False,
                                                                      scale=spec.scale)
-            out, lse = res[0], res[1]
+            out, lse, philox = res[0], res[1], (res[6], res[7])
         else:
-            out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(
-                qq, kk, vv, None, True, 0.0, block.causal, scale=spec.scale)
+            out, lse, seed, offset = torch.ops.aten._scaled_dot_product_efficient_attention(
+                qq, kk, vv, None, True, spec.dropout_p, block.causal, scale=spec.scale)
+            philox = (seed, offset)
+        if spec.dropout_p > 0:
+            self._philox.setdefault(self._place(q, k, block), []).append(philox)
         return out.permute(2, 0, 1, 3), lse[..., : q.shape[0]].float()
+
+    def _philox_for(self, q, k, block: Block, spec: CallSpec):
+        if spec.dropout_p == 0:
+            zero = torch.zeros((), dtype=torch.int64, device=q.device)
+            return zero, zero
+        return self._philox[self._place(q, k, block)].pop(0)
 
     def backward(self, dout, q, k, v, out, lse, block: Block, spec: CallSpec):
         groups = q.shape[2] // k.shape[2]
         sq, sk = q.shape[0], k.shape[0]
         qq, kk, vv = _bhsd(q), _bhsd(expand_kv(k, groups)), _bhsd(expand_kv(v, groups))
         do, o = _bhsd(dout.contiguous()), _bhsd(out.contiguous())
-        zero = torch.zeros((), dtype=torch.int64, device=q.device)
+        seed, offset = self._philox_for(q, k, block, spec)
         if self.flash:
-            empty = torch.empty(0, dtype=torch.int32, device=q.device)
             dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-                do, qq, kk, vv, o, lse.contiguous(), empty, empty, sq, sk, 0.0, block.causal, zero, zero,
+                do, qq, kk, vv, o, lse.contiguous(), None, None, sq, sk, spec.dropout_p, block.causal, seed, offset,
                 scale=spec.scale)
         else:
             padded = -(-sq // 32) * 32  # the efficient kernel's LSE rows are padded to 32
             lse_p = torch.nn.functional.pad(lse, (0, padded - sq)) if padded != sq else lse
             dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-                do, qq, kk, vv, None, o, lse_p.contiguous(), zero, zero, 0.0, [True, True, True, False],
+                do, qq, kk, vv, None, o, lse_p.contiguous(), seed, offset, spec.dropout_p, [True, True, True, False],
                 block.causal, scale=spec.scale)
         back = lambda g: g.permute(2, 0, 1, 3)  # noqa: E731
         return back(dq), reduce_kv_grad(back(dk), groups), reduce_kv_grad(back(dv), groups)

@@ -11,11 +11,31 @@ import logging
 
 from npuspeed.features.base import Feature
 from npuspeed.features.device import (
-    cuda_shim, dist_backend, distopt_fixes, gloo_collectives, megatron_compat, megatron_fixes, rng,
+    cuda_shim, determinism, dist_backend, distopt_fixes, gloo_collectives, megatron_compat, megatron_fixes, rng,
 )
 from npuspeed.features.device.apex_guard import guard_apex
 
 log = logging.getLogger("npuspeed")
+
+
+def _cache_triton_probe() -> None:
+    """torch.compile (Megatron's jit_fuser, e.g. in the MoE router) asks torch's cached probes
+    (`torch.utils._triton.has_triton()`, `has_triton_tma_device()`, ...) whether triton can
+    target a device. With triton installed they call torch.cuda.get_device_properties once
+    torch.cuda.is_available() says True, which the CPU shim does, and dynamo does not catch
+    the shim's "no device" answer. Ask every such probe now, before the shim, so each caches
+    torch's own answer."""
+    try:
+        from torch.utils import _triton
+    except ImportError:  # older torch: no such probes
+        return
+    for name in dir(_triton):
+        probe = getattr(_triton, name)
+        if name.startswith("has_") and hasattr(probe, "cache_info"):
+            try:
+                probe()
+            except Exception:  # a probe that fails now fails alike later; nothing to cache
+                pass
 
 
 class DeviceFeature(Feature):
@@ -37,9 +57,11 @@ class DeviceFeature(Feature):
         warning = guard_apex()  # logs it
         if warning and warning not in ctx.notes:
             ctx.notes.append(warning)
+        determinism.apply(ctx)
         if accelerator.name == "npu":
             accelerator.transfer_to_npu()
         if accelerator.name == "cpu":
+            _cache_triton_probe()
             accelerator.enable_memory_tracking()
             accelerator.configure_host_cache()
             accelerator.configure_memory_limit()

@@ -8,6 +8,8 @@ explicit mask with its polarity flipped (SDPA: True = attend).
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
@@ -45,7 +47,19 @@ def sdpa_attention(
         kwargs["attn_mask"] = band_keep(sq, sk, plan.band, query.device)
     elif plan.mask is not None:
         kwargs["attn_mask"] = ~plan.mask
-    out = F.scaled_dot_product_attention(q, k, v, **kwargs)  # [b, hq, sq, d]
+    with _deterministic_backends(query.device):
+        out = F.scaled_dot_product_attention(q, k, v, **kwargs)  # [b, hq, sq, d]
     if plan.dead_rows is not None:
         out = fix_dead_rows(out, v, plan.dead_rows)
     return out.permute(2, 0, 1, 3).reshape(sq, b, hq * d)
+
+
+def _deterministic_backends(device: torch.device):
+    """Under --deterministic-mode on CUDA, only SDPA kernels whose backward is deterministic:
+    flash (torch runs its deterministic backward then) and math; the memory-efficient and
+    cuDNN kernels accumulate dQ with atomics."""
+    if device.type != "cuda" or not torch.are_deterministic_algorithms_enabled():
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.MATH])
