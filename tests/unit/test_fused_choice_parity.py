@@ -105,3 +105,47 @@ def test_flag_entry_points_measure_once_and_count_the_winner(monkeypatch):
     assert set(made) == {"rms_norm", "swiglu", "rotary_pos_emb"}
     assert _dispatch.calls() == {(op, c.impl): 2 for op, c in made.items()}
     assert all(set(c.ms) == {"megatron", "cpp"} for c in made.values())
+
+
+_TRITON_SCRIPT = r"""
+import os, json
+os.environ["TRITON_INTERPRET"] = "1"
+import torch, torch.nn.functional as F
+from megatron.core.models.common.embeddings import rope_utils
+from npuspeed.ops import fused_choice, rms_norm as R, swiglu as S, rope as P
+fused_choice.TRITON_DEVICES = {"cpu"}  # the interpreter runs the kernels on CPU tensors
+x, w = torch.randn(6, 64, requires_grad=True), torch.randn(64, requires_grad=True)
+y = torch.randn(6, 64, requires_grad=True)
+t, fr = torch.randn(8, 1, 2, 32, requires_grad=True), torch.randn(8, 1, 1, 32)
+cases = {"rms_norm": (R.candidates(x, w, 1e-5, lambda x, w: F.rms_norm(x, (64,), w, 1e-5)), (x, w)),
+         "swiglu": (S.candidates(y, {"megatron": S.swiglu_reference}), (y,)),
+         "rope": (P.candidates(t, fr, False, 1.0, lambda t: rope_utils._apply_rotary_pos_emb_bshd(t, fr)), (t,))}
+out = {}
+for name, (cands, inputs) in cases.items():
+    got = {}
+    for impl in ("triton", "megatron"):
+        leaves = [i.detach().clone().requires_grad_() for i in inputs]
+        o = cands[impl](*leaves)
+        o.backward(torch.ones_like(o))
+        got[impl] = [o.detach()] + [l.grad for l in leaves]
+    out[name] = all(torch.allclose(a, b, atol=1e-5, rtol=1e-5) for a, b in zip(got["triton"], got["megatron"]))
+print(json.dumps(out))
+"""
+
+
+def test_triton_kernels_join_as_candidates_and_match_megatron():
+    """npuspeed.ops.triton's kernels (Triton's interpreter, fp32, fwd+bwd) are offered by the
+    candidates where Triton runs and agree with Megatron's path."""
+    import importlib.util
+    import json
+    import os
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed here (the device tier runs the kernels)")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.run([sys.executable, "-c", _TRITON_SCRIPT], cwd=root, capture_output=True, text=True,
+                          timeout=300, env=dict(os.environ, PYTHONWARNINGS="ignore"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"rms_norm": True, "swiglu": True, "rope": True}
