@@ -140,7 +140,9 @@ def main() -> None:
             if name not in runs or run["tokens_per_s"] > runs[name]["tokens_per_s"]:
                 runs[name] = run
             kernels = (run.get("attention_calls") or {}).get("calls") or {}
-            print(f"[e2e] {name}: {run['tokens_per_s']:.1f} tokens/s, peak "
+            cpu = run.get("mean_step_cpu_ms")
+            print(f"[e2e] {name}: {run['tokens_per_s']:.1f} tokens/s"
+                  + (f", rank 0 CPU {cpu:.0f} ms/step" if cpu else "") + ", peak "
                   f"{run['peak_mem_bytes'] / 2**20:.1f} MiB/rank, weights "
                   f"{run['weight_bytes'] / 2**20:.1f} MiB/rank"
                   + (f", attention kernels {kernels}" if kernels else ""), flush=True)
@@ -164,6 +166,9 @@ def main() -> None:
                          "max_loss_diff_vs_fp32": ref_diff, "median_step_ms": run.get("median_step_ms"),
                          "seq": opts.seq, "layers": opts.layers, "iters": opts.iters, "dropout": opts.dropout,
                          "tokens_per_s_runs": tries.get(name, [round(run["tokens_per_s"], 1)]),
+                         "step_cpu_ms": run.get("mean_step_cpu_ms"),
+                         "cpu_ratio_vs_off": (base["mean_step_cpu_ms"] / run["mean_step_cpu_ms"]
+                                              if run.get("mean_step_cpu_ms") and base.get("mean_step_cpu_ms") else None),
                          "attention_kernels": (run.get("attention_calls") or {}).get("calls")})
     csv_path = bench.finish()
     png = csv_path.parent / f"e2e_{tag + '_' if tag else ''}{bench.acc.name}.png"

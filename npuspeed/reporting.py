@@ -44,6 +44,7 @@ def collect(measure_peak: bool = False) -> dict:
         "late_import": state.late_import,
         "counters": telemetry.snapshot(),
         "attention_calls": _attention_calls(),
+        "fused_op_choices": _fused_op_choices(),
         # the table's bf16 dense peak for this device (None: not in the table, e.g. CPU) and,
         # with --measure-peak, a large GEMM's measured TFLOP/s (for --device-peak-tflops)
         "device_peak_tflops": peak_tflops(acc.device_name()),
@@ -59,6 +60,13 @@ def _measured_peak(acc, measure: bool) -> dict:
     dtype = torch.bfloat16 if acc.is_bf16_supported() else torch.float32
     found = measure_gemm_tflops(acc.device(), acc.synchronize, dtype=dtype)
     return {"measured_peak_tflops": found["tflops"], "measured_peak": found}
+
+
+def _fused_op_choices() -> list[dict]:
+    """Per op and shape: which implementation the fused-op flags run, and why (measured)."""
+    from npuspeed.ops import fused_choice
+
+    return [dict(c.as_dict(), line=c.line()) for c in fused_choice.choices()]
 
 
 def _attention_calls() -> dict:
@@ -94,6 +102,9 @@ def render(data: dict) -> str:
     if calls.get("calls"):
         out += ["", "attention calls (kernel: count, why):"]
         out += [f"  - {k}: {n} ({calls['reasons'].get(k, '')})" for k, n in sorted(calls["calls"].items())]
+    if data.get("fused_op_choices"):
+        out += ["", "fused op choices (op [shape dtype device]: implementation (why)):"]
+        out += [f"  - {c['line']}" for c in data["fused_op_choices"]]
     out += ["", _peak_line(data)]
     if data["notes"]:
         out += ["", "notes:"] + [f"  - {n}" for n in data["notes"]]

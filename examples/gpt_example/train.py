@@ -300,12 +300,13 @@ def _train(args, progress) -> dict:
     step_func = partial(forward_step, check_finite=check_for_nan(args), layout=batch_layout(args, tokenizer.eod),
                         device=_collective_device())
     losses, step_times, skipped, nonfinite = [], [], 0, []
+    cpu_times = []  # this rank's CPU time per step: steadier than wall time on a shared host
     parts = {"forward_backward_ms": [], "optimizer_step_ms": []}  # rank 0's, per iteration
     run_peak = step_peak = 0  # the run's peak, and the largest optimizer-step peak (above the step's start)
     tokens_per_iter = args.global_batch_size * args.seq_length
     start_iteration = iteration
     while iteration < args.train_iters:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         for chunk in model:
             chunk.zero_grad_buffer()
         optimizer.zero_grad()
@@ -330,6 +331,7 @@ def _train(args, progress) -> dict:
         loss = float(_iteration_loss(reduced).item())
         acc.synchronize()
         step_ms = (time.perf_counter() - t0) * 1000.0
+        cpu_times.append((time.process_time() - c0) * 1000.0)
         iteration += 1
         progress.iteration = iteration
         if report_nonfinite(iteration, loss, None if grad_norm is None else float(grad_norm), ok, optimizer):
@@ -356,6 +358,8 @@ def _train(args, progress) -> dict:
         "losses": losses,
         "first_iteration": start_iteration + 1,
         "mean_step_ms": mean_ms,
+        # rank 0's process CPU time per step (first iteration left out, as for mean_step_ms)
+        "mean_step_cpu_ms": sum(cpu_times[1:] or cpu_times) / max(len(cpu_times[1:] or cpu_times), 1),
         "tokens_per_s": tokens_per_iter / (mean_ms / 1000.0) if mean_ms else 0.0,
         "peak_mem_bytes": int(_max_over_ranks(max(run_peak, acc.max_memory_allocated()))),
         # the optimizer step's own peak (largest over iterations and ranks): what masters,

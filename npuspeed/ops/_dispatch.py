@@ -1,15 +1,19 @@
 """Which implementation a fused op runs, and a tally of what actually ran.
 
-Per call: `npu` (torch_npu's fused kernel, through the accelerator) when the tensors are on
-an NPU; `cpp` (the `npuspeed::` CPU kernel) for CPU tensors of a supported dtype when the op
-library is loaded; otherwise `reference` (the op's pure-PyTorch function, also what CUDA
-runs). Each call is counted (telemetry `ops.<op>.<impl>`, see `calls()`), so tests can
-prove the fast path ran and a silent fallback cannot pass.
+Per call of an op's front end: `npu` (torch_npu's fused kernel, through the accelerator) when
+the tensors are on an NPU; `cpp` (the `npuspeed::` CPU kernel) for CPU tensors of a supported
+dtype when the op library is loaded; otherwise `reference` (the op's pure-PyTorch function).
+The flags do not call the front ends blindly: npuspeed.ops.fused_choice measures these
+against the device's native op, Triton and Megatron's own path per shape and runs the
+fastest (counted as `megatron`, `triton`, `native` too). Each call is counted (telemetry
+`ops.<op>.<impl>`, see `calls()`), so tests can prove the fast path ran and a silent
+fallback cannot pass; `quiet()` silences the count while the chooser's trials run.
 
 Autograd and fake (meta) kernels of the C++ ops are registered on first use, not at import.
 """
 from __future__ import annotations
 
+import contextlib
 import sys
 from typing import Callable
 
@@ -21,6 +25,7 @@ from npuspeed.ops._extension import has_op
 CPP_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 PREFIX = "ops."
 _REGISTERED: set[str] = set()
+_QUIET = [0]  # > 0 while a trial or a chosen call runs: record() counts nothing
 
 
 def calls() -> dict[tuple[str, str], int]:
@@ -44,7 +49,23 @@ def implementation(op: str, *tensors: torch.Tensor) -> str:
 
 
 def record(op: str, impl: str) -> None:
-    telemetry.count(f"{PREFIX}{op}.{impl}")
+    if not _QUIET[0]:
+        telemetry.count(f"{PREFIX}{op}.{impl}")
+
+
+def counting() -> bool:
+    """False inside `quiet()` (other counters of what ran, e.g. MoE's, follow the same rule)."""
+    return not _QUIET[0]
+
+
+@contextlib.contextmanager
+def quiet():
+    """Count nothing inside (fused_choice's trials; a chosen call is counted by its chooser)."""
+    _QUIET[0] += 1
+    try:
+        yield
+    finally:
+        _QUIET[0] -= 1
 
 
 def torch_npu():

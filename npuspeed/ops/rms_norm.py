@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from npuspeed.ops import _dispatch
+from npuspeed.ops import _dispatch, fused_choice
 
 OP = "rms_norm"
 
@@ -50,6 +50,15 @@ def _register() -> None:
         return torch.empty_like(x), weight.new_empty(weight.shape if weight_grad else (0,))
 
 
+def _cpp(x, weight, eps):
+    _dispatch.ensure_registered(OP, _register)
+    return torch.ops.npuspeed.rms_norm(x, weight, float(eps))[0]
+
+
+def _npu(x, weight, eps):
+    return _dispatch.torch_npu().npu_rms_norm(x, weight, epsilon=float(eps))[0]
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 1e-5) -> torch.Tensor:
     """RMSNorm of `x` over its last dimension, scaled by `weight` (1-D, or None for none)."""
     if weight is None:
@@ -57,8 +66,31 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 1e-5) ->
     impl = _dispatch.implementation(OP, x, weight)
     _dispatch.record(OP, impl)
     if impl == "cpp":
-        _dispatch.ensure_registered(OP, _register)
-        return torch.ops.npuspeed.rms_norm(x, weight, float(eps))[0]
+        return _cpp(x, weight, eps)
     if impl == "npu":
-        return _dispatch.torch_npu().npu_rms_norm(x, weight, epsilon=float(eps))[0]
+        return _npu(x, weight, eps)
     return rms_norm_reference(x, weight, eps)
+
+
+def candidates(x: torch.Tensor, weight: torch.Tensor, eps: float, megatron) -> dict:
+    """The implementations --use-fused-rmsnorm chooses among for this call, as fn(x, weight).
+
+    `megatron(x, weight)` is what runs with the flag off (torch.nn.RMSNorm, i.e. torch's
+    `F.rms_norm`: on CUDA and CPU that is also the device's native op, so it is not listed
+    twice); npuspeed's C++ kernel on CPU, Triton on CUDA/NPU, torch_npu's kernel on an NPU."""
+    found = {"megatron": megatron}
+    impl = _dispatch.implementation(OP, x, weight)
+    if impl == "cpp":
+        found["cpp"] = lambda x, w: _cpp(x, w, eps)
+    elif impl == "npu":
+        found["npu"] = lambda x, w: _npu(x, w, eps)
+    triton = fused_choice.triton_kernel("rms_norm", "rms_norm", x, weight)
+    if triton is not None:
+        found["triton"] = lambda x, w: triton(x, w, eps)
+    return found
+
+
+def fused_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, megatron) -> torch.Tensor:
+    """--use-fused-rmsnorm's call: the fastest of `candidates`, measured once per shape."""
+    return fused_choice.run_chosen(OP, candidates(x, weight, eps, megatron), (x, weight),
+                                   extra=(float(eps),), rows=True)

@@ -13,7 +13,7 @@ import weakref
 
 import torch
 
-from npuspeed.ops import _dispatch
+from npuspeed.ops import _dispatch, fused_choice
 
 OP = "rotary_pos_emb"
 
@@ -99,11 +99,47 @@ def rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, interleaved: bool = Fal
     _dispatch.record(OP, impl)
     if impl == "reference":
         return rotary_pos_emb_reference(t, freqs, interleaved, mscale)
-    if impl == "cpp":  # the kernel computes in the accumulation type: hand it the tables so
-        cos, sin = cached_cos_sin(t, freqs, mscale, torch.promote_types(t.dtype, torch.float32))
-        _dispatch.ensure_registered(OP, _register)
-        return torch.ops.npuspeed.rotary_pos_emb(t, cos, sin, bool(interleaved))
+    if impl == "cpp":
+        return _cpp(t, freqs, interleaved, mscale)
+    return _npu(t, freqs, interleaved, mscale)
+
+
+def _cpp(t, freqs, interleaved, mscale):
+    # the kernel computes in the accumulation type: hand it the tables so
+    cos, sin = cached_cos_sin(t, freqs, mscale, torch.promote_types(t.dtype, torch.float32))
+    _dispatch.ensure_registered(OP, _register)
+    return torch.ops.npuspeed.rotary_pos_emb(t, cos, sin, bool(interleaved))
+
+
+def _npu(t, freqs, interleaved, mscale):
     cos, sin = cached_cos_sin(t, freqs, mscale, t.dtype)
     rot = freqs.shape[-1]
     out = _dispatch.torch_npu().npu_rotary_mul(t[..., :rot], cos, sin)
     return out if rot == t.shape[-1] else torch.cat((out, t[..., rot:]), dim=-1)
+
+
+def candidates(t: torch.Tensor, freqs: torch.Tensor, interleaved: bool, mscale: float, megatron) -> dict:
+    """The implementations --use-fused-rotary-pos-emb chooses among, as fn(t). `megatron(t)` is
+    Megatron's `_apply_rotary_pos_emb_bshd` (the flag off); torch has no native RoPE; C++ on
+    CPU, torch_npu's `npu_rotary_mul` on an NPU (rotate-half only), Triton on CUDA/NPU."""
+    found = {"megatron": megatron}
+    if not (supported(t, freqs) and freqs.device == t.device):
+        return found
+    impl = _dispatch.implementation(OP, t)
+    if impl == "cpp":
+        found["cpp"] = lambda t: _cpp(t, freqs, interleaved, mscale)
+    elif impl == "npu" and not interleaved:
+        found["npu"] = lambda t: _npu(t, freqs, interleaved, mscale)
+    triton = fused_choice.triton_kernel("rope", "rotary_pos_emb", t, freqs)
+    if triton is not None:
+        found["triton"] = lambda t: triton(t, freqs, interleaved, mscale)
+    return found
+
+
+def fused_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, interleaved: bool, mscale: float,
+                         megatron) -> torch.Tensor:
+    """--use-fused-rotary-pos-emb's call: the fastest of `candidates`, measured once per shape."""
+    return fused_choice.run_chosen(
+        OP, candidates(t, freqs, interleaved, mscale, megatron), (t,),
+        extra=(tuple(freqs.shape), freqs.dtype, bool(interleaved), float(mscale)),
+        text_extra=f"rot {freqs.shape[-1]}{' interleaved' if interleaved else ''}")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from npuspeed.ops import _dispatch
+from npuspeed.ops import _dispatch, fused_choice
 
 OP = "swiglu"
 
@@ -45,9 +45,41 @@ def swiglu(x: torch.Tensor) -> torch.Tensor:
     impl = _dispatch.implementation(OP, x)
     _dispatch.record(OP, impl)
     if impl == "cpp":
-        _dispatch.ensure_registered(OP, _register)
-        return torch.ops.npuspeed.swiglu(x)
+        return _cpp(x)
     if impl == "npu":
-        return _dispatch.torch_npu().npu_swiglu(x, dim=-1)
+        return _npu(x)
     return swiglu_reference(x)
+
+
+def _cpp(x):
+    _dispatch.ensure_registered(OP, _register)
+    return torch.ops.npuspeed.swiglu(x)
+
+
+def _npu(x):
+    return _dispatch.torch_npu().npu_swiglu(x, dim=-1)
+
+
+def candidates(x: torch.Tensor, megatron: dict) -> dict:
+    """The implementations --use-fused-swiglu chooses among, as fn(x). `megatron` holds what
+    runs with the flag off, by name: `megatron` (the MLP's eager silu(a) * b) and, where the
+    config fused it, `megatron_fused` (Megatron's bias_swiglu_impl). torch has no native
+    SwiGLU; torch_npu's `npu_swiglu` on an NPU, C++ on CPU, Triton on CUDA/NPU."""
+    found = dict(megatron)
+    if x.dim() == 0 or x.shape[-1] % 2:
+        return found
+    impl = _dispatch.implementation(OP, x)
+    if impl == "cpp":
+        found["cpp"] = _cpp
+    elif impl == "npu":
+        found["npu"] = _npu
+    triton = fused_choice.triton_kernel("swiglu", "swiglu", x)
+    if triton is not None:
+        found["triton"] = triton
+    return found
+
+
+def fused_swiglu(x: torch.Tensor, megatron: dict) -> torch.Tensor:
+    """--use-fused-swiglu's call: the fastest of `candidates`, measured once per shape."""
+    return fused_choice.run_chosen(OP, candidates(x, megatron), (x,), extra=tuple(sorted(megatron)), rows=True)
 

@@ -36,6 +36,15 @@ LAYOUTS = {
 }
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _force_npuspeed_kernels():
+    """These runs test npuspeed's kernels (their counters are asserted): force them instead of the
+    per-shape measurement, which may pick Megatron's path on a tiny model (tests/unit/test_*choice*)."""
+    with pytest.MonkeyPatch.context() as mp_:
+        mp_.setenv("NPUSPEED_FUSED_OP_PATH", "npuspeed")
+        yield
+
+
 def model(topk: int, experts: int, capacity: bool = False, shared: bool = False, swiglu: bool = False) -> list[str]:
     args = ["--num-experts", str(experts), "--moe-router-topk", str(topk), "--disable-bias-linear",
             "--train-iters", "8"] + (["--swiglu"] if swiglu else [])

@@ -71,6 +71,15 @@ finally:  # also after Megatron's sys.exit at --exit-interval
 '''
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _force_npuspeed_kernels():
+    """These runs test npuspeed's kernels (their counters are asserted): force them instead of the
+    per-shape measurement, which may pick Megatron's path on a tiny model (tests/unit/test_*choice*)."""
+    with pytest.MonkeyPatch.context() as mp_:
+        mp_.setenv("NPUSPEED_FUSED_OP_PATH", "npuspeed")
+        yield
+
+
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
     """pretrain_gpt.py with the import line, next to the runner; the checkout stays as it is."""

@@ -1,6 +1,7 @@
 """Fused RMSNorm, SwiGLU and RoPE (`--use-fused-rmsnorm`, `--use-fused-swiglu`,
 `--use-fused-rotary-pos-emb`): one feature per flag, each routing one Megatron-Core
-computation to an `npuspeed.ops` front end (C++ on CPU, torch_npu on NPU, reference else)."""
+computation to the fastest correct implementation for its shape (npuspeed.ops.fused_choice:
+npuspeed's C++/Triton kernel, the device's native op, or Megatron's own path, measured once)."""
 from __future__ import annotations
 
 from npuspeed import telemetry
@@ -15,6 +16,7 @@ class FusedRMSNormFeature(FusedOpFeature):
     op, npu_kernel, source = "rms_norm", "npu_rms_norm", "csrc/cpu/rms_norm.cpp"
     replaces = "the torch.nn.RMSNorm of --normalization RMSNorm"
     patches = rmsnorm
+    triton_module, megatron_path = "rms_norm", "torch.nn.RMSNorm: F.rms_norm, torch's native op"
     plan_slot, plan_saves = "norm", "saves the input and an fp32 rstd, not x * rstd"
 
     def plan_applies(self, model) -> bool:
@@ -37,6 +39,7 @@ class FusedSwiGLUFeature(FusedOpFeature):
     op, npu_kernel, source = "swiglu", "npu_swiglu", "csrc/cpu/swiglu.cpp"
     replaces = "the SwiGLU activation of the MLP (--swiglu)"
     patches = swiglu
+    triton_module, megatron_path = "swiglu", "eager silu(gate) * up, or bias_swiglu_impl"
     plan_slot, plan_saves = "glu", "saves fc1's output only, not silu(gate) and its product"
 
     def plan_applies(self, model) -> bool:
@@ -49,6 +52,7 @@ class FusedRoPEFeature(FusedOpFeature):
     op, npu_kernel, source = "rotary_pos_emb", "npu_rotary_mul", "csrc/cpu/rope.cpp"
     replaces = "Megatron's unfused rotary position embedding (--position-embedding-type rope)"
     patches = rope
+    triton_module, megatron_path = "rope", "_apply_rotary_pos_emb_bshd"
     plan_slot, plan_saves = "rope", "no per-call cos/sin tensors saved"
 
     def plan_applies(self, model) -> bool:

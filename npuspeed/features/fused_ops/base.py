@@ -1,6 +1,7 @@
 """What the three fused-op features share: one flag each, the implementation they report,
-the notice when the fast kernel is absent (the reference then runs; training goes on), and
-the refusal when the model never builds what the flag fuses (a flag never silently idles)."""
+the notice when npuspeed's kernel is absent (Megatron's path then runs; training goes on), the measured
+choice per shape (npuspeed.ops.fused_choice) in the report, and the refusal when the model never builds
+what the flag fuses (a flag never silently idles)."""
 from __future__ import annotations
 
 import argparse
@@ -21,6 +22,9 @@ class FusedOpFeature(Feature):
     patches = None
 
     def register_patches(self, registry, ctx) -> None:
+        from npuspeed.features.fused_ops.measure import configure
+
+        configure(ctx)
         self.patches.register(registry, self.name)
 
     @property
@@ -29,15 +33,18 @@ class FusedOpFeature(Feature):
 
     def add_arguments(self, group) -> None:
         group.add_argument(self.flags[0], action="store_true",
-                           help=f"Run {self.replaces} as npuspeed's fused {self.op} "
-                                f"(CPU: C++ {self.source}; NPU: torch_npu.{self.npu_kernel}).")
+                           help=f"Run {self.replaces} on the fastest correct {self.op} here, measured "
+                                f"once per shape (fwd+bwd) among npuspeed's kernel (CPU: C++ {self.source}; "
+                                f"CUDA/NPU: Triton), the device's native op (NPU: torch_npu.{self.npu_kernel}) "
+                                f"and Megatron's own path (never slower than the flag off). "
+                                f"NPUSPEED_FUSED_OP_PATH=cpp|triton|npu|native|megatron forces one.")
 
     def enabled(self, args: argparse.Namespace) -> bool:
         return bool(getattr(args, self.dest, False))
 
     def prepare(self, ctx) -> None:
         path = self.path(ctx)
-        if "reference" in path:
+        if "unavailable" in path or "no npuspeed" in path or "has no" in path:
             ctx.note(f"{self.flags[0]}: {path}")
 
     #: the op-graph slot the fused kernel replaces (npuspeed/plan/ops.py) and when it applies
@@ -64,18 +71,48 @@ class FusedOpFeature(Feature):
         return f"{self.flags[0]}: {self.patches.NEEDS} (this block has none: {self.patches.found_in(block)})"
 
     def path(self, ctx) -> str:
+        """The candidates here, then each measured choice so far ("rms_norm [..]: cpp (1.4x ...)")."""
         if not self.enabled(ctx.args):
             return "off"
-        accelerator = ctx.accelerator
-        if accelerator.name == "npu":
-            if hasattr(accelerator.torch_npu, self.npu_kernel):
-                return f"torch_npu.{self.npu_kernel}"
-            return f"pure-PyTorch reference (this torch_npu has no {self.npu_kernel})"
-        if accelerator.name == "cuda":
-            return "pure-PyTorch reference (no npuspeed CUDA kernel; CPU tensors use the C++ op)"
-        from npuspeed.ops._extension import has_op, load_library
+        from npuspeed.ops import fused_choice
 
-        lib = load_library()
-        if has_op(self.op):
-            return f"npuspeed::{self.op} (C++ {self.source}, {lib['source']}, {lib.get('cpu_capability')})"
-        return f"pure-PyTorch reference (C++ op library unavailable: {lib['error'] or 'op missing'})"
+        rule = f"fastest of {', '.join(self.candidates(ctx.accelerator))}, measured once per shape (fwd+bwd)"
+        force = fused_choice.forced()
+        if force:
+            rule += f"; {fused_choice.FORCE_ENV}={force}"
+        made = [c.line() for c in fused_choice.choices() if c.op == self.op]
+        return rule + ("; " + "; ".join(made) if made else "")
+
+    def candidates(self, accelerator) -> list[str]:
+        """What this flag chooses among on this accelerator, with why a kernel is absent."""
+        found = []
+        if accelerator.name == "npu":
+            found.append(f"torch_npu.{self.npu_kernel}" if hasattr(accelerator.torch_npu, self.npu_kernel)
+                         else f"no native op (this torch_npu has no {self.npu_kernel})")
+        if accelerator.name in ("cuda", "npu"):
+            found.append(_triton_state(self.triton_module))
+        else:
+            from npuspeed.ops._extension import has_op, load_library
+
+            lib = load_library()
+            found.append(f"npuspeed::{self.op} (C++ {self.source}, {lib['source']}, {lib.get('cpu_capability')})"
+                         if has_op(self.op) else
+                         f"no npuspeed kernel (C++ op library unavailable: {lib['error'] or 'op missing'})")
+        found.append(f"Megatron's path ({self.megatron_path})")
+        return found
+
+    #: npuspeed.ops.triton.<module> holding this op's Triton kernel
+    triton_module: str = ""
+    #: what runs with the flag off, for the report
+    megatron_path: str = ""
+
+
+def _triton_state(module: str) -> str:
+    try:
+        import importlib
+
+        kernels = importlib.import_module(f"npuspeed.ops.triton.{module}")
+    except ImportError as exc:
+        return f"no npuspeed Triton kernel ({exc})"
+    return (f"npuspeed Triton kernel (npuspeed.ops.triton.{module})" if kernels.available()
+            else f"no npuspeed Triton kernel (npuspeed.ops.triton.{module}.available() is False)")

@@ -28,8 +28,9 @@ def fused_bshd(original):
         a = bound.arguments
         if set(a) - _HANDLED or a.get("multi_latent_attention") or not rope.supported(a["t"], a["freqs"]):
             return original(*args, **kwargs)
-        return rope.rotary_pos_emb(a["t"], a["freqs"], bool(a.get("rotary_interleaved", False)),
-                                   float(a.get("mscale", 1.0)))
+        rest = {k: v for k, v in a.items() if k != "t"}
+        return rope.fused_rotary_pos_emb(a["t"], a["freqs"], bool(a.get("rotary_interleaved", False)),
+                                         float(a.get("mscale", 1.0)), lambda t: original(t, **rest))
 
     return _apply_rotary_pos_emb_bshd
 

@@ -33,10 +33,13 @@ class FusedPermuteFeature(Feature):
             ctx.note("--use-fused-moe-token-permute-and-unpermute: torch_npu's permute needs the same number of "
                      "experts per token; with a capacity factor and no --moe-pad-expert-input-to-capacity, "
                      "dropped tokens make that false (add the padding flag)")
-        if "reference" in self.path(ctx):
+        if "no npuspeed kernel" in self.path(ctx):
             ctx.note(f"--use-fused-moe-token-permute-and-unpermute: {self.path(ctx)}")
 
     def register_patches(self, registry, ctx) -> None:
+        from npuspeed.features.fused_ops.measure import configure
+
+        configure(ctx)
         permute.register(registry, self.name)
 
     def check_built(self, block, ctx) -> str | None:
@@ -55,11 +58,16 @@ class FusedPermuteFeature(Feature):
     def path(self, ctx) -> str:
         if not self.enabled(ctx.args):
             return "off"
+        from npuspeed.features.fused_ops.measure import choice_lines
+
         acc = ctx.accelerator
+        rule = ("; Megatron's own permute/unpermute where that measured faster (once per shape, fwd+bwd round trip)"
+                + choice_lines("moe_permute"))
         if acc.name == "npu":
-            return "torch_npu npu_moe_token_permute_with_routing_map / npu_moe_token_unpermute_with_routing_map"
+            return "torch_npu npu_moe_token_permute_with_routing_map / npu_moe_token_unpermute_with_routing_map" + rule
         from npuspeed.ops._extension import has_op, load_library
 
         if acc.name == "cpu" and has_op("moe_permute"):
-            return f"npuspeed::moe_permute / moe_unpermute (C++ csrc/cpu/moe_permute.cpp, {load_library()['source']})"
-        return "pure-PyTorch reference (Megatron's unfused algorithm; no npuspeed kernel for this device)"
+            return (f"npuspeed::moe_permute / moe_unpermute (C++ csrc/cpu/moe_permute.cpp, "
+                    f"{load_library()['source']})" + rule)
+        return "Megatron's own permute/unpermute (no npuspeed kernel for this device)"

@@ -12,6 +12,11 @@ w [G, K, N] one weight per group. Backends, chosen once per (device type, dtype)
 - `loop`: one `torch.mm` per group written into its rows of a preallocated output, forward
   and backward (benchmarks/bench_moe.py measures it against the others).
 
+`--moe-grouped-gemm` does not take the grouped backend blindly: per (device, dtype, group
+count, weight shape, rows rounded up to a power of two) the grouped backend and the
+per-expert loop (the matmuls Megatron's SequentialMLP runs with the flag off) are timed once,
+forward + backward, by npuspeed.ops.fused_choice, and the faster one runs (`choose_backend`);
+NPUSPEED_FUSED_OP_PATH=megatron forces the loop, any other forced value the grouped kernel.
 Each call is counted (`moe.grouped_gemm.<backend>`) so tests prove which one ran.
 
 A weight used by several calls in one step (the chunks of the overlapped all-to-all) can
@@ -26,6 +31,7 @@ import sys
 import torch
 
 from npuspeed import telemetry
+from npuspeed.ops import _dispatch
 
 BACKENDS = ("npu", "torch", "loop")
 _CHOSEN: dict[tuple[str, torch.dtype], str] = {}
@@ -63,6 +69,29 @@ def backend_for(x: torch.Tensor) -> str:
         else:
             _CHOSEN[key] = "loop"
     return _CHOSEN[key]
+
+
+def choose_backend(x: torch.Tensor, w: torch.Tensor, counts: list[int]) -> str:
+    """The grouped backend this device has, or the per-expert loop where that measured faster."""
+    from npuspeed.ops import fused_choice
+
+    capable = backend_for(x)
+    if capable == "loop":
+        return "loop"
+    force = fused_choice.forced()
+    if force is not None:
+        return "loop" if force == fused_choice.MEGATRON else capable
+    rows = 1 << max(0, x.shape[0] - 1).bit_length()
+    grads = torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)
+    key = ("grouped_mm", x.device.type, x.dtype, tuple(w.shape), rows, grads)
+    choice = fused_choice.CHOOSER.choices.get(key)
+    if choice is None:
+        dtype = str(x.dtype).replace("torch.", "").replace("bfloat16", "bf16").replace("float", "fp")
+        label = f"{w.shape[0]} experts, ~{rows}x{w.shape[1]}x{w.shape[2]} {dtype} {x.device.type}"
+        candidates = {fused_choice.MEGATRON: lambda x, w: grouped_mm(x, w, counts, backend="loop"),
+                      capable: lambda x, w: grouped_mm(x, w, counts, backend=capable)}
+        choice = fused_choice.CHOOSER.pick("grouped_mm", key, label, candidates, (x, w))
+    return "loop" if choice.impl == fused_choice.MEGATRON else choice.impl
 
 
 def _counts(counts) -> list[int]:
@@ -186,10 +215,11 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts, backend: str | None = N
     `sink`: shared with the other calls of this weight in the step (see GradSink)."""
     counts = _counts(counts)
     _check(x, w, counts)
-    backend = backend or backend_for(x)
+    backend = backend or choose_backend(x, w, counts)
     if backend not in BACKENDS:
         raise ValueError(f"grouped_mm: unknown backend {backend!r}; one of {BACKENDS}")
-    telemetry.count(f"moe.grouped_gemm.{backend}")
+    if _dispatch.counting():  # not inside a fused_choice trial
+        telemetry.count(f"moe.grouped_gemm.{backend}")
     x = x.contiguous()
     if backend == "torch":
         offs = torch.tensor(counts, dtype=torch.int64).cumsum(0).to(device=x.device, dtype=torch.int32)

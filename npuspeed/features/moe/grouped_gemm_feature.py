@@ -35,6 +35,9 @@ class GroupedGemmFeature(Feature):
                                "by it, --expert-tensor-parallel-size 1, or --moe-tp-extend-ep")
 
     def register_patches(self, registry, ctx) -> None:
+        from npuspeed.features.fused_ops.measure import configure
+
+        configure(ctx)
         grouped_mlp.register(registry, self.name)
 
     def check_built(self, block, ctx) -> str | None:
@@ -77,5 +80,9 @@ class GroupedGemmFeature(Feature):
         from npuspeed.ops.moe_swiglu import OP
         from npuspeed.ops._dispatch import describe
 
-        return (f"Megatron's GroupedMLP with {kernel}; SwiGLU x router prob: {describe(OP) if acc.name == 'cpu' else acc.name}"
-                f"; GroupedMLPs built: {ctx.counters.get('moe.grouped_mlp.built')}")
+        from npuspeed.features.fused_ops.measure import choice_lines
+
+        return (f"Megatron's GroupedMLP with {kernel}; the grouped kernel only where it beats one mm per expert "
+                f"(Megatron's SequentialMLP matmuls, `megatron` below), measured once per shape fwd+bwd; "
+                f"SwiGLU x router prob: {describe(OP) if acc.name == 'cpu' else acc.name}"
+                f"; GroupedMLPs built: {ctx.counters.get('moe.grouped_mlp.built')}{choice_lines('grouped_mm')}")

@@ -1,0 +1,128 @@
+"""The MoE flags follow the fused-op rule: `--moe-grouped-gemm`'s grouped matmul and
+`--use-fused-moe-token-permute-and-unpermute`'s fused pair run only where they measured
+faster than the per-expert loop / Megatron's own permute (injected timings here: the
+decision is deterministic), the counters show which ran, forcing works, and the result is
+Megatron's either way."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from npuspeed import telemetry
+from npuspeed.features.moe import grouped_gemm
+from npuspeed.features.moe import permute as permute_feature
+from npuspeed.ops import _dispatch, fused_choice
+from npuspeed.ops._extension import has_op
+
+
+class FakeTimes:
+    def __init__(self, **seconds):
+        self.seconds, self.calls = seconds, []
+
+    def __call__(self, name, run):
+        run()
+        self.calls.append(name)
+        return self.seconds[name]
+
+
+@pytest.fixture
+def chooser(monkeypatch):
+    fresh = fused_choice.Chooser(repeats=2, budget_s=0.0)
+    monkeypatch.setattr(fused_choice, "CHOOSER", fresh)
+    monkeypatch.delenv(fused_choice.FORCE_ENV, raising=False)
+    telemetry.reset("moe.grouped_gemm.")
+    _dispatch.reset_calls()
+    return fresh
+
+
+def _gmm_inputs(dtype=torch.float32):
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(12, 16, generator=gen).to(dtype).requires_grad_()
+    w = torch.randn(3, 16, 8, generator=gen).to(dtype).requires_grad_()
+    return x, w, [5, 0, 7]
+
+
+def _grouped_counts():
+    return {k.rsplit(".", 1)[1]: v for k, v in telemetry.snapshot("moe.grouped_gemm.").items()}
+
+
+@pytest.mark.parametrize("loop_s, torch_s, expected", [(1.0, 2.0, "loop"), (2.0, 1.0, "torch"), (1.0, 1.0, "loop")])
+def test_grouped_mm_takes_the_faster_backend(chooser, loop_s, torch_s, expected):
+    if grouped_gemm.backend_for(torch.empty(0)) != "torch":
+        pytest.skip("torch grouped mm does not run here: only the loop exists")
+    chooser.trial = FakeTimes(megatron=loop_s, torch=torch_s)
+    x, w, counts = _gmm_inputs()
+    for _ in range(2):
+        out = grouped_gemm.grouped_mm(x, w, counts)
+        out.sum().backward()
+    assert _grouped_counts() == {expected: 2}  # trials count nothing
+    (choice,) = fused_choice.choices()
+    assert choice.op == "grouped_mm" and choice.label == "3 experts, ~16x16x8 fp32 cpu"
+    assert choice.impl == ("megatron" if expected == "loop" else "torch")
+    ref = torch.cat([x[:5] @ w[0], x[5:] @ w[2]])
+    torch.testing.assert_close(out, ref)
+
+
+def test_grouped_mm_forced(chooser, monkeypatch):
+    if grouped_gemm.backend_for(torch.empty(0)) != "torch":
+        pytest.skip("torch grouped mm does not run here")
+    chooser.trial = FakeTimes()  # a trial would raise: forced paths measure nothing
+    x, w, counts = _gmm_inputs()
+    monkeypatch.setenv(fused_choice.FORCE_ENV, "megatron")
+    grouped_gemm.grouped_mm(x, w, counts)
+    monkeypatch.setenv(fused_choice.FORCE_ENV, "npuspeed")
+    grouped_gemm.grouped_mm(x, w, counts)
+    assert _grouped_counts() == {"loop": 1, "torch": 1} and chooser.trial.calls == []
+
+
+def _routing(tokens=10, experts=4, topk=2, hidden=8, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(1)
+    scores = torch.rand(tokens, experts, generator=gen)
+    top = scores.topk(topk, dim=-1).indices
+    routing_map = torch.zeros(tokens, experts, dtype=torch.bool).scatter_(1, top, True)
+    probs = torch.where(routing_map, scores, torch.zeros_like(scores))
+    x = torch.randn(tokens, hidden, generator=gen).to(dtype).requires_grad_()
+    return x, routing_map, probs, tokens * topk
+
+
+@pytest.mark.skipif(not has_op("moe_permute"), reason="C++ op library not built")
+@pytest.mark.parametrize("winner", ["cpp", "megatron"])
+def test_permute_pair_takes_the_faster_and_matches_megatron(chooser, winner):
+    from megatron.core.transformer.moe import moe_utils
+
+    notes = []
+    chooser.configure(notify=notes.append)
+    chooser.trial = FakeTimes(megatron=1.0 if winner == "megatron" else 2.0, cpp=1.0 if winner == "cpp" else 2.0)
+    permute = permute_feature.permute_wrapper(moe_utils.permute)
+    unpermute = permute_feature.unpermute_wrapper(moe_utils.unpermute)
+    x, routing_map, probs, n = _routing()
+
+    def round_trip(perm, unperm, x):
+        out, out_probs, order = perm(x, routing_map, probs=probs, num_out_tokens=n)
+        back = unperm(out * out_probs.unsqueeze(-1), order, x.shape, routing_map=routing_map)
+        back.sum().backward()
+        return back
+
+    got = round_trip(permute, unpermute, x)
+    got_grad, x.grad = x.grad, None
+    ref = round_trip(moe_utils.permute, moe_utils.unpermute, x)
+    torch.testing.assert_close(got, ref)
+    torch.testing.assert_close(got_grad, x.grad)
+    assert _dispatch.calls() == {("moe_permute", winner): 1, ("moe_unpermute", winner): 1}
+    (choice,) = fused_choice.choices()
+    assert choice.op == "moe_permute" and choice.impl == winner and set(choice.ms) == {"megatron", "cpp"}
+    assert len(notes) == (1 if winner == "megatron" else 0)
+
+
+@pytest.mark.skipif(not has_op("moe_permute"), reason="C++ op library not built")
+def test_permute_forced_megatron(chooser, monkeypatch):
+    from megatron.core.transformer.moe import moe_utils
+
+    chooser.trial = FakeTimes()
+    monkeypatch.setenv(fused_choice.FORCE_ENV, "megatron")
+    permute = permute_feature.permute_wrapper(moe_utils.permute)
+    unpermute = permute_feature.unpermute_wrapper(moe_utils.unpermute)
+    x, routing_map, probs, n = _routing()
+    out, _, order = permute(x, routing_map, probs=probs, num_out_tokens=n)
+    unpermute(out, order, x.shape, routing_map=routing_map)
+    assert _dispatch.calls() == {("moe_permute", "megatron"): 1, ("moe_unpermute", "megatron"): 1}
