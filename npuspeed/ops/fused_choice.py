@@ -15,6 +15,8 @@ back (`Guard`; the feature installs one that knows the accelerator and Megatron'
 tracker), and `NPUSPEED_FUSED_OP_PATH=cpp|triton|npu|native|megatron|auto` forces a choice
 (tests, bitwise-repeatable runs; `npuspeed` means whichever npuspeed kernel exists).
 Different ranks measure on their own; force a path where every rank must run the same code.
+Under `--deterministic-mode` nothing is measured: npuspeed's kernel runs where it takes the
+call, else Megatron's path, on every rank and in every run (a resume re-runs the same code).
 """
 from __future__ import annotations
 
@@ -165,6 +167,9 @@ class Chooser:
         want = forced()
         if want is not None:
             choice = self._forced(op, text, candidates, want)
+        elif torch.are_deterministic_algorithms_enabled():
+            choice = self._forced(op, text, candidates, "npuspeed", "--deterministic-mode: not measured, so every "
+                                  "rank and every run takes the same kernel")
         elif len(candidates) == 1:
             (only,) = candidates
             choice = Choice(op, text, only, "the only implementation here")
@@ -181,12 +186,13 @@ class Chooser:
         return choice
 
     @staticmethod
-    def _forced(op, text, candidates, want) -> Choice:
+    def _forced(op, text, candidates, want, by: str | None = None) -> Choice:
+        by = by or f"forced by {FORCE_ENV}={want}"
         names = [want] if want != "npuspeed" else [n for n in NPUSPEED_KERNELS if n in candidates]
         for name in names:
             if name in candidates:
-                return Choice(op, text, name, f"forced by {FORCE_ENV}={want}")
-        return Choice(op, text, MEGATRON, f"{FORCE_ENV}={want}, but {want} is not available for this call")
+                return Choice(op, text, name, by)
+        return Choice(op, text, MEGATRON, f"{by}; {want} is not available for this call")
 
     def _measure(self, op, text, candidates, inputs) -> Choice:
         grads = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)

@@ -243,3 +243,18 @@ def test_triton_kernel_is_a_candidate_where_it_runs(chooser, monkeypatch):
     monkeypatch.delitem(sys.modules, "npuspeed.ops.triton.rms_norm")
     monkeypatch.setitem(sys.modules, "npuspeed.ops.triton", None)  # not importable: no candidate
     assert "triton" not in rms_mod.candidates(_x(8, 16), w, 1e-5, _megatron_norm)
+
+
+def test_deterministic_mode_measures_nothing_and_takes_the_kernel(chooser):
+    """Under --deterministic-mode every rank and run must run the same code: no timing decides."""
+    if not has_op("rms_norm"):
+        pytest.skip("C++ op library not built")
+    chooser.trial = FakeTimes()  # any trial would raise KeyError
+    torch.use_deterministic_algorithms(True)
+    try:
+        _norm_call(_x(8, 16), torch.ones(16, requires_grad=True))
+    finally:
+        torch.use_deterministic_algorithms(False)
+    (choice,) = fused_choice.choices()
+    assert choice.impl == "cpp" and "--deterministic-mode: not measured" in choice.why
+    assert chooser.trial.calls == [] and _dispatch.calls() == {("rms_norm", "cpp"): 1}
