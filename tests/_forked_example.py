@@ -16,6 +16,8 @@ import tempfile
 import time
 import traceback
 
+from tiers import pinned  # this script's folder, tests/, is on sys.path
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "pretrain_gpt.py")
 
@@ -70,7 +72,7 @@ def run(row) -> dict:
 def main() -> None:
     rows = json.load(sys.stdin)
     os.environ.pop("NPUSPEED_ARGS", None)
-    os.environ.pop("NPUSPEED_DEVICE", None)
+    pinned(os.environ)  # the CPU tier's backend, also where a row leaves NPUSPEED_DEVICE alone
     import torch  # noqa: F401
 
     if sys.argv[1] == "initialized":

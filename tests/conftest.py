@@ -1,4 +1,7 @@
-"""Shared fixtures. Tests run in one process: anything patched is undone by its fixture."""
+"""Shared fixtures. Tests run in one process: anything patched is undone by its fixture.
+
+The CPU tier pins npuspeed's CPU backend here (NPUSPEED_DEVICE=cpu, inherited by every process
+a test starts) unless the device tier runs (`-m device`, tests/device/); see tests/tiers.py."""
 from __future__ import annotations
 
 import contextlib
@@ -13,6 +16,21 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 sys.path.insert(0, os.path.join(ROOT, "tools"))  # launch.py, shared with the benchmarks
 
 from launch import free_port  # noqa: E402
+import tiers  # noqa: E402
+
+
+def pytest_configure(config):
+    """Before any test module is imported: the CPU tier's backend pin (a user's NPUSPEED_DEVICE
+    included: `make test` must pass on a GPU host whatever the shell exports)."""
+    config._npuspeed_device_tier = tiers.device_tier(config.getoption("markexpr", "") or "")
+    if not config._npuspeed_device_tier:
+        tiers.pin()
+
+
+def pytest_report_header(config):
+    if getattr(config, "_npuspeed_device_tier", False):
+        return "npuspeed: device tier (the accelerator present, NPUSPEED_DEVICE not pinned)"
+    return f"npuspeed: CPU tier ({tiers.VAR}={os.environ.get(tiers.VAR)} pinned for tests and their subprocesses)"
 
 
 @pytest.fixture(scope="session")

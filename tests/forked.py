@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from launch import ROOT, free_port
+from tiers import pinned
 
 RUNNER = Path(__file__).with_name("_forked_example.py")
 
@@ -21,8 +22,9 @@ def run_rows(mode: str, rows: list[tuple[list[str], dict]]) -> list[dict]:
     """[(argv, env)] -> [{"rc", "stdout", "stderr"}], in order."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", MASTER_ADDR="127.0.0.1",
                MASTER_PORT=str(free_port()))
-    for key in ("NPUSPEED_ARGS", "NPUSPEED_DEVICE", "NPUSPEED_DEBUG", "RANK", "WORLD_SIZE"):
+    for key in ("NPUSPEED_ARGS", "NPUSPEED_DEBUG", "RANK", "WORLD_SIZE"):
         env.pop(key, None)
+    pinned(env)  # the CPU tier's backend; a row's own NPUSPEED_DEVICE still wins
     payload = json.dumps([{"argv": argv, "env": extra} for argv, extra in rows])
     proc = subprocess.run([sys.executable, str(RUNNER), mode], input=payload, capture_output=True, text=True,
                           cwd=ROOT, env=env, timeout=1200)

@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 
 from launch import ROOT, free_port
+from tiers import pinned
 
 
 @dataclass
@@ -34,8 +35,9 @@ def start(script, args: list[str], nproc: int, env: dict | None = None) -> list[
     for r in range(nproc):
         run_env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1",
                        MASTER_PORT=port, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(nproc))
-        for key in ("NPUSPEED_ARGS", "NPUSPEED_DEVICE", "NPUSPEED_DEBUG", "TORCHELASTIC_ERROR_FILE"):
+        for key in ("NPUSPEED_ARGS", "NPUSPEED_DEBUG", "TORCHELASTIC_ERROR_FILE"):
             run_env.pop(key, None)
+        pinned(run_env)  # the CPU tier's backend
         run_env.update(env or {})
         files = (tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+"))  # no pipe to fill up
         proc = subprocess.Popen([sys.executable, str(script), *args], cwd=ROOT, env=run_env,

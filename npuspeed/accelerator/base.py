@@ -164,6 +164,19 @@ class Accelerator(ABC):
             "reserved_bytes.all.peak": self.max_memory_reserved(device),
         }
 
+    def enable_memory_tracking(self) -> bool:
+        """Start counting memory from here on; True when the counts are real. A device's caching
+        allocator always counts, so only the CPU backend has something to switch on."""
+        return True
+
+    def configure_host_cache(self) -> str:
+        """Set up the CPU block cache from the environment (CPU only); returns `host_cache()`."""
+        return self.host_cache()
+
+    def configure_memory_limit(self) -> str:
+        """Set up a live-memory limit from the environment (CPU only); returns `memory_limit()`."""
+        return self.memory_limit()
+
     def memory_tracking(self) -> str:
         """How the memory numbers are obtained, for `npuspeed report`."""
         return "device allocator"

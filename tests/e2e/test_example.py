@@ -8,6 +8,7 @@ import sys
 
 import pytest
 from launch import ROOT, run_example
+from tiers import pinned
 
 README_ARGS = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--use-cpu-initialization",
                "--lr", "3e-3"]
@@ -65,7 +66,7 @@ def test_importing_adaptor_after_megatron_warns_and_works():
     code = ("import megatron.core.tensor_parallel; import npuspeed.megatron_adaptor, torch; "
             "print('device', torch.cuda.current_device())")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
-                          env={"PYTHONWARNINGS": "ignore", "PATH": "/usr/bin:/bin"})
+                          env=pinned({"PYTHONWARNINGS": "ignore", "PATH": "/usr/bin:/bin"}))
     assert proc.returncode == 0, proc.stderr
     assert "imported before npuspeed.megatron_adaptor" in proc.stderr
     assert "device cpu" in proc.stdout

@@ -193,3 +193,62 @@ def test_device_rng_set_get_parked_and_active(host_rng):
     assert torch.equal(torch.get_rng_state(), host_before)
     with rng.scope():
         assert torch.equal(torch.rand(3), _draws(_seeded(12), 6)[3:])
+
+
+class _FakeCudaModule:
+    """The few `torch.cuda` functions the CUDA backend's memory answers read, with known values
+    (the backend takes its module as an argument, so it is testable without a GPU)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def memory_allocated(self, device=None):
+        return 1000
+
+    def max_memory_allocated(self, device=None):
+        return 3000
+
+    def reset_peak_memory_stats(self, device=None):
+        self.calls.append("reset_peak_memory_stats")
+
+    def memory_reserved(self, device=None):
+        return 4096
+
+    def max_memory_reserved(self, device=None):
+        return 8192
+
+    def empty_cache(self):
+        self.calls.append("empty_cache")
+
+
+def _public(cls) -> set[str]:
+    return {n for n in dir(cls) if not n.startswith("_")}
+
+
+def test_every_backend_answers_what_the_cpu_backend_answers():
+    """Code calls the accelerator without asking which backend it is (the device feature sets
+    up memory tracking, the bench harness too): a method only the CPU backend has is an
+    AttributeError on a GPU (issue 23: `CudaAccelerator` had no `enable_memory_tracking`)."""
+    from npuspeed.accelerator.cuda import CudaAccelerator
+    from npuspeed.accelerator.npu import NpuAccelerator
+
+    for backend in (CudaAccelerator, NpuAccelerator):
+        missing = _public(CpuAccelerator) - _public(backend)
+        assert not missing, f"{backend.__name__} lacks {sorted(missing)}"
+
+
+def test_cuda_backend_memory_setup_is_a_no_op_and_stats_come_from_the_allocator():
+    from npuspeed.accelerator.cuda import CudaAccelerator
+
+    module = _FakeCudaModule()
+    acc = CudaAccelerator(module=module)
+    assert acc.enable_memory_tracking() is True  # the caching allocator always counts
+    assert acc.configure_host_cache() == acc.host_cache() == "n/a (the device's own caching allocator)"
+    assert acc.configure_memory_limit() == acc.memory_limit() == "n/a (the device's own memory)"
+    assert module.calls == []  # setting up changed nothing on the device
+    assert (acc.memory_allocated(), acc.max_memory_allocated()) == (1000, 3000)
+    assert (acc.memory_reserved(), acc.max_memory_reserved()) == (4096, 8192)
+    acc.reset_peak_memory_stats()
+    acc.empty_cache()
+    assert module.calls == ["reset_peak_memory_stats", "empty_cache"]
+    assert acc.memory_tracking() == "device allocator"

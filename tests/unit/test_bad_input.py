@@ -13,14 +13,14 @@ import sys
 import pytest
 
 from npuspeed.features.device import apex_guard
+from tiers import pinned
 
 ADAPTOR = "import npuspeed.megatron_adaptor"
 
 
 def _run(code: str, env_extra: dict | None = None, cwd=None) -> subprocess.CompletedProcess:
-    env = dict(os.environ)
-    for key in ("NPUSPEED_DEVICE", "NPUSPEED_ARGS"):
-        env.pop(key, None)
+    env = pinned(dict(os.environ))  # the CPU tier's backend
+    env.pop("NPUSPEED_ARGS", None)
     env.update(env_extra or {})
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                           env=env, cwd=cwd)

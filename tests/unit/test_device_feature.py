@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 from launch import free_port
+from tiers import pinned
 
 from npuspeed.features.device.redirect import CudaToDevice, on_device
 from npuspeed.patching import registry
@@ -216,7 +217,7 @@ dist.destroy_process_group()
 
 
 def test_nccl_maps_to_gloo_and_megatron_seeds_in_a_one_rank_group():
-    env = {k: v for k, v in os.environ.items() if k not in ("NPUSPEED_DEVICE", "NPUSPEED_ARGS")}
+    env = pinned({k: v for k, v in os.environ.items() if k != "NPUSPEED_ARGS"})  # the CPU backend
     env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
                LOCAL_RANK="0")
     proc = subprocess.run([sys.executable, "-c", _DIST_PROBE], capture_output=True, text=True,

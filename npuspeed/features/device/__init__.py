@@ -62,9 +62,10 @@ class DeviceFeature(Feature):
             accelerator.transfer_to_npu()
         if accelerator.name == "cpu":
             _cache_triton_probe()
-            accelerator.enable_memory_tracking()
-            accelerator.configure_host_cache()
-            accelerator.configure_memory_limit()
+        # every backend answers these (no-ops where the device allocator counts by itself)
+        accelerator.enable_memory_tracking()
+        accelerator.configure_host_cache()
+        accelerator.configure_memory_limit()
 
     def register_patches(self, registry, ctx) -> None:
         accelerator = ctx.accelerator
