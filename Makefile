@@ -8,7 +8,7 @@ TORCH_VERSION ?= 2.13.0
 CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 NPROC ?= 2
 
-.PHONY: torch install install-test example test bench clean
+.PHONY: torch install install-test example test test-device bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,11 @@ example: install
 
 test: install-test
 	$(PY) -m pytest -q tests
+
+# The device tier: every single-rank feature trained on the accelerator present (CUDA or NPU,
+# as npuspeed detects it); on a host without one each test is skipped with the reason (exit 0).
+test-device: install-test
+	NPUSPEED_DEVICE= $(PY) -m pytest -q -m device tests/device
 
 bench: install-test
 	$(PY) -m pytest -q -m slow tests

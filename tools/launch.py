@@ -29,11 +29,12 @@ def free_port() -> int:
 
 
 def run_example(args: list[str], tmp_path: Path, nproc: int = 1, name: str = "run",
-                env: dict | None = None, timeout: int = 600) -> dict:
-    """Train; return the summary JSON (with the combined output under 'log')."""
+                env: dict | None = None, timeout: int = 600, script: Path | str = EXAMPLE) -> dict:
+    """Train; return the summary JSON (with the combined output under 'log'). `script`: the
+    example itself, or a runner that runs it unchanged and dumps more (see `run_then_dump`)."""
     summary = Path(tmp_path) / f"{name}.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(EXAMPLE)]
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(script)]
     cmd += list(args) + ["--summary-json", str(summary)]
     run_env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
     run_env.update(env or {})

@@ -1,0 +1,156 @@
+"""What every device-tier test shares: the accelerator present, one small Llama-style model,
+training runs of the example on that device (one rank, cached per argument list for the
+session, so a flag-off run serves every test that compares with it) and the comparisons.
+
+A test trains the example with one feature and without it on the same device and checks
+(1) the feature's own path ran there (npuspeed's counters in the summary, never the CPU
+kernels), (2) the losses agree within bf16 tolerance, or bitwise under `--deterministic-mode`
+where the CPU tier promises bitwise, (3) the memory (or speed) effect the README claims, from
+the device allocator, and (4) the summary's "device" is the accelerator's.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import os
+import sys
+from pathlib import Path
+
+from launch import max_abs_diff, run_example  # tools/ is on sys.path (tests/conftest.py)
+
+REASON = "no CUDA or NPU device: the device tier needs an accelerator"
+RUNNER = Path(__file__).with_name("_example_with_attention.py")
+
+#: per-iteration |loss difference| between two kernels in bf16 (the CPU tier's bf16 tolerance,
+#: tests/distributed/test_feature_combinations.py)
+BF16_TOL = 2e-2
+#: a flag may not make a step slower ("never slower than the flag off"); this much is noise
+TIME_SLACK = 0.10
+
+LAYERS, HIDDEN, HEADS, GROUPS, FFN, SEQ = 4, 1024, 16, 4, 2816, 2048
+MICRO, GLOBAL, ITERS = 2, 4, 8
+MICRO_BATCHES = GLOBAL // MICRO  # one rank: DP 1
+#: Llama-style (RMSNorm, SwiGLU, RoPE, GQA 16/4, no biases, untied output), bf16. Weights are
+#: initialized on the host by global name (--use-cpu-initialization), so two runs whose modules
+#: differ (GroupedMLP vs SequentialMLP) start from the same numbers.
+MODEL = [
+    "--num-layers", str(LAYERS), "--hidden-size", str(HIDDEN), "--num-attention-heads", str(HEADS),
+    "--group-query-attention", "--num-query-groups", str(GROUPS), "--ffn-hidden-size", str(FFN),
+    "--seq-length", str(SEQ), "--max-position-embeddings", str(SEQ),
+    "--normalization", "RMSNorm", "--swiglu", "--position-embedding-type", "rope", "--disable-bias-linear",
+    "--untie-embeddings-and-output-weights", "--bf16", "--use-cpu-initialization",
+    "--micro-batch-size", str(MICRO), "--global-batch-size", str(GLOBAL), "--train-iters", str(ITERS),
+    "--log-interval", "1",
+]
+NO_DROPOUT = ["--hidden-dropout", "0", "--attention-dropout", "0"]
+#: Megatron-LM's flag: deterministic kernels and workspace, so two runs are bitwise equal
+DETERMINISTIC = ["--deterministic-mode"]
+#: packed documents of about 512 tokens, each attending only inside itself
+DOCUMENTS = ["--reset-attention-mask", "--reset-position-ids", "--mock-document-length", "512"]
+
+#: the kernel name each accelerator's fused attention counts (summary "attention_calls")
+ATTENTION_KERNEL = {"cuda": "sdpa", "npu": "npu_fusion_attention"}
+#: ... and for packed documents (the CP-1 path: "<block kernel>+documents")
+DOCUMENT_KERNEL = {"cuda": "aten_flash_cuda+documents", "npu": "npu_fusion_attention+documents"}
+
+
+@functools.cache
+def accelerator() -> str | None:
+    """"cuda" or "npu" as npuspeed detects it with NPUSPEED_DEVICE unset (the CPU tier's pin
+    and a user's choice ignored); None on a host with neither."""
+    from npuspeed.accelerator import select_device_name
+
+    saved = os.environ.pop("NPUSPEED_DEVICE", None)
+    try:
+        name = select_device_name()
+    finally:
+        if saved is not None:
+            os.environ["NPUSPEED_DEVICE"] = saved
+    return None if name == "cpu" else name
+
+
+def _env() -> dict:
+    threads = str(min(8, os.cpu_count() or 1))  # host-side work: initialization by name, data
+    return {"NPUSPEED_DEVICE": accelerator(), "NPUSPEED_ARGS": "", "OMP_NUM_THREADS": threads}
+
+
+_RUNS: dict[tuple, dict] = {}
+
+
+def train(tmp_path_factory, args: list[str]) -> dict:
+    """One run of the example on the accelerator (1 rank): its summary, the log under "log" and
+    the latest fused-attention call under "attention_last". Cached per argument list."""
+    key = tuple(args)
+    if key not in _RUNS:
+        out = tmp_path_factory.mktemp("device_run")
+        details = out / "attention.json"
+        run = run_example(list(args) + ["--attention-json", str(details)], out, nproc=1, env=_env(),
+                          timeout=900, script=RUNNER)
+        run["attention_last"] = json.loads(Path(f"{details}.rank0").read_text())["last"]
+        _RUNS[key] = run
+    return _RUNS[key]
+
+
+def plan_peak(args: list[str]) -> int:
+    """`npuspeed plan --json`'s predicted peak for the run's flags on this device (1 rank)."""
+    import subprocess
+
+    from launch import ROOT
+
+    cmd = [sys.executable, "-m", "npuspeed.cli", "plan", *args, "--nproc-per-node", "1", "--json"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, **_env()), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, f"npuspeed plan failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+    return int(json.loads(proc.stdout)["peak_mem_bytes"])
+
+
+# -- checks ------------------------------------------------------------------------------------
+def assert_on_device(*runs: dict) -> None:
+    for run in runs:
+        assert run["device"] == accelerator(), (run["device"], accelerator())
+        assert len(run["losses"]) == run["iterations"] - run["first_iteration"] + 1
+
+
+def assert_parity(base: dict, run: dict, tol: float = BF16_TOL) -> float:
+    """Every iteration's loss within `tol` of the flag-off run's, and the run learns; returns the gap."""
+    assert len(run["losses"]) == len(base["losses"]) == ITERS, (len(run["losses"]), len(base["losses"]))
+    gap = max_abs_diff(run["losses"], base["losses"])
+    assert gap <= tol, f"loss gap {gap:.3e} > {tol:.0e}: {run['losses']} vs {base['losses']}"
+    assert run["losses"][-1] < run["losses"][0], f"loss did not fall: {run['losses']}"
+    return gap
+
+
+def assert_not_slower(base: dict, run: dict, slack: float = TIME_SLACK) -> None:
+    """The median step (first step excluded) with the flag is not above the one without it."""
+    ratio = run["median_step_ms"] / base["median_step_ms"]
+    assert ratio <= 1 + slack, (f"the flag made a step slower: {run['median_step_ms']:.1f} ms vs "
+                                f"{base['median_step_ms']:.1f} ms (x{ratio:.2f})")
+
+
+def counters(run: dict, prefix: str) -> dict[str, int]:
+    return {k: v for k, v in run["npuspeed_counters"].items() if k.startswith(prefix)}
+
+
+def op_impls(run: dict, op: str) -> dict[str, int]:
+    """implementation -> calls of npuspeed op `op` (counters `ops.<op>.<impl>`)."""
+    prefix = f"ops.{op}."
+    return {k[len(prefix):]: v for k, v in counters(run, prefix).items()}
+
+
+def assert_device_impl(run: dict, op: str) -> dict[str, int]:
+    """`op` ran, on the device: never the CPU kernel; on an NPU torch_npu's own kernel."""
+    impls = op_impls(run, op)
+    assert impls and all(n > 0 for n in impls.values()), f"{op} never ran: {run['npuspeed_counters']}"
+    assert "cpp" not in impls, f"{op} ran npuspeed's CPU kernel on {accelerator()}: {impls}"
+    if accelerator() == "npu":
+        assert set(impls) == {"npu"}, f"{op} did not run torch_npu's kernel: {impls}"
+    return impls
+
+
+def attention_calls(run: dict) -> dict[str, int]:
+    return dict(run["attention_calls"]["calls"])
+
+
+def layer_calls() -> int:
+    """Forwards of each per-layer module in one run: every layer, micro-batch and iteration."""
+    return LAYERS * MICRO_BATCHES * ITERS
