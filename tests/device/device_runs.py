@@ -100,7 +100,7 @@ def plan_peak(args: list[str]) -> int:
     cmd = [sys.executable, "-m", "npuspeed.cli", "plan", *args, "--nproc-per-node", "1", "--json"]
     proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, **_env()), capture_output=True, text=True,
                           timeout=300)
-    assert proc.returncode == 0, f"npuspeed plan failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0, f"npuspeed plan: rc {proc.returncode}\n{proc.stdout[-2000:]}{proc.stderr[-3000:]}"
     return int(json.loads(proc.stdout)["peak_mem_bytes"])
 
 
@@ -109,6 +109,12 @@ def assert_on_device(*runs: dict) -> None:
     for run in runs:
         assert run["device"] == accelerator(), (run["device"], accelerator())
         assert len(run["losses"]) == run["iterations"] - run["first_iteration"] + 1
+
+
+def assert_deterministic(*runs: dict) -> None:
+    """--deterministic-mode was in force in each run (the summary's own record of it)."""
+    for run in runs:
+        assert run["deterministic_mode"] is True, "--deterministic-mode was not in force"
 
 
 def assert_parity(base: dict, run: dict, tol: float = BF16_TOL) -> float:

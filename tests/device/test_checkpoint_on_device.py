@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from device_runs import ATTENTION_KERNEL, DETERMINISTIC, ITERS, MODEL, accelerator, assert_on_device, train
+from device_runs import (
+    ATTENTION_KERNEL, DETERMINISTIC, ITERS, MODEL, accelerator, assert_deterministic, assert_on_device, train,
+)
 
 pytestmark = pytest.mark.device
 
@@ -22,8 +24,10 @@ def test_save_and_resume_is_bitwise(tmp_path_factory):
     assert (ckpt / f"iter_{SAVE_AT:07d}").is_dir(), sorted(p.name for p in ckpt.iterdir())
     resumed = train(tmp_path_factory, ARGS + ["--load", str(ckpt), "--ckpt-step", str(SAVE_AT)])
     assert_on_device(full, again, resumed)
+    assert_deterministic(full, again, resumed)
     kernel = ATTENTION_KERNEL[accelerator()]
-    assert set(full["attention_calls"]["calls"]) == {kernel} == set(resumed["attention_calls"]["calls"])
+    for run in (full, resumed):
+        assert set(run["attention_calls"]["calls"]) == {kernel}, run["attention_calls"]
     assert full["attention_last"]["dropout_p"] == pytest.approx(0.1), full["attention_last"]
     assert again["losses"] == full["losses"], "two runs under --deterministic-mode differ"
     assert resumed["first_iteration"] == SAVE_AT + 1 and len(resumed["losses"]) == ITERS - SAVE_AT

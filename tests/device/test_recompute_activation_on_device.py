@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from device_runs import (
-    DETERMINISTIC, ITERS, MICRO_BATCHES, MODEL, NO_DROPOUT, assert_on_device, counters, layer_calls, train,
+    DETERMINISTIC, ITERS, MICRO_BATCHES, MODEL, NO_DROPOUT, assert_deterministic, assert_on_device, counters,
+    layer_calls, train,
 )
 
 pytestmark = pytest.mark.device
@@ -19,6 +20,7 @@ def test_recompute_activation(tmp_path_factory):
     base = train(tmp_path_factory, MODEL + NO_DROPOUT + DETERMINISTIC)
     run = train(tmp_path_factory, MODEL + NO_DROPOUT + DETERMINISTIC + FLAG)
     assert_on_device(base, run)
+    assert_deterministic(base, run)
     c = counters(run, "recompute.")
     # every layer of every micro-batch: freed after fc2, recomputed before fc2's backward
     assert c.get("recompute.freed") == c.get("recompute.recomputed") == layer_calls(), c

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from device_runs import DETERMINISTIC, MODEL, NO_DROPOUT, assert_on_device, counters, train
+from device_runs import (
+    DETERMINISTIC, MODEL, NO_DROPOUT, assert_deterministic, assert_on_device, counters, train,
+)
 
 pytestmark = pytest.mark.device
 
@@ -19,6 +21,7 @@ def test_reuse_fp32_param(tmp_path_factory):
     base = train(tmp_path_factory, MODEL + NO_DROPOUT + DETERMINISTIC)
     run = train(tmp_path_factory, MODEL + NO_DROPOUT + DETERMINISTIC + FLAG)
     assert_on_device(base, run)
+    assert_deterministic(base, run)
     codec = counters(run, "reuse.codec.")
     assert codec.get("reuse.codec.split.device", 0) > 0 and codec.get("reuse.codec.merge.device", 0) > 0, codec
     assert set(codec) == {"reuse.codec.split.device", "reuse.codec.merge.device"}, codec  # no CPU codec
