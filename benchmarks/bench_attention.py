@@ -3,9 +3,10 @@
     python benchmarks/bench_attention.py [--seq-lengths 1024 2048] [--dtypes fp32 bf16] [--dropouts 0 0.1]
 
 One step = forward + backward of one causal DotProductAttention layer (b=1, 8 heads, d=64)
-on a 1-rank gloo group, in training mode, without dropout and with Megatron's default
-attention dropout 0.1 (drawn inside the model-parallel RNG tracker on both sides). Baseline is Megatron's own forward (the registry's original), the
-feature is the patched one; both run on the same module and inputs in one process, through
+on the accelerator npuspeed picks (a 1-rank gloo group on CPU, nccl / hccl on a device), in
+training mode, without dropout and with Megatron's default attention dropout 0.1 (drawn inside
+the model-parallel RNG tracker on both sides). Baseline is Megatron's own forward (the
+registry's original), the feature is the patched one; both run on the same module and inputs in one process, through
 the shared harness (interleaved timing, peak memory, CSV + PNG under benchmarks/results/).
 Where npuspeed's CPU kernel runs, one more row (no dropout) measures it against PyTorch's
 scaled_dot_product_attention on the same layer.
@@ -60,13 +61,14 @@ def main() -> None:
     unfused_forward = registry.original(TARGET)
     for dtype_name, p in [(n, p) for p in args.dropouts for n in args.dtypes]:
         dtype = DTYPES[dtype_name]
-        layer = _layer(args.heads, args.head_dim, dtype, p)
+        layer = _layer(args.heads, args.head_dim, dtype, p).to(bench.device)
         tag = f" dropout {p:g}" if p else ""
         for s in args.seq_lengths:
             gen = torch.Generator().manual_seed(s)
             shape = (s, args.batch, args.heads, args.head_dim)
-            q, k, v = (torch.randn(*shape, generator=gen).to(dtype).requires_grad_(True) for _ in range(3))
-            grad = torch.randn(s, args.batch, args.heads * args.head_dim, generator=gen).to(dtype)
+            q, k, v = (torch.randn(*shape, generator=gen).to(bench.device, dtype).requires_grad_(True)
+                       for _ in range(3))
+            grad = torch.randn(s, args.batch, args.heads * args.head_dim, generator=gen).to(bench.device, dtype)
 
             def step(forward):
                 def run():

@@ -170,6 +170,11 @@ def main() -> None:
             _matmul_rows(bench, args, get_accelerator(), DTYPES[dname], dname, args.world)
         bench.finish()
         return
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from harness import ranks_fit
+
+    if not ranks_fit(args.world, "coc"):
+        raise SystemExit("bench_coc: tensor parallelism needs one device per rank here; --matmul-only runs on one")
     import torch.multiprocessing as mp
 
     mp.spawn(_rank, args=(args.world, free_port(), args), nprocs=args.world, join=True)

@@ -62,6 +62,7 @@ def main() -> None:
                         help="per-rank memory limit of the run (MiB) for the 'cannot hold' line")
     opts = parser.parse_args()
     bench = Bench("context_parallel")
+    opts.layouts = [name for name in opts.layouts if bench.ranks_fit(LAYOUTS[name][0])]
     tmp = Path(tempfile.mkdtemp(prefix="bench_cp_"))
     measured: dict[tuple[int, str], dict] = {}
     for seq in opts.seqs:

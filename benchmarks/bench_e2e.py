@@ -2,7 +2,8 @@
 
 A Llama-style model (8 layers, hidden 512, SwiGLU ffn 1408, 8 heads in 2 query groups,
 sequence 2048, bf16) at TP2 + SP on 2 ranks, through examples/pretrain_gpt.py: all features
-off, all on, then each alone. Prints a table, appends rows to benchmarks/results/<device>.csv
+off, all on, then each alone. On an accelerator the runs go to it (npuspeed picks it in each
+rank); with one device the layout is TP1 on 1 rank and --use-coc (TP > 1 only) is left out. Prints a table, appends rows to benchmarks/results/<device>.csv
 (baseline = all off) and draws benchmarks/results/e2e_<device>.png: speed and peak memory per
 configuration, and the all-off / all-on loss curves.
 
@@ -67,11 +68,12 @@ def model_args(opts, dtype: str = "--bf16") -> list[str]:
             "--disable-bias-linear", "--untie-embeddings-and-output-weights", *([dtype] if dtype else []),
             "--micro-batch-size", "1", "--global-batch-size", "2", "--train-iters", str(opts.iters),
             "--lr", "3e-4", "--lr-warmup-iters", "2",
-            "--tensor-model-parallel-size", "2", "--sequence-parallel", "--use-cpu-initialization",
+            *(["--tensor-model-parallel-size", str(opts.tp), "--sequence-parallel"] if opts.tp > 1 else []),
+            "--use-cpu-initialization",
             "--hidden-dropout", str(opts.dropout), "--attention-dropout", str(opts.dropout), "--log-interval", "1"]
 
 
-def plot(runs: dict, path: Path) -> None:
+def plot(runs: dict, path: Path, where: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -94,7 +96,7 @@ def plot(runs: dict, path: Path) -> None:
     ax_l.set_xlabel("iteration")
     ax_l.set_ylabel("lm loss (bf16)")
     ax_l.legend()
-    fig.suptitle("npuspeed end to end: Llama-style, TP2+SP, 2 CPU ranks")
+    fig.suptitle(f"npuspeed end to end: Llama-style, {where}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -113,16 +115,27 @@ def main() -> None:
     parser.add_argument("--megatron-defaults", action="store_true",
                         help="attention and hidden dropout 0.1 (Megatron's defaults) instead of 0")
     parser.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
+    parser.add_argument("--tp", type=int, default=None,
+                        help="tensor-parallel ranks (default: 2 on CPU; on an accelerator 2 where the host has "
+                             "2 devices, else 1, and --use-coc, which needs TP > 1, is left out)")
     opts = parser.parse_args()
     opts.dropout = 0.1 if opts.megatron_defaults else 0
     fp32 = opts.dtype == "fp32"
-    features = {k: v for k, v in FEATURES.items() if not (fp32 and k == "reuse-fp32-param")}
+    tag = f"defaults_{opts.dtype}" if opts.megatron_defaults or fp32 else ""
+    bench = Bench(f"e2e_{tag}" if tag else "e2e")
+    cpu = bench.acc.name == "cpu"
+    if opts.tp is None:
+        opts.tp = 2 if cpu else min(2, bench.acc.device_count())
+    if not bench.ranks_fit(opts.tp):
+        raise SystemExit(1)
+    features = {k: v for k, v in FEATURES.items()
+                if not (fp32 and k == "reuse-fp32-param") and not (opts.tp == 1 and k == "coc")}
     configs = {"all off": [], "all on": [f for flags in features.values() for f in flags]}
     configs.update({name: flags for name, flags in features.items()})
     if opts.only is not None:
         configs = {k: v for k, v in configs.items() if k in opts.only or k in ("all off", "all on")}
-    tag = f"defaults_{opts.dtype}" if opts.megatron_defaults or fp32 else ""
-    bench = Bench(f"e2e_{tag}" if tag else "e2e")
+    if not cpu:
+        opts.no_cache_run = True  # the block cache is the CPU backend's; a device has its own allocator
     dtype_flag = "" if fp32 else "--bf16"
     if tag:  # a reference and a no-cache run belong to the headline bench only
         opts.no_fp32_reference = opts.no_cache_run = True
@@ -134,8 +147,8 @@ def main() -> None:
         order = [n for _ in range(opts.repeats) for n in ("all off", "all on")] + list(configs)[2:]
         for name in order:
             flags = configs[name]
-            run = run_example(model_args(opts, dtype_flag) + flags, Path(tmp), nproc=2, name=name.replace(" ", "_"),
-                              timeout=3600)
+            run = run_example(model_args(opts, dtype_flag) + flags, Path(tmp), nproc=opts.tp,
+                              name=name.replace(" ", "_"), timeout=3600)
             tries.setdefault(name, []).append(round(run["tokens_per_s"], 1))
             if name not in runs or run["tokens_per_s"] > runs[name]["tokens_per_s"]:
                 runs[name] = run
@@ -147,10 +160,10 @@ def main() -> None:
                   f"{run['weight_bytes'] / 2**20:.1f} MiB/rank"
                   + (f", attention kernels {kernels}" if kernels else ""), flush=True)
         if not opts.no_cache_run:
-            runs[NO_CACHE] = run_example(model_args(opts), Path(tmp), nproc=2, name="no_cache", timeout=3600,
+            runs[NO_CACHE] = run_example(model_args(opts), Path(tmp), nproc=opts.tp, name="no_cache", timeout=3600,
                                          env={"NPUSPEED_CPU_CACHE_MB": "0"})
         if not opts.no_fp32_reference:
-            runs[FP32_REF] = run_example(model_args(opts, dtype=""), Path(tmp), nproc=2, name="fp32_ref",
+            runs[FP32_REF] = run_example(model_args(opts, dtype=""), Path(tmp), nproc=opts.tp, name="fp32_ref",
                                          timeout=3600)
     base, ref = runs["all off"], runs.get(FP32_REF)
     for name, run in runs.items():
@@ -165,6 +178,7 @@ def main() -> None:
                          "weight_bytes": run["weight_bytes"], "max_loss_diff_vs_off": diff,
                          "max_loss_diff_vs_fp32": ref_diff, "median_step_ms": run.get("median_step_ms"),
                          "seq": opts.seq, "layers": opts.layers, "iters": opts.iters, "dropout": opts.dropout,
+                         "tp": opts.tp,
                          "tokens_per_s_runs": tries.get(name, [round(run["tokens_per_s"], 1)]),
                          "step_cpu_ms": run.get("mean_step_cpu_ms"),
                          "cpu_ratio_vs_off": (base["mean_step_cpu_ms"] / run["mean_step_cpu_ms"]
@@ -172,7 +186,8 @@ def main() -> None:
                          "attention_kernels": (run.get("attention_calls") or {}).get("calls")})
     csv_path = bench.finish()
     png = csv_path.parent / f"e2e_{tag + '_' if tag else ''}{bench.acc.name}.png"
-    plot(runs, png)
+    where = f"TP{opts.tp}{'+SP' if opts.tp > 1 else ''}, {opts.tp} {bench.acc.name} rank(s)"
+    plot(runs, png, where)
     curves = csv_path.parent / f"e2e_{tag + '_' if tag else ''}{bench.acc.name}_losses.json"
     curves.write_text(json.dumps({name: run["losses"] for name, run in runs.items()}, indent=1))
     print("\nmax |loss difference| over the iterations (bf16 unless named):")

@@ -7,7 +7,8 @@ The baseline of every row is what Megatron-Core runs without the flags: torch.nn
 (WrappedTorchNorm, i.e. torch's `F.rms_norm`), silu(a) * b on torch.chunk halves (MLP's
 unfused GLU), and Megatron's own `_apply_rotary_pos_emb_bshd`. Peers, one row each:
 `cpp` npuspeed's kernel through the `npuspeed.ops` front end (the C++ op on CPU; the run
-stops if it is not loaded, so a fallback cannot be timed as "fused"); `native` the device's
+stops if it is not loaded, so a fallback cannot be timed as "fused"; on an accelerator the
+tensors live there and the front end runs the device's implementation); `native` the device's
 own fused op where it differs from the baseline (torch_npu's on an NPU; on CPU and CUDA the
 baseline RMSNorm already is torch's native op, and torch has no SwiGLU or RoPE op, so no
 row); `compile` torch.compile of Megatron's function (slow to compile: opt in); `chosen`
@@ -48,7 +49,7 @@ _COT: dict = {}
 def _cotangent(out):
     key = (tuple(out.shape), out.dtype)
     if key not in _COT:
-        _COT[key] = torch.randn(out.shape, dtype=out.dtype)
+        _COT[key] = torch.randn(out.shape, dtype=out.dtype, device=out.device)
     return _COT[key]
 
 
@@ -114,7 +115,8 @@ def main(argv=None) -> None:
 
     peers = args.peers.split(",")
     device = bench.acc.name
-    if "cpp" in peers:
+    dev = bench.device  # tensors on the accelerator npuspeed picked
+    if "cpp" in peers and dev.type == "cpu":
         for op in ("rms_norm", "swiglu", "rotary_pos_emb"):
             if _dispatch.implementation(op, torch.empty(1)) != "cpp":
                 raise SystemExit(f"bench_fused_ops: the C++ op {op} is not loaded on this machine; nothing to compare")
@@ -143,8 +145,8 @@ def main(argv=None) -> None:
             extra = {"threads": torch.get_num_threads(), "shapes": shapes, "clock": args.clock}
 
             h = rms_shape[-1]
-            norm = torch.nn.RMSNorm(h, eps=1e-5, dtype=dtype)
-            x = torch.randn(*rms_shape, dtype=dtype, requires_grad=True)
+            norm = torch.nn.RMSNorm(h, eps=1e-5, dtype=dtype, device=dev)
+            x = torch.randn(*rms_shape, dtype=dtype, device=dev, requires_grad=True)
             megatron_norm = lambda x, w: F.rms_norm(x, (h,), w, 1e-5)  # noqa: E731 - torch.nn.RMSNorm.forward
             rows(f"rms_norm {_shape(rms_shape)}", name, {**extra, "shape": list(rms_shape)},
                  lambda: norm(x), (x, norm.weight),
@@ -154,7 +156,7 @@ def main(argv=None) -> None:
                   "chosen": lambda: fused_rms_norm(x, norm.weight, 1e-5, megatron_norm)})
             del x, norm
 
-            y = torch.randn(*glu_shape, dtype=dtype, requires_grad=True)
+            y = torch.randn(*glu_shape, dtype=dtype, device=dev, requires_grad=True)
             megatron_glu = {"megatron": swiglu_reference}
             if y.dim() in (2, 3):
                 megatron_glu["megatron_fused"] = lambda v: bias_swiglu_impl(v, None)
@@ -165,8 +167,8 @@ def main(argv=None) -> None:
             del y
 
             for rope_shape in rope_shapes:
-                t = torch.randn(*rope_shape, dtype=dtype, requires_grad=True)
-                freqs = rope_freqs(rope_shape[0], rope_shape[-1])
+                t = torch.randn(*rope_shape, dtype=dtype, device=dev, requires_grad=True)
+                freqs = rope_freqs(rope_shape[0], rope_shape[-1]).to(dev)
                 megatron_rope = lambda t: rope_utils._apply_rotary_pos_emb_bshd(t, freqs)  # noqa: E731
                 rows(f"rotary_pos_emb {_shape(rope_shape)}", name, {**extra, "shape": list(rope_shape)},
                      lambda: megatron_rope(t), (t,),

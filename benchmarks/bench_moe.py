@@ -14,7 +14,8 @@ layer in the same run, interleaved by the shared harness:
 - all together, and all together with shared experts (both sides with shared experts)
 - the grouped matmul alone: torch grouped mm vs the per-expert loop fallback
 
-tokens/s = tokens of all ranks / step time. Same weights on both sides of every row. Each row
+On an accelerator each rank takes one device (nccl / hccl); with one device, `--world 1` runs
+EP 1 without the all-to-all overlap rows. tokens/s = tokens of all ranks / step time. Same weights on both sides of every row. Each row
 also records the median CPU seconds a step costs this process (`cpu_ms_*`, all its threads):
 on a machine shared with other jobs, time slices taken by others inflate wall time but not
 CPU time, so that ratio is the steadier one there.
@@ -71,8 +72,10 @@ def build_layer(args, dtype, grouped: bool, shared: bool, dispatcher: str = "all
         activation_func=F.silu, add_bias_linear=False, bias_activation_fusion=False, use_cpu_initialization=True,
         params_dtype=dtype, bf16=dtype == torch.bfloat16, moe_aux_loss_coeff=0.0, moe_grouped_gemm=grouped,
         moe_shared_expert_intermediate_size=args.ffn if shared else None, hidden_dropout=0.0)
+    from npuspeed.accelerator import get_accelerator
+
     return build_module(get_moe_module_spec(use_te=False, num_experts=args.experts, moe_grouped_gemm=grouped),
-                        config=config)
+                        config=config).to(get_accelerator().device())
 
 
 @torch.no_grad()
@@ -96,7 +99,9 @@ def _rank(rank: int, world: int, port: int, args) -> None:
         sys.stdout = open(os.devnull, "w")
     from npuspeed import runtime
 
-    runtime.initialize(["--moe-grouped-gemm"])  # GroupedMLP runs on CPU; the other patches are applied per row
+    acc = runtime.initialize(["--moe-grouped-gemm"]).accelerator  # GroupedMLP without TE; the rest per row
+    if acc.name != "cpu":
+        acc.set_device(rank)
     torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // world))
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from harness import Bench
@@ -109,7 +114,7 @@ def _rank(rank: int, world: int, port: int, args) -> None:
     from npuspeed.features.moe.grouped_gemm import grouped_mm
     from npuspeed.features.moe.overlap import forward_wrapper
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group(acc.dist_backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=world)
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
     bench = Bench("moe", warmup=args.warmup, repeat=args.repeat, results_dir=args.results_dir)
@@ -117,7 +122,8 @@ def _rank(rank: int, world: int, port: int, args) -> None:
     tokens = args.tokens * world
     for dname in args.dtypes:
         dtype = DTYPES[dname]
-        x = torch.randn(args.tokens, 1, args.hidden, dtype=dtype, generator=torch.Generator().manual_seed(rank))
+        x = torch.randn(args.tokens, 1, args.hidden, dtype=dtype,
+                        generator=torch.Generator().manual_seed(rank)).to(bench.device)
         for shared in ([False, True] if args.shared else [False]):
             default = build_layer(args, dtype, grouped=False, shared=shared, dispatcher="allgather")
             base = build_layer(args, dtype, grouped=False, shared=shared)
@@ -148,9 +154,11 @@ def _rank(rank: int, world: int, port: int, args) -> None:
             rows = [("all vs Megatron default (allgather)", default, fast, all_on),
                     ("all vs Megatron alltoall", base, fast, all_on),
                     ("grouped GEMM + fused permute vs alltoall", base, fast, dict(permute=True))]
+            if world == 1:  # no all-to-all to overlap at EP 1
+                rows = [(label, ref, layer, {**o, "overlap": False}) for label, ref, layer, o in rows]
             if not shared:
-                rows += [("grouped GEMM", base, fast, {}), ("fused permute", base, base, dict(permute=True)),
-                         (f"a2a overlap N={args.chunks}", base, base, dict(overlap=True))]
+                rows += [("grouped GEMM", base, fast, {}), ("fused permute", base, base, dict(permute=True))]
+                rows += [(f"a2a overlap N={args.chunks}", base, base, dict(overlap=True))] if world > 1 else []
             for label, ref, layer, opts in rows:
                 before = telemetry.snapshot()
                 cpu_ms.clear()
@@ -174,8 +182,9 @@ def _rank(rank: int, world: int, port: int, args) -> None:
         # the grouped matmul alone (fc1 of the local experts, fwd + bwd): torch grouped mm vs per-expert loop
         local = args.experts // world
         counts = [args.tokens * args.topk // local] * local  # rows a rank receives, even split
-        xs = torch.randn(sum(counts), args.hidden, dtype=dtype)
-        w = (torch.randn(local, args.hidden, 2 * args.ffn, dtype=dtype) * 0.02).requires_grad_(True)
+        xs = torch.randn(sum(counts), args.hidden, dtype=dtype, device=bench.device)
+        w = torch.randn(local, args.hidden, 2 * args.ffn, dtype=dtype, device=bench.device) * 0.02
+        w.requires_grad_(True)
 
         def gmm(backend):
             inp = xs.detach().requires_grad_(True)
@@ -212,6 +221,11 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--results-dir", default=None, help="default: benchmarks/results")
     args = parser.parse_args()
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from harness import ranks_fit
+
+    if not ranks_fit(args.world, "moe"):
+        raise SystemExit("bench_moe: give --world 1 (EP 1, no all-to-all overlap rows) on a single device")
     import torch.multiprocessing as mp
 
     mp.spawn(_rank, args=(args.world, free_port(), args), nprocs=args.world, join=True)

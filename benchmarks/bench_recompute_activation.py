@@ -73,13 +73,13 @@ def main() -> None:
 
     acc = bench.acc
     gen = torch.Generator().manual_seed(3)
-    tokens = torch.randint(0, args.vocab, (args.batch, args.seq), generator=gen)
-    position_ids = torch.arange(args.seq).expand(args.batch, args.seq)
+    tokens = torch.randint(0, args.vocab, (args.batch, args.seq), generator=gen).to(bench.device)
+    position_ids = torch.arange(args.seq, device=bench.device).expand(args.batch, args.seq)
     labels = torch.roll(tokens, -1, 1)
     for activation in args.activations:
         for dtype_name in args.dtypes:
             dtype = DTYPES[dtype_name]
-            model = _gpt(args, dtype, activation)
+            model = _gpt(args, dtype, activation).to(bench.device)
             mlps = _mlps(model)
             assert len(mlps) == args.layers and all(getattr(m, ATTR, False) for m in mlps)
 

@@ -123,6 +123,8 @@ def main() -> None:
     bench = Bench("reuse_fp32_param")
     with tempfile.TemporaryDirectory() as tmp:
         for case, (nproc, extra) in layouts.items():
+            if not bench.ranks_fit(nproc):
+                continue
             runs = {"base": [], "reuse": []}
             for _ in range(opts.rounds):
                 for name, flag in (("base", []), ("reuse", ["--reuse-fp32-param"])):

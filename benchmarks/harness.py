@@ -17,6 +17,9 @@ API (all a bench script needs):
   live before the call (the working memory of one step). On CPU this needs the tracking
   allocator, which `Bench()` enables before the caller allocates anything; if it is
   unavailable the peaks are 0 and mem_ratio is empty.
+- Device: the accelerator npuspeed picks (`NPUSPEED_DEVICE`, else NPU, CUDA, CPU); benches
+  build tensors on `bench.device` and skip layouts needing more devices than the host has
+  (`bench.ranks_fit(n)`: NCCL / HCCL cannot put two ranks on one device).
 - Results are appended to `benchmarks/results/<device>.csv` (one file per device kind, so
   runs accumulate), a bar plot per bench goes to `benchmarks/results/<bench>_<device>.png`
   (git-ignored), and a table is printed. `speedup` = baseline_ms / feature_ms;
@@ -66,7 +69,8 @@ class Row:
 
 def init_single_rank_megatron(npuspeed_flags: list[str]):
     """npuspeed with `npuspeed_flags` (before megatron.core, as the adaptor does), then a 1-rank
-    gloo group with Megatron's model-parallel state (TP=PP=1) and its RNG tracker."""
+    group of the accelerator's collective library (gloo on CPU, nccl / hccl on device 0) with
+    Megatron's model-parallel state (TP=PP=1) and its RNG tracker."""
     import socket
 
     from npuspeed import runtime
@@ -75,10 +79,13 @@ def init_single_rank_megatron(npuspeed_flags: list[str]):
     import torch.distributed as dist
     from megatron.core import parallel_state, tensor_parallel
 
+    acc = state.accelerator
+    if acc.name != "cpu":
+        acc.set_device(0)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    dist.init_process_group(acc.dist_backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     parallel_state.initialize_model_parallel(1, 1)
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
     return state
@@ -90,6 +97,17 @@ def _accelerator():
     return get_accelerator()
 
 
+def ranks_fit(nproc: int, what: str) -> bool:
+    """Whether `nproc` ranks can run here: any number on CPU (gloo processes), one per device on
+    an accelerator (NCCL / HCCL refuse two ranks on one device). Says so when not."""
+    acc = _accelerator()
+    if acc.name == "cpu" or acc.device_count() >= nproc:
+        return True
+    print(f"[{what}] skipped: {nproc} ranks need {nproc} {acc.name} devices, this host has "
+          f"{acc.device_count()}", flush=True)
+    return False
+
+
 class Bench:
     def __init__(self, name: str, *, warmup: int = 2, repeat: int = 5, results_dir: Path | str | None = None):
         self.name = name
@@ -97,10 +115,20 @@ class Bench:
         self.repeat = int(os.environ.get("NPUSPEED_BENCH_REPEAT", repeat))
         self.results_dir = Path(results_dir) if results_dir else RESULTS_DIR
         self.acc = _accelerator()
-        if hasattr(self.acc, "enable_memory_tracking"):  # CPU: count storages from here on
-            self.acc.enable_memory_tracking()
-            self.acc.configure_host_cache()  # the allocator training runs have (block cache)
+        # CPU: count storages from here on, with the block cache training runs have; a device's
+        # own allocator counts already (no-ops there)
+        self.acc.enable_memory_tracking()
+        self.acc.configure_host_cache()
         self.rows: list[Row] = []
+
+    @property
+    def device(self):
+        """Where a bench builds its tensors and modules: the accelerator's current device."""
+        return self.acc.device()
+
+    def ranks_fit(self, nproc: int) -> bool:
+        """`ranks_fit` for this bench's layouts."""
+        return ranks_fit(nproc, self.name)
 
     # -- measuring -----------------------------------------------------------------------------
     def _timed(self, fn: Callable[[], object]) -> float:
