@@ -74,17 +74,23 @@ def _env() -> dict:
     return {"NPUSPEED_DEVICE": accelerator(), "NPUSPEED_ARGS": "", "OMP_NUM_THREADS": threads}
 
 
+#: the fused-op rule (npuspeed/ops/fused_choice.py) forced onto npuspeed's kernels, so a test
+#: can prove they train on the device (unforced, the rule may measure Megatron's path faster)
+FORCE_NPUSPEED = {"NPUSPEED_FUSED_OP_PATH": "npuspeed"}
+#: npuspeed's kernel for the fused ops on each accelerator
+FUSED_KERNEL = {"cuda": "triton", "npu": "npu"}
+
 _RUNS: dict[tuple, dict] = {}
 
 
-def train(tmp_path_factory, args: list[str]) -> dict:
+def train(tmp_path_factory, args: list[str], env: dict | None = None) -> dict:
     """One run of the example on the accelerator (1 rank): its summary, the log under "log" and
-    the latest fused-attention call under "attention_last". Cached per argument list."""
-    key = tuple(args)
+    the latest fused-attention call under "attention_last". Cached per argument list and env."""
+    key = (tuple(args), tuple(sorted((env or {}).items())))
     if key not in _RUNS:
         out = tmp_path_factory.mktemp("device_run")
         details = out / "attention.json"
-        run = run_example(list(args) + ["--attention-json", str(details)], out, nproc=1, env=_env(),
+        run = run_example(list(args) + ["--attention-json", str(details)], out, nproc=1, env={**_env(), **(env or {})},
                           timeout=900, script=RUNNER)
         run["attention_last"] = json.loads(Path(f"{details}.rank0").read_text())["last"]
         _RUNS[key] = run
@@ -143,13 +149,15 @@ def op_impls(run: dict, op: str) -> dict[str, int]:
     return {k[len(prefix):]: v for k, v in counters(run, prefix).items()}
 
 
-def assert_device_impl(run: dict, op: str) -> dict[str, int]:
-    """`op` ran, on the device: never the CPU kernel; on an NPU torch_npu's own kernel."""
+def assert_device_impl(run: dict, op: str, only: str | None = None) -> dict[str, int]:
+    """The flag's path of `op` ran (counted by the implementation the fused-op rule picked:
+    npuspeed's kernel, the native op or Megatron's path), never npuspeed's CPU kernel on the
+    device; `only`: every call ran that implementation."""
     impls = op_impls(run, op)
     assert impls and all(n > 0 for n in impls.values()), f"{op} never ran: {run['npuspeed_counters']}"
     assert "cpp" not in impls, f"{op} ran npuspeed's CPU kernel on {accelerator()}: {impls}"
-    if accelerator() == "npu":
-        assert set(impls) == {"npu"}, f"{op} did not run torch_npu's kernel: {impls}"
+    if only is not None:
+        assert set(impls) == {only}, f"{op}: expected every call on {only}, got {impls}"
     return impls
 
 
