@@ -22,7 +22,7 @@ def _cache_triton_probe() -> None:
     """torch.compile (Megatron's jit_fuser, e.g. in the MoE router) asks torch's cached probes
     (`torch.utils._triton.has_triton()`, `has_triton_tma_device()`, ...) whether triton can
     target a device. With triton installed they call torch.cuda.get_device_properties once
-    torch.cuda.is_available() says True, which the CPU shim does, and dynamo does not catch
+    torch.cuda says a device is available, which the CPU shim does, and dynamo does not catch
     the shim's "no device" answer. Ask every such probe now, before the shim, so each caches
     torch's own answer."""
     try:
