@@ -9,7 +9,8 @@ autograd saves, tests/unit/test_plan_memory.py and benchmarks/plan_validate.py):
   the weight gradient is made whole then added into the DDP buffer (a transient).
 - unfused attention: baddbmm into a new [b*heads, s, s] score tensor (the global buffer
   is only its beta=0 input), softmax in fp32 (bf16 scores are cast first), dropout saves a
-  mask of the activation dtype, bmm saves the dropped probabilities and V.
+  mask of the activation dtype, bmm saves the dropped probabilities and V; the in-place
+  masked_fill_ before the softmax costs nothing forward, one score-sized gradient backward.
 - bias/dropout/add (unfused): dropout saves a mask the size of its input.
 - the loss: logits cast to fp32, the softmax written in place and saved, its gradient
   written into the same storage.
@@ -92,8 +93,11 @@ def _attention_core(g, d: Dims, q: str, k: str, v: str, out: str, p: float, vari
     if variant == "recompute":
         # Megatron's selective recompute: only q, k, v kept; the S x S work is redone in backward
         inner = 4 * s2 + (s2 * a if p > 0 else 0) + (s2 * a if a != 4 else 0)
+        # backward peak: the recomputed tensors with two score gradients, or (fp32) the mask's
+        # CopySlices: its incoming gradient and three score-sized copies (see below)
+        copy_slices = 4 * s2 * 4 if a == 4 else 0
         g.add(Op(f"{out}.checkpoint", (q, k, v), {out: ctx_bytes}, saves=(q, k, v), fwd_temp=inner + ctx_bytes,
-                 bwd_temp=inner + 2 * s2 * 4 + ctx_bytes, term="attention"))
+                 bwd_temp=max(inner + 2 * s2 * 4, copy_slices) + ctx_bytes, term="attention"))
         return
     if variant == "sdpa_math":
         # torch's math backend (CPU SDPA with dropout): fp32 copies of q and k (and of v in
@@ -117,6 +121,15 @@ def _attention_core(g, d: Dims, q: str, k: str, v: str, out: str, p: float, vari
     if a != 4:
         g.add(Op(f"{out}.float", (scores,), {f"{out}.s32": s2 * 4}))
         scores = f"{out}.s32"
+    # attention_mask_func's masked_fill_ writes in place (no new tensor forward). Backward
+    # makes a new gradient while the softmax's is alive; in fp32 the scores are a view of
+    # baddbmm's result, so autograd's CopySlices also clones the gradient and writes an
+    # as_strided copy (two more score-sized transients, measured); in bf16 the fp32 copy is
+    # its own tensor and only grad.masked_fill(mask, 0) is made.
+    sb = s2 * 4
+    g.add(Op(f"{out}.mask", (scores,), {f"{out}.sm": sb}, views={f"{out}.sm": scores},
+             bwd_temp=2 * sb if a == 4 else 0))
+    scores = f"{out}.sm"
     g.add(Op(f"{out}.softmax", (scores,), {f"{out}.p": s2 * 4}, saves=(f"{out}.p",), term="attention"))
     probs = f"{out}.p"
     if a != 4:
