@@ -12,12 +12,13 @@ from npuspeed.features.moe import (
     AllToAllOverlapFeature, FusedPermuteFeature, GroupedGemmFeature, TpExtendEpFeature,
 )
 from npuspeed.features.recompute_activation import RecomputeActivationFeature
+from npuspeed.features.recompute_norm import RecomputeNormFeature
 from npuspeed.features.reuse_fp32_param import ReuseFp32ParamFeature
 
 
 def all_features() -> list[Feature]:
     return [DeviceFeature(), FusedAttentionFeature(), ContextParallelFeature(), FusedRMSNormFeature(), FusedSwiGLUFeature(),
-            FusedRoPEFeature(), ReuseFp32ParamFeature(), RecomputeActivationFeature(),
+            FusedRoPEFeature(), ReuseFp32ParamFeature(), RecomputeActivationFeature(), RecomputeNormFeature(),
             CocFeature(), TpExtendEpFeature(), GroupedGemmFeature(), FusedPermuteFeature(),
             AllToAllOverlapFeature(), MegatronLMFeature()]
 
