@@ -14,11 +14,12 @@ from npuspeed.features.moe import (
 from npuspeed.features.recompute_activation import RecomputeActivationFeature
 from npuspeed.features.recompute_norm import RecomputeNormFeature
 from npuspeed.features.reuse_fp32_param import ReuseFp32ParamFeature
+from npuspeed.features.swap_attention import SwapAttentionFeature
 
 
 def all_features() -> list[Feature]:
     return [DeviceFeature(), FusedAttentionFeature(), ContextParallelFeature(), FusedRMSNormFeature(), FusedSwiGLUFeature(),
-            FusedRoPEFeature(), ReuseFp32ParamFeature(), RecomputeActivationFeature(), RecomputeNormFeature(),
+            FusedRoPEFeature(), ReuseFp32ParamFeature(), RecomputeActivationFeature(), RecomputeNormFeature(), SwapAttentionFeature(),
             CocFeature(), TpExtendEpFeature(), GroupedGemmFeature(), FusedPermuteFeature(),
             AllToAllOverlapFeature(), MegatronLMFeature()]
 
