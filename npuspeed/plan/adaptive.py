@@ -128,7 +128,12 @@ def choose(argv: list[str], world: int | None = None) -> Policy:
     if world is not None and "--nproc-per-node" not in base and "--nproc_per_node" not in base:
         base += ["--nproc-per-node", str(world)]
     budget = int(budget_mib * 2**20)
-    first = plan(base, with_removes=False)
+    from npuspeed.plan.flags import PlanInputError
+
+    try:
+        first = plan(base, with_removes=False)
+    except PlanInputError as exc:  # e.g. a model shape the script takes from its own defaults
+        raise AdaptiveError(f"{MAIN} plans the run from its flags: {exc}") from None
     if not first.ok:
         raise AdaptiveError(f"{MAIN}: the run cannot be planned: {'; '.join(first.problems)}")
     spec = first.spec

@@ -68,3 +68,19 @@ def test_five_budgets_within_the_limit_and_near_the_best_hand_picked(tmp_path):
         print(f"budget {budget / 2**20:.1f} MiB: adaptive {got['median_step_ms']:.1f} ms at "
               f"{got['peak_mem_bytes'] / 2**20:.1f} MiB; best hand-picked that fits {min(fits):.1f} ms")
         assert got["median_step_ms"] <= 1.10 * min(fits)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+                                    ["--pipeline-model-parallel-size", "2", "--global-batch-size", "8"]],
+                         ids=["tp2-sp", "pp2"])
+def test_parity_at_tp2_sp_and_pp2(tmp_path, layout):
+    """8 fp32 iterations, dropout 0: the policy's recompute changes no loss bit."""
+    from npuspeed.plan.planner import plan
+
+    runs = MODEL + layout + ["--train-iters", "8"]
+    budget = 0.85 * plan(runs + ["--nproc-per-node", "2"], with_removes=False).peak / 2**20
+    plain = run_example(runs, tmp_path, nproc=2, name="plain")
+    got = run_example(runs + [FLAG, f"{budget:.3f}"], tmp_path, nproc=2, name="adaptive")
+    assert "flags: --recompute" in got["log"]  # something was chosen
+    assert got["losses"] == plain["losses"]
