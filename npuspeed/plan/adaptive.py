@@ -2,8 +2,9 @@
 recompute, chosen by the planner for a per-rank device budget (`--adaptive-recompute-device-size`).
 
 The candidates are what the features and Megatron apply per pipeline stage, counted from each
-stage's first layer: full recompute of the first F layers (Megatron's block method), then
-activation-function recompute and norm recompute of the first A and R layers after those. Each
+stage's first layer: full recompute of the first F layers (Megatron's block method) or
+Megatron's selective recompute of core attention in every layer (its granularity is one value),
+with activation-function recompute and norm recompute of the first A and R layers after F. Each
 is planned (npuspeed/plan/memory.py, the same replay `npuspeed plan` prints, within a few per
 cent of measured peaks); those whose predicted peak stays under the budget less a safety
 margin are ranked by predicted step time: the calibrated profile's when the run names one
@@ -42,9 +43,13 @@ class Policy:
     cost: float  # predicted step seconds (profile) or added work (relative)
     budget: int  # bytes
     timed: bool  # cost is the profile's step time
+    selective: bool = False  # Megatron's selective recompute of core attention, every layer
+
 
     def flags(self) -> list[str]:
         out = []
+        if self.selective:
+            out += ["--recompute-granularity", "selective"]
         if self.full:
             out += ["--recompute-granularity", "full", "--recompute-method", "block",
                     "--recompute-num-layers", str(self.full)]
@@ -58,7 +63,8 @@ class Policy:
     def describe(self) -> str:
         L, f, a, r = self.layers, self.full, self.activation, self.norm
         keep = L - f - max(a, r)
-        parts = [f"full recompute {f}", f"activation recompute {a}", f"norm recompute {r}", f"keep all {keep}"]
+        parts = [f"full recompute {f}", f"activation recompute {a}", f"norm recompute {r}", f"keep all {keep}",
+                 f"core attention recompute (selective) {'all' if self.selective else 0}"]
         return (f"of {L} layers per stage: " + ", ".join(parts) + f" (first layers first); predicted peak "
                 f"{self.peak / 2**20:.1f} MiB of {self.budget / 2**20:.1f} MiB; swap: not chosen")
 
@@ -93,7 +99,7 @@ def _grid(n: int) -> list[int]:
     return sorted(set(list(range(0, n + 1, step)) + [n]))
 
 
-def _work(spec, f: int, a: int, r: int) -> float:
+def _work(spec, f: int, a: int, r: int, selective: bool = False) -> float:
     """Seconds-like work the recomputes add per micro-batch and stage (one rate for all)."""
     from npuspeed.plan.dims import dims
     from npuspeed.plan.speed import layer_flops
@@ -102,7 +108,10 @@ def _work(spec, f: int, a: int, r: int) -> float:
     full = layer_flops(spec) / 3  # the layer's forward again
     act = 8.0 * d.tokens * d.ffn * d.glu  # the activation's elementwise forward
     norm = 2 * 8.0 * d.tokens * d.hidden  # two norms
-    return f * full + a * act + r * norm
+    # selective: the S x S scores, softmax and context again in every layer
+    # (the S x S matmuls counted as layer_flops counts them, plus the softmax's elementwise passes)
+    core = (2 * d.batch * d.heads * d.seq * d.seq * d.head_dim + 5.0 * d.scores) if selective else 0.0
+    return f * full + a * act + r * norm + spec.layers_per_chunk() * spec.layout.chunks * core
 
 
 def choose(argv: list[str], world: int | None = None) -> Policy:
@@ -141,15 +150,18 @@ def choose(argv: list[str], world: int | None = None) -> Policy:
     timed = first.speed is not None
     best, smallest = None, None
     grid = _grid(n)
-    for f in grid:
+    # Megatron's recompute granularity is one value: block full recompute of the first F layers,
+    # or selective (core attention) in every layer; activation and norm recompute go with either
+    shapes = [(f, False) for f in grid] + [(0, True)]
+    for f, sel in shapes:
         for a in [x for x in grid if x <= n - f]:
             for r in [x for x in grid if x <= n - f]:
-                cand = Policy(f, a, r, n, 0, 0.0, budget, timed)
-                p = first if not (f or a or r) else plan(base + cand.flags(), with_removes=False)
+                cand = Policy(f, a, r, n, 0, 0.0, budget, timed, sel)
+                p = first if not (f or a or r or sel) else plan(base + cand.flags(), with_removes=False)
                 if not p.ok:
                     continue
                 cand.peak = p.peak
-                cand.cost = p.speed.step_ms if timed else _work(p.spec, f, a, r)
+                cand.cost = p.speed.step_ms if timed else _work(p.spec, f, a, r, sel)
                 if smallest is None or cand.peak < smallest.peak:
                     smallest = cand
                 if cand.peak <= budget * (1 - MARGIN) and (best is None or (cand.cost, cand.peak) < (best.cost, best.peak)):
