@@ -38,6 +38,7 @@ def test_80_percent_of_the_plain_peak_plain_fails_adaptive_trains(tmp_path):
     assert got["peak_mem_bytes"] <= budget * 2**20
     assert got["losses"] == plain["losses"]
     assert "npuspeed: adaptive memory policy:" in got["log"]
+    assert got["adaptive_policy"].startswith("of 4 layers per stage") and plain["adaptive_policy"] is None
 
 
 def test_plan_shows_the_policy_and_refuses_a_budget_too_small():
