@@ -2,8 +2,8 @@
 iterations (fp32, dropout 0). On the CPU backend the host is the device: the log says the swap
 saves nothing there; the memory gain is measured on an accelerator.
 
-CI: TP1 with --use-flash-attn and --recompute-norm (the swap composes), TP2 + sequence
-parallel; PP2 (1F1B, micro-batches in flight) runs with `make bench` (-m slow).
+CI: TP1 with --use-flash-attn and --recompute-norm (the swap composes); TP2 + sequence
+parallel and PP2 (1F1B, micro-batches in flight) run with `make bench` (-m slow).
 """
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ def test_tp1_flash_with_norm_recompute(tmp_path):
     _pair(tmp_path, BASE + ["--use-flash-attn", "--recompute-norm"], 1, "tp1")
 
 
+@pytest.mark.slow  # the swap's mechanics are layout-blind (unit tests); CI time goes to TP1
 def test_tp2_sp(tmp_path):
     _pair(tmp_path, BASE + ["--tensor-model-parallel-size", "2", "--sequence-parallel"], 2, "tp2sp")
 
