@@ -39,7 +39,9 @@ def main(argv: list[str] | None = None) -> int:
         from npuspeed.reporting import collect, render
 
         with exit_on_user_error():
-            runtime.initialize(rest)
+            from npuspeed.plan.adaptive import expand  # the policy a run with these flags would apply
+
+            runtime.initialize(expand(rest)[0])
         data = collect(measure_peak=args.measure_peak)
         print(json.dumps(data, indent=2, default=str) if args.json else render(data))
         return 0

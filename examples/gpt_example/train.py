@@ -386,6 +386,8 @@ def _train(args, progress) -> dict:
         "context_parallel_size": args.context_parallel_size,
         # --deterministic-mode in force (deterministic torch algorithms on this rank)
         "deterministic_mode": torch.are_deterministic_algorithms_enabled(),
+        # --adaptive-recompute-device-size: the policy the planner chose (None without it)
+        "adaptive_policy": getattr(args, "adaptive_policy", None),
         # per iteration (rank 0), the step's two parts as `npuspeed plan` predicts them: zeroing,
         # the schedule's forward/backward and finalize_model_grads (the DP reduction); the
         # optimizer step (clip, update, the distributed optimizer's parameter gather)

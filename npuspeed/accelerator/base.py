@@ -189,6 +189,23 @@ class Accelerator(ABC):
         """A limit on live tensor bytes this process enforces (only the CPU backend has one)."""
         return "n/a (the device's own memory)"
 
+    # -- host memory (activation swap) --------------------------------------------------------
+    def host_is_device(self) -> bool:
+        """True where device tensors already live in host memory (CPU): a swap saves nothing."""
+        return False
+
+    def has_pinned_memory(self) -> bool:
+        """Whether page-locked host buffers can be made (what async device-host copies need)."""
+        return False
+
+    def pinned_empty(self, nbytes: int) -> torch.Tensor:
+        """A page-locked host byte buffer of `nbytes` (for copies overlapped with compute)."""
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+    def record_stream(self, tensor: torch.Tensor, stream) -> None:
+        """Tell the caching allocator `tensor` is in use on `stream` (a side-stream copy)."""
+        tensor.record_stream(stream)
+
     # -- capabilities -------------------------------------------------------------------------
     def has_fused_attention(self) -> bool:
         return False

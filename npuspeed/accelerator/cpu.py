@@ -157,6 +157,19 @@ class CpuAccelerator(Accelerator):
     def is_bf16_supported(self) -> bool:
         return True
 
+    # Host memory: the CPU's tensors are host memory already; copies stay synchronous.
+    def host_is_device(self) -> bool:
+        return True
+
+    def has_pinned_memory(self) -> bool:
+        return False  # nothing to page-lock for: no device link to copy over
+
+    def pinned_empty(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def record_stream(self, tensor: torch.Tensor, stream) -> None:
+        return None  # one in-order stream: nothing to tell
+
     def has_fused_attention(self) -> bool:
         # scaled_dot_product_attention has a flash kernel on CPU.
         return True

@@ -32,6 +32,10 @@ class CudaAccelerator(Accelerator):
     def device_name(self) -> str:
         return self._m.get_device_name(self.current_device())
 
+    def has_pinned_memory(self) -> bool:
+        # torch's pinned host allocator serves CUDA, and torch_npu registers one for the NPU
+        return self.is_available()
+
     def Stream(self, *args, **kwargs):
         return self._m.Stream(*args, **kwargs)
 

@@ -1,6 +1,7 @@
 """The features, in apply order. The device layer comes first: the others build on it."""
 from __future__ import annotations
 
+from npuspeed.features.adaptive_memory import AdaptiveMemoryFeature
 from npuspeed.features.base import Feature, FeatureError
 from npuspeed.features.coc_overlap import CocFeature
 from npuspeed.features.context_parallel import ContextParallelFeature
@@ -12,13 +13,15 @@ from npuspeed.features.moe import (
     AllToAllOverlapFeature, FusedPermuteFeature, GroupedGemmFeature, TpExtendEpFeature,
 )
 from npuspeed.features.recompute_activation import RecomputeActivationFeature
+from npuspeed.features.recompute_norm import RecomputeNormFeature
 from npuspeed.features.reuse_fp32_param import ReuseFp32ParamFeature
+from npuspeed.features.swap_attention import SwapAttentionFeature
 
 
 def all_features() -> list[Feature]:
     return [DeviceFeature(), FusedAttentionFeature(), ContextParallelFeature(), FusedRMSNormFeature(), FusedSwiGLUFeature(),
-            FusedRoPEFeature(), ReuseFp32ParamFeature(), RecomputeActivationFeature(),
-            CocFeature(), TpExtendEpFeature(), GroupedGemmFeature(), FusedPermuteFeature(),
+            FusedRoPEFeature(), ReuseFp32ParamFeature(), RecomputeActivationFeature(), RecomputeNormFeature(), SwapAttentionFeature(),
+            CocFeature(), AdaptiveMemoryFeature(), TpExtendEpFeature(), GroupedGemmFeature(), FusedPermuteFeature(),
             AllToAllOverlapFeature(), MegatronLMFeature()]
 
 

@@ -161,7 +161,7 @@ CP_FLAGS = ("--context-parallel-size", "--context-parallel-algo", "--ulysses-deg
 #: flags that count layers of a chunk: the calibration builds chunks of one layer (up to four for
 #: the optimizer), so their variant is timed on every layer built and speed.py scales it by the
 #: layers the run applies it to (effects.layers_for)
-LAYER_COUNT_FLAGS = ("--recompute-activation-function-num-layers",)
+LAYER_COUNT_FLAGS = ("--recompute-activation-function-num-layers", "--recompute-norm-num-layers")
 
 
 def without(argv: list[str], flags: tuple) -> list[str]:

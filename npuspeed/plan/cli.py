@@ -43,6 +43,15 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         rest = expand_script(rest)
+        policy = None
+        if any(a == "--adaptive-recompute-device-size" or a.startswith("--adaptive-recompute-device-size=")
+               for a in rest):
+            from npuspeed.plan.adaptive import expand
+
+            rest, policy = expand(rest)
+            if not own.json:
+                print(f"npuspeed plan: adaptive memory policy: {policy.describe()}; flags: "
+                      f"{' '.join(policy.flags()) or '(none)'}")
         spec, ns, _ = parse(rest)
         if own.calibrate:
             from npuspeed.plan.calibrate import calibrate, write
@@ -64,5 +73,13 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(out, indent=2) if own.json else out)
         return 0 if ranked else 1
     result = plan_spec(spec, rest, profile)
-    print(json.dumps(render.as_json(result), indent=2) if own.json else render.text(result))
+    if own.json:
+        out = render.as_json(result)
+        if policy is not None:
+            out["adaptive_policy"] = {"full_recompute_layers": policy.full, "activation_recompute_layers": policy.activation,
+                                      "norm_recompute_layers": policy.norm, "layers_per_stage": policy.layers,
+                                      "budget_bytes": policy.budget, "flags": policy.flags(), "text": policy.describe()}
+        print(json.dumps(out, indent=2))
+    else:
+        print(render.text(result))
     return 0 if result.ok else 1

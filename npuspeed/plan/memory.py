@@ -69,12 +69,13 @@ def chunk_graph(spec: RunSpec, effects, pp_rank: int, chunk: int) -> Graph:
         core = variants.get("core_attention", "unfused")
         variants["core_attention"] = core if core in ("flash", "cp") else "recompute"
     rc_layers = effects.layers_for("mlp_activation", n)
+    rn_layers = effects.layers_for("norm_output", n)
     if m.recompute_granularity == "full":
         k = m.recompute_num_layers or 1
         if m.recompute_method == "block":
             for i in range(n):
                 x = (_checkpointed(g, d, m, x, i, 1, variants, rc_layers, opts) if i < k
-                     else ops.layer_ops(g, d, m, x, i, variants, i in rc_layers, opts))
+                     else ops.layer_ops(g, d, m, x, i, variants, i in rc_layers, opts, i in rn_layers))
         else:
             i = 0
             while i < n:
@@ -82,7 +83,7 @@ def chunk_graph(spec: RunSpec, effects, pp_rank: int, chunk: int) -> Graph:
                 i += k
     else:
         for i in range(n):
-            x = ops.layer_ops(g, d, m, x, i, variants, i in rc_layers, opts)
+            x = ops.layer_ops(g, d, m, x, i, variants, i in rc_layers, opts, i in rn_layers)
     if last:
         ops.head_ops(g, d, m, x, variants)
     else:

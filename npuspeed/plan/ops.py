@@ -9,7 +9,8 @@ autograd saves, tests/unit/test_plan_memory.py and benchmarks/plan_validate.py):
   the weight gradient is made whole then added into the DDP buffer (a transient).
 - unfused attention: baddbmm into a new [b*heads, s, s] score tensor (the global buffer
   is only its beta=0 input), softmax in fp32 (bf16 scores are cast first), dropout saves a
-  mask of the activation dtype, bmm saves the dropped probabilities and V.
+  mask of the activation dtype, bmm saves the dropped probabilities and V; the in-place
+  masked_fill_ before the softmax costs nothing forward, one score-sized gradient backward.
 - bias/dropout/add (unfused): dropout saves a mask the size of its input.
 - the loss: logits cast to fp32, the softmax written in place and saved, its gradient
   written into the same storage.
@@ -27,14 +28,32 @@ VARIANTS = {
     "glu": ("unfused", "fused"),
     "rope": ("unfused", "fused"),
     "mlp_activation": ("keep", "recompute"),
+    "norm_output": ("keep", "recompute"),
 }
 #: settings a PlanEffect may give with its variants (PlanEffect.options)
 OPTIONS = ("cp_ulysses", "cp_ring", "moe_ep", "moe_etp", "moe_grouped", "moe_chunks")
 
 
-def _norm(g: Graph, d: Dims, x: str, out: str, kind: str, variant: str, term: str) -> None:
+def _norm_saved(d: Dims, kind: str, variant: str) -> int:
+    """Bytes a norm saves besides its input (its statistics; torch RMSNorm also x * rstd)."""
+    small = d.tokens_sp * (4 if d.act == 4 else d.act)
+    if kind == "RMSNorm" and variant != "fused":
+        return d.h() + small
+    if kind == "RMSNorm":
+        return d.tokens_sp * 4
+    return 2 * small
+
+
+def _norm(g: Graph, d: Dims, x: str, out: str, kind: str, variant: str, term: str,
+          recompute: bool = False) -> int:
+    """The norm; with `recompute` (norm recompute) it runs without a graph, keeping only its
+    input: returns the bytes its recompute makes in backward (0 without)."""
     n = d.h()
     small = d.tokens_sp * (4 if d.act == 4 else d.act)
+    if recompute:
+        stats = _norm_saved(d, kind, variant)
+        g.add(Op(f"{out}.norm", (x,), {out: n}, saves=(x,), fwd_temp=stats, term=term))
+        return n + stats
     if kind == "RMSNorm" and variant != "fused":
         g.add(Op(f"{out}.norm", (x,), {out: n}, saves=(x, f"{out}.xr", f"{out}.rstd"),
                  extras={f"{out}.xr": n, f"{out}.rstd": small}, term=term))
@@ -44,14 +63,19 @@ def _norm(g: Graph, d: Dims, x: str, out: str, kind: str, variant: str, term: st
     else:
         g.add(Op(f"{out}.norm", (x,), {out: n}, saves=(x, f"{out}.mean", f"{out}.rstd"),
                  extras={f"{out}.mean": small, f"{out}.rstd": small}, term=term))
+    return 0
 
 
-def _column(g, d: Dims, x: str, out: str, width: int, bias_inside: bool, term: str) -> None:
-    """ColumnParallelLinear: [tokens_sp, h] (gathered under SP) -> [tokens, width]."""
+def _column(g, d: Dims, x: str, out: str, width: int, bias_inside: bool, term: str,
+            recomputed_input: int = 0) -> None:
+    """ColumnParallelLinear: [tokens_sp, h] (gathered under SP) -> [tokens, width]. With
+    `recomputed_input` (norm recompute) its input is freed after it ran and that many bytes
+    are recomputed just before its backward."""
     nbytes = d.tokens * width * d.act
     full_grad = d.h(d.tokens) if d.sp else 0  # grad of the gathered input before reduce-scatter
-    g.add(Op(f"{out}.linear", (x,), {out: nbytes}, saves=(x,), fwd_temp=nbytes if bias_inside else 0,
-             bwd_temp=d.hidden * width * d.act + full_grad, term=term))
+    g.add(Op(f"{out}.linear", (x,), {out: nbytes}, saves=() if recomputed_input else (x,),
+             fwd_temp=nbytes if bias_inside else 0,
+             bwd_temp=d.hidden * width * d.act + full_grad + recomputed_input, term=term))
 
 
 def _row(g, d: Dims, x: str, out: str, width: int, term: str) -> None:
@@ -92,8 +116,11 @@ def _attention_core(g, d: Dims, q: str, k: str, v: str, out: str, p: float, vari
     if variant == "recompute":
         # Megatron's selective recompute: only q, k, v kept; the S x S work is redone in backward
         inner = 4 * s2 + (s2 * a if p > 0 else 0) + (s2 * a if a != 4 else 0)
+        # backward peak: the recomputed tensors with two score gradients, or (fp32) the mask's
+        # CopySlices: its incoming gradient and three score-sized copies (see below)
+        copy_slices = 4 * s2 * 4 if a == 4 else 0
         g.add(Op(f"{out}.checkpoint", (q, k, v), {out: ctx_bytes}, saves=(q, k, v), fwd_temp=inner + ctx_bytes,
-                 bwd_temp=inner + 2 * s2 * 4 + ctx_bytes, term="attention"))
+                 bwd_temp=max(inner + 2 * s2 * 4, copy_slices) + ctx_bytes, term="attention"))
         return
     if variant == "sdpa_math":
         # torch's math backend (CPU SDPA with dropout): fp32 copies of q and k (and of v in
@@ -117,6 +144,15 @@ def _attention_core(g, d: Dims, q: str, k: str, v: str, out: str, p: float, vari
     if a != 4:
         g.add(Op(f"{out}.float", (scores,), {f"{out}.s32": s2 * 4}))
         scores = f"{out}.s32"
+    # attention_mask_func's masked_fill_ writes in place (no new tensor forward). Backward
+    # makes a new gradient while the softmax's is alive; in fp32 the scores are a view of
+    # baddbmm's result, so autograd's CopySlices also clones the gradient and writes an
+    # as_strided copy (two more score-sized transients, measured); in bf16 the fp32 copy is
+    # its own tensor and only grad.masked_fill(mask, 0) is made.
+    sb = s2 * 4
+    g.add(Op(f"{out}.mask", (scores,), {f"{out}.sm": sb}, views={f"{out}.sm": scores},
+             bwd_temp=2 * sb if a == 4 else 0))
+    scores = f"{out}.sm"
     g.add(Op(f"{out}.softmax", (scores,), {f"{out}.p": s2 * 4}, saves=(f"{out}.p",), term="attention"))
     probs = f"{out}.p"
     if a != 4:
@@ -128,16 +164,16 @@ def _attention_core(g, d: Dims, q: str, k: str, v: str, out: str, p: float, vari
 
 
 def layer_ops(g: Graph, d: Dims, m, x: str, i: int, variants: dict, recompute_activation: bool,
-              options: dict | None = None) -> str:
+              options: dict | None = None, recompute_norm: bool = False) -> str:
     """One transformer layer on input `x`; returns its output's name."""
     options = options or {}
     L = f"l{i}"
     a = d.act
     norm_v = variants.get("norm", "torch")
-    _norm(g, d, x, f"{L}.n1", m.normalization, norm_v, "norm")
+    rn1 = _norm(g, d, x, f"{L}.n1", m.normalization, norm_v, "norm", recompute_norm)
     np_, ng, hn = d.heads, d.groups, d.head_dim
     qkv_w = (np_ + 2 * ng) * hn
-    _column(g, d, f"{L}.n1", f"{L}.qkv", qkv_w, m.bias, "qkv")
+    _column(g, d, f"{L}.n1", f"{L}.qkv", qkv_w, m.bias, "qkv", rn1)
     q_b, kv_b = d.tokens * np_ * hn * a, d.tokens * ng * hn * a
     g.add(Op(f"{L}.split", (f"{L}.qkv",), {f"{L}.q": q_b, f"{L}.k": kv_b, f"{L}.v": kv_b},
              views={f"{L}.q": f"{L}.qkv", f"{L}.k": f"{L}.qkv", f"{L}.v": f"{L}.qkv"}))
@@ -160,7 +196,8 @@ def layer_ops(g: Graph, d: Dims, m, x: str, i: int, variants: dict, recompute_ac
         _attention_core(g, d, q, k, v, f"{L}.ctx", m.attention_dropout, core)
     _row(g, d, f"{L}.ctx", f"{L}.proj", np_ * hn, "proj")
     _bda(g, d, f"{L}.proj", x, f"{L}.x1", m.hidden_dropout, m.bias, "dropout")
-    _norm(g, d, f"{L}.x1", f"{L}.n2", m.normalization, norm_v, "norm")
+    dense = not m.num_experts
+    rn2 = _norm(g, d, f"{L}.x1", f"{L}.n2", m.normalization, norm_v, "norm", recompute_norm and dense)
     if m.num_experts:
         from npuspeed.plan import ops_moe
 
@@ -168,7 +205,7 @@ def layer_ops(g: Graph, d: Dims, m, x: str, i: int, variants: dict, recompute_ac
         _bda(g, d, f"{L}.fc2", f"{L}.x1", f"{L}.out", m.hidden_dropout, False, "dropout")
         return f"{L}.out"
     width = d.ffn * d.glu
-    _column(g, d, f"{L}.n2", f"{L}.fc1", width, False, "mlp")
+    _column(g, d, f"{L}.n2", f"{L}.fc1", width, False, "mlp", rn2)
     h1 = f"{L}.fc1"
     if m.bias:
         g.add(Op(f"{L}.fc1b", (h1,), {f"{L}.fc1b": d.tokens * width * a}, pass_grad=(h1,)))

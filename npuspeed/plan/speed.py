@@ -183,6 +183,11 @@ def layer_seconds(profile: dict, spec: RunSpec, effects) -> tuple[float, float, 
         planned = len(effects.layers_for("mlp_activation", n)) / n
         was = profile.get("variants", {}).get("mlp_activation", "keep") != "keep"
         lb += act * (planned - int(was))
+        # norm recompute: the two norms' forward again (read x, write the output, each)
+        norm = ew * 2 * 2 * d.h()
+        planned = len(effects.layers_for("norm_output", n)) / n
+        was = profile.get("variants", {}).get("norm_output", "keep") != "keep"
+        lb += norm * (planned - int(was))
     return lf, lb, emb[0], emb[1], head[0], head[1], key, notes
 
 

@@ -30,6 +30,19 @@ def _cuda_really_present() -> bool:
 
 # (id, argv, env, expected text of the line after "npuspeed: error: ")
 NPUSPEED_ROWS = [
+    ("recompute-norm-num-alone", ["--recompute-norm-num-layers", "2"], {},
+     "--recompute-norm-num-layers 2 is given without --recompute-norm"),
+    ("swap-modules-unknown", ["--swap-attention", "--swap-modules", "attn"], {},
+     "--swap-modules 'attn': unknown module attn"),
+    ("adaptive-too-small", ["--adaptive-recompute-device-size", "1", "--num-layers", "2", "--hidden-size", "64",
+                            "--num-attention-heads", "4", "--seq-length", "128"], {},
+     "--adaptive-recompute-device-size 1: nothing fits"),
+    ("adaptive-without-shape", ["--adaptive-recompute-device-size", "100"], {},
+     "--adaptive-recompute-device-size plans the run from its flags: npuspeed plan needs --num-layers"),
+    ("adaptive-with-swap", ["--adaptive-recompute-device-size", "500", "--swap-attention"], {},
+     "--swap-attention with --adaptive-recompute-device-size"),
+    ("adaptive-with-recompute", ["--adaptive-recompute-device-size", "500", "--recompute-norm"], {},
+     "--adaptive-recompute-device-size chooses recompute itself: drop --recompute-norm"),
     ("reuse-with-fp16", ["--reuse-fp32-param", "--fp16"], {}, "--reuse-fp32-param works with --bf16 only"),
     ("coc-without-num", ["--use-coc", "--tensor-model-parallel-size", "2"], W2,
      "--use-coc needs --coc-parallel-num N with N > 1"),

@@ -52,11 +52,19 @@ class ActivationCheckpoint(CheckpointWithoutOutput):
 
     _takes_fp8 = "fp8" in inspect.signature(CheckpointWithoutOutput.__init__).parameters
 
-    def __init__(self):
+    def __init__(self, prefix: str = PREFIX, release_inputs: bool = True, random: bool = True):
+        """`prefix`: the counters this use counts under (another feature reusing the mechanism,
+        e.g. norm recompute, keeps its own); `release_inputs`: whether an activation input the
+        recompute's graph does not save is released (fc1's output; never a residual stream);
+        `random=False`: the function draws no random numbers (a norm), so the RNG states are not
+        kept from forward to backward (on CPU they are ~5 KB per generator per checkpoint)."""
         if self._takes_fp8:
             super().__init__(fp8=None)
         else:
             super().__init__()
+        self._prefix = prefix
+        self._release_inputs = release_inputs
+        self._random = random
         self._needed: set[int] = set()  # storages the recompute's graph (or its inputs) holds on to
         self._arg_ptrs: set[int] = set()
         self._activations: list[bool] = []  # which checkpoint inputs are activations (not leaves)
@@ -74,15 +82,18 @@ class ActivationCheckpoint(CheckpointWithoutOutput):
             for t, activation in zip(inputs, self._activations):
                 # fc1's output, kept only by this checkpoint: done with it now. Parameters (the
                 # bias) are leaves of the forward graph and never released.
-                if activation and _ptr(t) not in saved | out_ptrs and self._sole(t):
+                if self._release_inputs and activation and _ptr(t) not in saved | out_ptrs and self._sole(t):
                     t.untyped_storage().resize_(0)
-                    telemetry.count(PREFIX + "inputs_released")
+                    telemetry.count(self._prefix + "inputs_released")
             self._needed = saved | {_ptr(t) for t in inputs if isinstance(t, torch.Tensor)}
             return out
 
         self._arg_ptrs = {_ptr(t) for t in args if isinstance(t, torch.Tensor)}
         self._activations = [isinstance(t, torch.Tensor) and t.grad_fn is not None for t in args]
-        return super().checkpoint(tracked, *args)
+        out = super().checkpoint(tracked, *args)
+        if not self._random:
+            self.rng_states = None  # taken again, unchanged, when the recompute runs
+        return out
 
     @staticmethod
     def _sole(t: torch.Tensor) -> bool:
@@ -98,19 +109,23 @@ class ActivationCheckpoint(CheckpointWithoutOutput):
             super().discard_output_and_register_recompute(hook_tensor)
             self.freed = all(t.untyped_storage().nbytes() == 0 for t in self.outputs)
             if self.freed:
-                telemetry.count(PREFIX + "freed")
-                telemetry.count(PREFIX + "freed_bytes", nbytes)
+                telemetry.count(self._prefix + "freed")
+                telemetry.count(self._prefix + "freed_bytes", nbytes)
             return
-        telemetry.count(PREFIX + "kept_shared")
+        telemetry.count(self._prefix + "kept_shared")
         if hook_tensor.requires_grad:  # still needed: the checkpoint's backward reads ctx.outputs
             hook_tensor.register_hook(self._recompute)
 
     def _recompute(self, grad):
         ctx = self.ctx
+        if ctx is not None and getattr(self, "rng_states", ()) is None:
+            from megatron.core.tensor_parallel.random import _get_all_rng_states
+
+            self.rng_states = _get_all_rng_states()
         super()._recompute(grad)
         if ctx is None or self.ctx is not None:
             return  # nothing was recomputed (done already, or a cuda-graph warm-up)
-        telemetry.count(PREFIX + "recomputed")
+        telemetry.count(self._prefix + "recomputed")
         outputs = ctx.outputs if isinstance(ctx.outputs, tuple) else (ctx.outputs,)
         for out in outputs:
             if isinstance(out, torch.Tensor) and _ptr(out) not in self._needed and self._sole(out):

@@ -33,15 +33,28 @@ def layers_per_stage(config) -> int:
     return math.ceil(config.num_layers / (config.pipeline_model_parallel_size or 1))
 
 
-def check_num_layers(num_layers: int | None, config) -> None:
+def check_num_layers(num_layers: int | None, config, flag: str = FLAG, what: str = "the activation") -> None:
     per_stage = layers_per_stage(config)
     if num_layers is not None and num_layers > per_stage:
         raise FeatureError(
-            f"{FLAG} {num_layers} is larger than the {per_stage} transformer layers per pipeline "
+            f"{flag} {num_layers} is larger than the {per_stage} transformer layers per pipeline "
             f"stage (num_layers={config.num_layers} / pipeline_model_parallel_size="
             f"{config.pipeline_model_parallel_size or 1}); give at most {per_stage}, or drop it "
-            "to recompute the activation of every layer"
+            f"to recompute {what} of every layer"
         )
+
+
+def in_first_layers(block, index: int, num_layers: int | None) -> bool:
+    """Whether layer `index` of this block is among the first `num_layers` of its pipeline
+    stage, counted in interleaved order across virtual chunks (None: every layer)."""
+    if num_layers is None:
+        return True
+    vpp = block.config.virtual_pipeline_model_parallel_size or 1
+    return index * vpp + _vp_stage(block) < num_layers
+
+
+def fully_recomputed(config, index: int) -> bool:
+    return _fully_recomputed(config, index)
 
 
 def _vp_stage(block) -> int:

@@ -1,0 +1,77 @@
+"""Which module calls swap: the chosen submodules of every transformer layer.
+
+Chosen when a TransformerBlock is built. A chosen module's forward (an instance attribute, so
+the state dict is unchanged) opens one swap group per call while autograd records; calls made
+without grad, and the recompute of a layer under full recompute (which runs inside backward
+and is consumed at once), run as they are.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+TARGET = "megatron.core.transformer.transformer_block.TransformerBlock.__init__"
+#: --swap-modules names -> the module's path inside a TransformerLayer
+MODULES = {
+    "self_attention": "self_attention",
+    "core_attention": "self_attention.core_attention",
+    "input_norm": "input_layernorm",
+    "post_attention_norm": "pre_mlp_layernorm",
+    "mlp": "mlp",
+}
+DEFAULT = "self_attention"
+SELECTED = "swap.modules"
+
+
+def _submodule(layer, path: str):
+    m = layer
+    for part in path.split("."):
+        m = getattr(m, part, None)
+        if m is None:
+            return None
+    return m
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+def _wrap(module, manager, name: str, layer: int) -> None:
+    forward = module.forward
+
+    @functools.wraps(forward)
+    def swapped_forward(*args, **kwargs):
+        if not torch.is_grad_enabled() or _in_backward():
+            return forward(*args, **kwargs)
+        group = manager.group(f"layer{layer}.{name}", layer)
+        with group.hooks():
+            return forward(*args, **kwargs)
+
+    module.forward = swapped_forward
+
+
+def select(block, names: list[str], manager, note) -> None:
+    from npuspeed import telemetry
+
+    for layer in getattr(block, "layers", ()):
+        number = getattr(layer, "layer_number", 0)
+        for name in names:
+            module = _submodule(layer, MODULES[name])
+            if module is None or type(module).__name__ == "IdentityOp":
+                note(f"--swap-modules {name}: this layer has no such module; skipped")
+                continue
+            _wrap(module, manager, name, number)
+            telemetry.count(SELECTED)
+
+
+def selector(names: list[str], manager, note):
+    def wrap(init):
+        @functools.wraps(init)
+        def __init__(self, *args, **kwargs):
+            init(self, *args, **kwargs)
+            select(self, names, manager, note)
+
+        return __init__
+
+    return wrap
