@@ -6,6 +6,7 @@ from npuspeed.features.coc_overlap import CocFeature
 from npuspeed.features.context_parallel import ContextParallelFeature
 from npuspeed.features.device import DeviceFeature
 from npuspeed.features.fused_attention import FusedAttentionFeature
+from npuspeed.features.fused_linear_ce import FusedLinearCrossEntropyFeature
 from npuspeed.features.fused_ops import FusedRMSNormFeature, FusedRoPEFeature, FusedSwiGLUFeature
 from npuspeed.features.megatron_lm import MegatronLMFeature
 from npuspeed.features.moe import (
@@ -17,7 +18,7 @@ from npuspeed.features.reuse_fp32_param import ReuseFp32ParamFeature
 
 def all_features() -> list[Feature]:
     return [DeviceFeature(), FusedAttentionFeature(), ContextParallelFeature(), FusedRMSNormFeature(), FusedSwiGLUFeature(),
-            FusedRoPEFeature(), ReuseFp32ParamFeature(), RecomputeActivationFeature(),
+            FusedRoPEFeature(), FusedLinearCrossEntropyFeature(), ReuseFp32ParamFeature(), RecomputeActivationFeature(),
             CocFeature(), TpExtendEpFeature(), GroupedGemmFeature(), FusedPermuteFeature(),
             AllToAllOverlapFeature(), MegatronLMFeature()]
 
