@@ -137,12 +137,11 @@ class LinearCrossEntropy(torch.autograd.Function):
                     logits.copy_(out)  # Megatron's logits.float()
                 rows = (own & (tgt >= v0) & (tgt < v1)).nonzero()[:, 0]
                 target_logit[t0 + rows] = logits[rows, tgt[rows] - v0]
-                # the tile's log-sum-exp (max, then log of the sum of exp(logit - max): one fused
-                # read), folded into a running reference and sum of exp(. - reference); the
-                # reference only grows, so the sum is rescaled, never overflows
-                chunk_lse = torch.logsumexp(logits, dim=-1)
-                new_max = torch.maximum(run_max[t0:t1], chunk_lse)
-                run_sum[t0:t1].mul_(torch.exp(run_max[t0:t1] - new_max)).add_(torch.exp(chunk_lse - new_max))
+                # running max and sum of exp(logit - running max), the sum rescaled when the max
+                # grows; in place in the tile (torch's logsumexp would allocate a second tile)
+                new_max = torch.maximum(run_max[t0:t1], torch.amax(logits, dim=-1))
+                chunk_sum = logits.sub_(new_max[:, None]).exp_().sum(dim=-1)
+                run_sum[t0:t1].mul_(torch.exp(run_max[t0:t1] - new_max)).add_(chunk_sum)
                 run_max[t0:t1] = new_max
                 issued += 1
         del buf, buf32, out, logits
