@@ -205,3 +205,32 @@ def test_bad_flags(npuspeed_runtime, argv, match):
     ctx = runtime.make_context(all_features(), argv, npuspeed_runtime.accelerator)
     with pytest.raises(FeatureError, match=match):
         FusedLinearCrossEntropyFeature().validate(ctx)
+
+
+@pytest.mark.parametrize("chunked_s,megatron_s,expected", [(1.0, 1.0, "chunked"), (1.04, 1.0, "chunked"),
+                                                           (1.2, 1.0, "megatron")])
+def test_auto_keeps_the_tiles_while_at_least_095x(megatron_mp, with_features, monkeypatch, chunked_s, megatron_s,
+                                                  expected):
+    """The trial's timings decide (made up here, so both branches run): Megatron's path when the
+    tiles are slower than 0.95x, said once in the notes and counted."""
+    from megatron.core import tensor_parallel
+
+    from npuspeed.features.fused_linear_ce import choice
+
+    monkeypatch.setattr(choice, "_trial", lambda run, *a: chunked_s if run is not choice._megatron else megatron_s)
+    tensor_parallel.model_parallel_cuda_manual_seed(5)
+    baseline = _gpt(torch.float32, False)
+    loss, _ = _step(baseline)
+    with with_features([FLAG]):
+        ctx = with_features.ctx
+        model = _gpt(torch.float32, False)
+        model.load_state_dict(baseline.state_dict())
+        before = telemetry.snapshot("fused_linear_ce.")
+        got, _ = _step(model)
+        counted = telemetry.since(before, "fused_linear_ce.")
+    torch.testing.assert_close(got, loss, atol=1e-5, rtol=1e-5)
+    if expected == "chunked":
+        assert counted == {CALLS: 1, CHUNKS: counted[CHUNKS]} and counted[CHUNKS] >= 2
+    else:
+        assert counted == {"fused_linear_ce.fallback.measured_slower": 1}
+        assert any("measured faster" in n and "chunked 1200.0 ms, Megatron 1000.0 ms" in n for n in ctx.notes), ctx.notes
