@@ -234,3 +234,16 @@ def test_auto_keeps_the_tiles_while_at_least_095x(megatron_mp, with_features, mo
     else:
         assert counted == {"fused_linear_ce.fallback.measured_slower": 1}
         assert any("measured faster" in n and "chunked 1200.0 ms, Megatron 1000.0 ms" in n for n in ctx.notes), ctx.notes
+
+
+def test_the_planner_drops_the_logits():
+    """`npuspeed plan` with the flag: the head's [tokens, V] logits, fp32 softmax and gradient go."""
+    from npuspeed.plan.planner import plan
+
+    model = ["--num-layers", "1", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "256",
+             "--micro-batch-size", "4", "--vocab-size", "65536", "--nproc-per-node", "1"]
+    base = plan(model, with_removes=False).peak
+    fused = plan(model + [FLAG], with_removes=False)
+    logits = 256 * 4 * 65536 * 4  # fp32: Megatron's softmax and its gradient reuse the logits' storage
+    assert fused.peak <= base - 0.9 * logits, (fused.peak, base)
+    assert fused.peak <= 0.5 * base
