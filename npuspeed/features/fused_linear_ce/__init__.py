@@ -29,7 +29,8 @@ class FusedLinearCrossEntropyFeature(Feature):
                                 "chunks: the [s, b, V] logits and their gradient are never materialised.")
         group.add_argument(CHUNK, type=int, default=None, metavar="LOGITS",
                            help=f"With {MAIN}: logits per chunk (tokens x V/TP entries; all tokens and a slice "
-                                "of the vocabulary when they fit). Default 1048576 (4 MiB in fp32).")
+                                "of the vocabulary when they fit). Default 1048576 (4 MiB in fp32) on CPU, 33554432 (128 MiB) "
+                                "on an accelerator.")
         group.add_argument(FALLBACK, choices=["auto", "never"], default=None,
                            help=f"With {MAIN}: auto (default) measures the chunked path against Megatron's "
                                 "once per shape and runs Megatron's where the chunked one is slower; never: "
@@ -48,7 +49,7 @@ class FusedLinearCrossEntropyFeature(Feature):
             raise FeatureError(f"{given} is given without {MAIN}; add {MAIN} (or drop {given})")
         if chunk is not None and chunk < 1:
             raise FeatureError(f"{CHUNK} must be a positive number of logits (tokens x V/TP entries), got "
-                               f"{chunk}; drop it for the default (1048576, 4 MiB in fp32)")
+                               f"{chunk}; drop it for the default (1048576 on CPU, 4 MiB in fp32)")
 
     def register_patches(self, registry, ctx) -> None:
         from npuspeed.features.fused_linear_ce import choice, postprocess
@@ -73,7 +74,7 @@ class FusedLinearCrossEntropyFeature(Feature):
         from npuspeed import telemetry
         from npuspeed.features.fused_linear_ce import function, postprocess
 
-        chunk = ctx.args.fused_linear_cross_entropy_chunk_size or function.DEFAULT_CHUNK
+        chunk = ctx.args.fused_linear_cross_entropy_chunk_size or function.default_chunk(ctx.accelerator.name)
         size = f"tiles of <= {chunk} logits"
         from npuspeed.features.fused_linear_ce.choice import CHOICE
 
