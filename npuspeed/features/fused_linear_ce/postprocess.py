@@ -42,7 +42,8 @@ def _why_not(model, args: dict) -> str | None:
         return "inference"
     gather = args.get("runtime_gather_output")
     gather = layer.gather_output if gather is None else gather
-    if gather and layer.tp_group is not None and layer.tp_group.size() > 1:
+    group = getattr(layer, "tp_group", None)
+    if gather and group is not None and group.size() > 1:
         return "logits gathered over TP (parallel_output=False)"
     if getattr(layer, "bias", None) is not None:
         return "output layer has a bias"
@@ -67,14 +68,14 @@ def make_postprocess(chooser, accelerator, note):
             params = bound.arguments
             if not self.post_process:
                 return original(self, *args, **kwargs)
-            if float(getattr(self.config, "label_smoothing", 0.0) or 0.0) > 0.0:
-                raise UserError(f"{FLAG} does not support label smoothing (config.label_smoothing="
-                                f"{self.config.label_smoothing}); set it to 0 or drop {FLAG}")
             reason = _why_not(self, params)
             if reason is not None:
                 telemetry.count(FALLBACK + reason.split(" (")[0].replace(" ", "_"))
                 note(f"{FLAG}: Megatron's output layer and loss run for this call: {reason}")
                 return original(self, *args, **kwargs)
+            if float(getattr(self.config, "label_smoothing", 0.0) or 0.0) > 0.0:
+                raise UserError(f"{FLAG} does not support label smoothing (config.label_smoothing="
+                                f"{self.config.label_smoothing}); set it to 0 or drop {FLAG}")
             layer = self.output_layer
             weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights \
                 else layer.weight
