@@ -74,6 +74,8 @@ def _trial(run, hidden, weight, labels, acc) -> float:
 
 
 class PathChooser:
+    """Per shape key: which path runs, with the trial's timings (npuspeed report shows them)."""
+
     def __init__(self, fallback: str = "auto", chunk: int | None = None):
         self.fallback, self.chunk = fallback, chunk
         self.choices: dict[tuple, dict] = {}
@@ -130,34 +132,3 @@ class PathChooser:
         why = (f"measured once for {key[2]} tokens x hidden {key[3]} x V/TP {key[4]} {key[1]} (trial on "
                f"{tokens} tokens): chunked {t_chunked * 1e3:.1f} ms, Megatron {t_megatron * 1e3:.1f} ms fwd+bwd")
         return {"path": path, "why": why, "chunked_ms": t_chunked * 1e3, "megatron_ms": t_megatron * 1e3}
-
-
-class _one_rank_tp:
-    """Megatron's vocab_parallel_cross_entropy reads the TP group, rank and size from
-    parallel_state; during the trial they say one rank, so it runs on the shard alone."""
-
-    def __init__(self, tp: int):
-        self.tp = tp
-
-    def __enter__(self):
-        if self.tp == 1:
-            return self
-        from megatron.core.tensor_parallel import cross_entropy as ce
-
-        self._saved = (ce.get_tensor_model_parallel_group, ce.get_tensor_model_parallel_rank,
-                       ce.get_tensor_model_parallel_world_size)
-        self_group = dist.new_group([dist.get_rank()]) if not hasattr(_one_rank_tp, "_group") else _one_rank_tp._group
-        _one_rank_tp._group = self_group
-        ce.get_tensor_model_parallel_group = lambda *a, **k: self_group
-        ce.get_tensor_model_parallel_rank = lambda *a, **k: 0
-        ce.get_tensor_model_parallel_world_size = lambda *a, **k: 1
-        return self
-
-    def __exit__(self, *exc):
-        if self.tp == 1:
-            return False
-        from megatron.core.tensor_parallel import cross_entropy as ce
-
-        (ce.get_tensor_model_parallel_group, ce.get_tensor_model_parallel_rank,
-         ce.get_tensor_model_parallel_world_size) = self._saved
-        return False
