@@ -7,6 +7,7 @@ from npuspeed.features.coc_overlap import CocFeature
 from npuspeed.features.context_parallel import ContextParallelFeature
 from npuspeed.features.device import DeviceFeature
 from npuspeed.features.fused_attention import FusedAttentionFeature
+from npuspeed.features.fused_linear_ce import FusedLinearCrossEntropyFeature
 from npuspeed.features.fused_ops import FusedRMSNormFeature, FusedRoPEFeature, FusedSwiGLUFeature
 from npuspeed.features.megatron_lm import MegatronLMFeature
 from npuspeed.features.moe import (
@@ -20,7 +21,8 @@ from npuspeed.features.swap_attention import SwapAttentionFeature
 
 def all_features() -> list[Feature]:
     return [DeviceFeature(), FusedAttentionFeature(), ContextParallelFeature(), FusedRMSNormFeature(), FusedSwiGLUFeature(),
-            FusedRoPEFeature(), ReuseFp32ParamFeature(), RecomputeActivationFeature(), RecomputeNormFeature(), SwapAttentionFeature(),
+            FusedRoPEFeature(), FusedLinearCrossEntropyFeature(), ReuseFp32ParamFeature(), RecomputeActivationFeature(),
+            RecomputeNormFeature(), SwapAttentionFeature(),
             CocFeature(), AdaptiveMemoryFeature(), TpExtendEpFeature(), GroupedGemmFeature(), FusedPermuteFeature(),
             AllToAllOverlapFeature(), MegatronLMFeature()]
 

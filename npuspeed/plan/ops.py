@@ -29,6 +29,7 @@ VARIANTS = {
     "rope": ("unfused", "fused"),
     "mlp_activation": ("keep", "recompute"),
     "norm_output": ("keep", "recompute"),
+    "head": ("unfused", "chunked"),
 }
 #: settings a PlanEffect may give with its variants (PlanEffect.options)
 OPTIONS = ("cp_ulysses", "cp_ring", "moe_ep", "moe_etp", "moe_grouped", "moe_chunks")
@@ -253,6 +254,17 @@ def recv_ops(g: Graph, d: Dims) -> str:
 def head_ops(g: Graph, d: Dims, m, x: str, variants: dict) -> str:
     a = d.act
     _norm(g, d, x, "head.n", m.normalization, variants.get("norm", "torch"), "head")
+    if variants.get("head") == "chunked":  # --use-fused-linear-cross-entropy: one tile of logits at a time
+        tile = min(d.tokens * d.vocab, 1 << 20)  # fused_linear_ce.function.DEFAULT_CHUNK logits
+        gathered = d.h(d.tokens) if d.sp else 0
+        g.add(Op("head.flce", ("head.n",), {"head.loss": d.tokens * 4}, saves=("head.n", "head.lse", "head.tidx"),
+                 extras={"head.lse": d.tokens * 4, "head.tidx": d.tokens * 9},
+                 fwd_temp=tile * (4 + (d.act if d.act != 4 else 0)) + gathered + d.tokens * 16,
+                 bwd_temp=tile * (4 + (d.act if d.act != 4 else 0)) + d.vocab * d.hidden * 4 + d.tokens * d.hidden * 4
+                 + 2 * gathered, term="head"))
+        g.add(Op("head.lossf", ("head.loss",), {"head.l": 4}, saves=("head.mask",),
+                 extras={"head.mask": d.tokens * 4}, term="head"))
+        return "head.l"
     _column(g, d, "head.n", "head.logits", d.vocab, False, "head")
     x = "head.logits"
     if a != 4:
