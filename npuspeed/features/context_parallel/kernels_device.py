@@ -13,8 +13,8 @@ CUDA: `_scaled_dot_product_flash_attention` (bf16/fp16) or
 in backward. K/V heads are repeated for them (the raw ops have no GQA).
 
 Neither draws dropout at global positions, so under CP they run with attention dropout 0
-(the feature refuses dropout there at start-up); at CP 1 (packed documents) CUDA's kernels
-draw it per call. On CUDA documents run tile by tile.
+(the feature refuses dropout there at start-up); at CP 1 (packed documents) both draw it
+per call and hand each call's state back to its own backward. On CUDA documents run tile by tile.
 """
 from __future__ import annotations
 
@@ -30,12 +30,17 @@ _COMPRESSED = 2048
 
 
 class NpuFusion(BlockKernel):
+    """Dropout as CudaAten: the op draws its own mask (keep_prob) and returns its seed, offset
+    and numels, which the grad op takes back; at CP 1 one draw per call (per_call_dropout)."""
+
     name = NPU
     varlen = True
+    per_call_dropout = True
 
     def __init__(self, torch_npu):
         self.torch_npu = torch_npu
         self._mask = None
+        self._rng: dict[tuple, list] = {}
 
     def _compressed(self, device):
         if self._mask is None:
@@ -48,31 +53,46 @@ class NpuFusion(BlockKernel):
         return {"atten_mask": self._compressed(device), "sparse_mode": 2}
 
     def forward(self, q, k, v, block: Block, spec: CallSpec):
+        keep = 1.0 - spec.dropout_p
+        states = self._rng.setdefault(_place(q, k, block), []) if spec.dropout_p > 0 else None
         if block.tiles is not None:
-            return npu_varlen.forward(self.torch_npu, q, k, v, block.causal, block.tiles, spec.scale,
-                                      self._compressed(q.device))
+            calls = [] if states is not None else None
+            result = npu_varlen.forward(self.torch_npu, q, k, v, block.causal, block.tiles, spec.scale,
+                                        self._compressed(q.device), keep, calls)
+            if states is not None:
+                states.append(calls)
+            return result
         sq, b, hq, d = q.shape
         sk, hk = k.shape[0], k.shape[2]
         res = self.torch_npu.npu_fusion_attention(
             q.reshape(sq, b, hq * d), k.reshape(sk, b, hk * d), v.reshape(sk, b, hk * d), hq, "SBH",
-            scale=spec.scale, keep_prob=1.0, **self._mask_args(block, q.device))
+            scale=spec.scale, keep_prob=keep, **self._mask_args(block, q.device))
+        if states is not None:
+            states.append(npu_varlen.rng_kwargs(res))
         out, smax, ssum = res[0], res[1], res[2]
         lse = smax[..., 0] + torch.log(ssum[..., 0])  # [b, n, s]
         return out.view(sq, b, hq, d), lse.float()
 
     def backward(self, dout, q, k, v, out, lse, block: Block, spec: CallSpec):
+        keep = 1.0 - spec.dropout_p
+        state = self._rng[_place(q, k, block)].pop(0) if spec.dropout_p > 0 else None
         if block.tiles is not None:
             return npu_varlen.backward(self.torch_npu, dout, q, k, v, out, lse, block.causal, block.tiles,
-                                       spec.scale, self._compressed(q.device))
+                                       spec.scale, self._compressed(q.device), keep, state)
         sq, b, hq, d = q.shape
         sk, hk = k.shape[0], k.shape[2]
         smax = lse.float().unsqueeze(-1).expand(b, hq, sq, 8).contiguous()
         grads = self.torch_npu.npu_fusion_attention_grad(
             q.reshape(sq, b, hq * d), k.reshape(sk, b, hk * d), v.reshape(sk, b, hk * d),
             dout.reshape(sq, b, hq * d), hq, "SBH", softmax_max=smax, softmax_sum=torch.ones_like(smax),
-            attention_in=out.reshape(sq, b, hq * d), scale_value=spec.scale, keep_prob=1.0,
-            **self._mask_args(block, q.device))
+            attention_in=out.reshape(sq, b, hq * d), scale_value=spec.scale, keep_prob=keep,
+            **self._mask_args(block, q.device), **(state or {}))
         return grads[0].view_as(q), grads[1].view_as(k), grads[2].view_as(v)
+
+
+def _place(q, k, block: Block) -> tuple:
+    """Where a block call sits (its dropout state is handed back by place, first in first out)."""
+    return block.q0, block.k0, q.shape[0], k.shape[0]
 
 
 def _bhsd(x: torch.Tensor) -> torch.Tensor:
@@ -102,10 +122,6 @@ class CudaAten(BlockKernel):
                                "(flash kernel) or drop --deterministic-mode")
         self._philox: dict[tuple, list] = {}
 
-    @staticmethod
-    def _place(q, k, block: Block) -> tuple:
-        return block.q0, block.k0, q.shape[0], k.shape[0]
-
     def forward(self, q, k, v, block: Block, spec: CallSpec):
         groups = q.shape[2] // k.shape[2]
         qq, kk, vv = _bhsd(q), _bhsd(expand_kv(k, groups)), _bhsd(expand_kv(v, groups))
@@ -118,14 +134,14 @@ class CudaAten(BlockKernel):
                 qq, kk, vv, None, True, spec.dropout_p, block.causal, scale=spec.scale)
             philox = (seed, offset)
         if spec.dropout_p > 0:
-            self._philox.setdefault(self._place(q, k, block), []).append(philox)
+            self._philox.setdefault(_place(q, k, block), []).append(philox)
         return out.permute(2, 0, 1, 3), lse[..., : q.shape[0]].float()
 
     def _philox_for(self, q, k, block: Block, spec: CallSpec):
         if spec.dropout_p == 0:
             zero = torch.zeros((), dtype=torch.int64, device=q.device)
             return zero, zero
-        return self._philox[self._place(q, k, block)].pop(0)
+        return self._philox[_place(q, k, block)].pop(0)
 
     def backward(self, dout, q, k, v, out, lse, block: Block, spec: CallSpec):
         groups = q.shape[2] // k.shape[2]

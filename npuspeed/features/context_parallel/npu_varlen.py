@@ -87,8 +87,11 @@ def stats_from_lse(lse_t: torch.Tensor, p: Packing) -> torch.Tensor:
     return flat.view(t, n, 1).expand(t, n, 8).contiguous()
 
 
-def forward(torch_npu, q, k, v, causal: bool, tiles, scale: float, compressed_mask):
-    """q [sq, b, hq, d], k/v [sk, b, hk, d] -> out [sq, b, hq, d], lse [b, hq, sq] fp32."""
+def forward(torch_npu, q, k, v, causal: bool, tiles, scale: float, compressed_mask, keep_prob: float = 1.0,
+            rng_states: list | None = None):
+    """q [sq, b, hq, d], k/v [sk, b, hk, d] -> out [sq, b, hq, d], lse [b, hq, sq] fp32.
+    With keep_prob < 1 the op draws dropout itself; each call's (seed, offset, numels) is
+    appended to `rng_states` for the backward of the same call."""
     sq, b, hq, d = q.shape
     sk, hk = k.shape[0], k.shape[2]
     out = torch.zeros((sq * b, hq, d), dtype=q.dtype, device=q.device)
@@ -97,8 +100,10 @@ def forward(torch_npu, q, k, v, causal: bool, tiles, scale: float, compressed_ma
     for p in pack(tiles, b, hq, q.device):
         res = torch_npu.npu_fusion_attention(
             qf.index_select(0, p.q_index), kf.index_select(0, p.k_index), vf.index_select(0, p.k_index), hq, "TND",
-            scale=scale, keep_prob=1.0, actual_seq_qlen=p.cu_q, actual_seq_kvlen=p.cu_k,
+            scale=scale, keep_prob=keep_prob, actual_seq_qlen=p.cu_q, actual_seq_kvlen=p.cu_k,
             **mask_args(causal, compressed_mask))
+        if rng_states is not None:
+            rng_states.append(rng_kwargs(res))
         out.index_copy_(0, p.q_index, res[0])
         lse.index_copy_(0, p.q_index, lse_from_stats(res[1], res[2], p))
         telemetry.count(CALLS)
@@ -106,8 +111,15 @@ def forward(torch_npu, q, k, v, causal: bool, tiles, scale: float, compressed_ma
     return out.view(sq, b, hq, d), lse.view(sq, b, hq).permute(1, 2, 0).contiguous()
 
 
-def backward(torch_npu, dout, q, k, v, out, lse, causal: bool, tiles, scale: float, compressed_mask):
-    """Gradients from the final out / LSE (FlashAttention-2's backward), one call per Packing."""
+def rng_kwargs(res) -> dict:
+    """The dropout state `npu_fusion_attention` returns, as its grad op takes it back."""
+    return {"seed": res[4], "offset": res[5], "numels": res[6]}
+
+
+def backward(torch_npu, dout, q, k, v, out, lse, causal: bool, tiles, scale: float, compressed_mask,
+             keep_prob: float = 1.0, rng_states: list | None = None):
+    """Gradients from the final out / LSE (FlashAttention-2's backward), one call per Packing;
+    `rng_states`: the forward's per-call dropout states, in call order."""
     sq, b, hq, d = q.shape
     sk, hk = k.shape[0], k.shape[2]
     dq = torch.zeros((sq * b, hq, d), dtype=q.dtype, device=q.device)
@@ -116,13 +128,14 @@ def backward(torch_npu, dout, q, k, v, out, lse, causal: bool, tiles, scale: flo
     qf, kf, vf = q.reshape(sq * b, hq, d), k.reshape(sk * b, hk, d), v.reshape(sk * b, hk, d)
     gf, of = dout.reshape(sq * b, hq, d), out.reshape(sq * b, hq, d)
     lse_sb = lse.permute(2, 0, 1).reshape(sq * b, hq)
-    for p in pack(tiles, b, hq, q.device):
+    for i, p in enumerate(pack(tiles, b, hq, q.device)):
         smax = stats_from_lse(lse_sb.index_select(0, p.q_index), p)
         grads = torch_npu.npu_fusion_attention_grad(
             qf.index_select(0, p.q_index), kf.index_select(0, p.k_index), vf.index_select(0, p.k_index),
             gf.index_select(0, p.q_index), hq, "TND", softmax_max=smax, softmax_sum=torch.ones_like(smax),
-            attention_in=of.index_select(0, p.q_index), scale_value=scale, keep_prob=1.0,
-            actual_seq_qlen=p.cu_q, actual_seq_kvlen=p.cu_k, **mask_args(causal, compressed_mask))
+            attention_in=of.index_select(0, p.q_index), scale_value=scale, keep_prob=keep_prob,
+            actual_seq_qlen=p.cu_q, actual_seq_kvlen=p.cu_k, **mask_args(causal, compressed_mask),
+            **(rng_states[i] if rng_states is not None else {}))
         dq.index_copy_(0, p.q_index, grads[0])  # pieces of one block never share a query or key
         dk.index_copy_(0, p.k_index, grads[1])
         dv.index_copy_(0, p.k_index, grads[2])

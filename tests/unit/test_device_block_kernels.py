@@ -1,7 +1,8 @@
-"""The CUDA block kernel's wiring (packed documents at CP 1), against a CPU emulation of
-PyTorch's flash-attention ops: no GPU exists here, so this checks what npuspeed hands the
-ops (no cumulative lengths for dense calls, dropout p, each call's Philox state given back to
-its own backward), not the CUDA kernels (the device tier runs those).
+"""The device block kernels' wiring (packed documents at CP 1, dropout drawn per call),
+against CPU emulations: PyTorch's CUDA flash ops and torch_npu's npu_fusion_attention. No GPU
+or NPU exists here, so this checks what npuspeed hands the ops (no cumulative lengths for
+dense CUDA calls, dropout p / keep_prob, each call's random state given back to its own
+backward), not the kernels (the device tier runs the CUDA ones).
 
 The emulated forward draws a keep mask from a generator seeded by a fresh per-call seed and
 returns that seed, as the real op returns its Philox seed/offset; the emulated backward
@@ -94,3 +95,45 @@ def test_fp32_blocks_refused_under_deterministic_mode():
         assert CudaAten(torch.bfloat16).name == "aten_flash_cuda"
     finally:
         torch.use_deterministic_algorithms(False)
+
+
+class _SeedCheckingNpu:
+    """npu_fusion_attention(_grad) through the contract emulator, with each forward call's
+    dropout state (seed, offset, numels) made unique and checked in the grad op: the grad of
+    a call must get back exactly that call's state (same query rows, same keep_prob)."""
+
+    def __init__(self):
+        import npu_fusion_attention_emulator as emu
+
+        self.emu, self.issued, self.returned = emu, {}, []
+
+    def npu_fusion_attention(self, query, *args, keep_prob=1.0, **kwargs):
+        res = list(self.emu.npu_fusion_attention(query, *args, keep_prob=1.0, **kwargs))  # masks: not emulated
+        seed = next(_SEEDS)
+        self.issued[seed] = (query.detach().clone(), keep_prob)
+        return (*res[:4], seed, 7, query.numel())
+
+    def npu_fusion_attention_grad(self, query, *args, keep_prob=1.0, seed=0, offset=0, numels=0, **kwargs):
+        rows, keep = self.issued[seed]
+        assert torch.equal(rows, query) and keep == keep_prob and offset == 7 and numels == query.numel()
+        self.returned.append(seed)
+        return self.emu.npu_fusion_attention_grad(query, *args, keep_prob=1.0, **kwargs)
+
+
+@pytest.mark.parametrize("documents", [False, True], ids=["dense", "documents-varlen"])
+def test_npu_block_gives_each_call_its_dropout_state_back(documents):
+    from npuspeed.features.context_parallel.kernels_device import NpuFusion
+
+    gen = torch.Generator().manual_seed(1)
+    s, b, hq, hk, d = 8, 2, 4, 2, 8
+    q, k, v = (torch.randn(s, b, h, d, generator=gen) for h in (hq, hk, hk))
+    tiles = [[(0, 3, 0, 3), (3, 8, 3, 8)], [(0, 5, 0, 5), (5, 8, 5, 8)]] if documents else None
+    block, spec = Block(0, 0, True, tiles=tiles), CallSpec(scale=d ** -0.5, dropout_p=0.3)
+    fake = _SeedCheckingNpu()
+    kernel = NpuFusion(fake)
+    for _ in range(2):  # two calls at the same place: first in, first out
+        out, lse = tiled_forward(kernel, q, k, v, block, spec)
+    for _ in range(2):
+        tiled_backward(kernel, torch.randn(out.shape, generator=gen), q, k, v, out, lse, block, spec)
+    assert sorted(fake.returned) == sorted(fake.issued) and len(fake.issued) >= 2
+    assert all(not queue for queue in kernel._rng.values())
