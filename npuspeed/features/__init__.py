@@ -6,6 +6,7 @@ from npuspeed.features.coc_overlap import CocFeature
 from npuspeed.features.context_parallel import ContextParallelFeature
 from npuspeed.features.device import DeviceFeature
 from npuspeed.features.fused_attention import FusedAttentionFeature
+from npuspeed.features.grad_accum_fusion import GradAccumFusionFeature
 from npuspeed.features.fused_ops import FusedRMSNormFeature, FusedRoPEFeature, FusedSwiGLUFeature
 from npuspeed.features.megatron_lm import MegatronLMFeature
 from npuspeed.features.moe import (
@@ -18,6 +19,7 @@ from npuspeed.features.reuse_fp32_param import ReuseFp32ParamFeature
 def all_features() -> list[Feature]:
     return [DeviceFeature(), FusedAttentionFeature(), ContextParallelFeature(), FusedRMSNormFeature(), FusedSwiGLUFeature(),
             FusedRoPEFeature(), ReuseFp32ParamFeature(), RecomputeActivationFeature(),
+            GradAccumFusionFeature(),
             CocFeature(), TpExtendEpFeature(), GroupedGemmFeature(), FusedPermuteFeature(),
             AllToAllOverlapFeature(), MegatronLMFeature()]
 

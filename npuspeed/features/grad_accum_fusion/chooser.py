@@ -1,0 +1,106 @@
+"""Which weight-gradient path runs, per (device, dtypes, shape): measured once on the CPU.
+
+On the CPU both candidates (a fused in-place GEMM and the unfused GEMM + add) run twice,
+interleaved, on scratch copies of main_grad the first time a shape is seen; the faster one
+is kept for the run (a 16-bit GEMM with AVX512-BF16 can beat an fp32 in-place one, so the
+"fused" path is not always the fast one). The scratch copies and the trial's peak are
+released and restored, so the run's memory figures are not disturbed. On a GPU or NPU the
+fused path runs without a trial (no device was at hand to measure the alternatives); a
+mixed-dtype GEMM this torch does not have falls back to the unfused path, once, with a note.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from npuspeed import telemetry
+from npuspeed.features.grad_accum_fusion import kernels
+
+PREFIX = "grad_accum_fusion."
+
+
+def _time(run, g, x, scratch, accelerator) -> float:
+    accelerator.synchronize()
+    start = time.perf_counter()
+    run(g, x, scratch, accelerator)
+    accelerator.synchronize()
+    return time.perf_counter() - start
+
+
+class PathChooser:
+    """Per shape key: the path name, and why (for `npuspeed report`)."""
+
+    def __init__(self, accelerator, note=None, fixed: str | None = None):
+        self.accelerator = accelerator
+        self.note = note or (lambda message: None)
+        self.fixed = fixed  # a kernels name (tests), or None: choose
+        self.choices: dict[tuple, dict] = {}
+
+    @staticmethod
+    def key(g: torch.Tensor, x: torch.Tensor, main_grad: torch.Tensor) -> tuple:
+        return (main_grad.device.type, str(x.dtype).replace("torch.", ""),
+                str(main_grad.dtype).replace("torch.", ""), x.shape[0], g.shape[1], x.shape[1])
+
+    def choose(self, g, x, main_grad) -> str:
+        key = self.key(g, x, main_grad)
+        record = self.choices.get(key)
+        if record is None:
+            names = kernels.candidates(main_grad.device.type, x.dtype, main_grad.dtype, self.accelerator)
+            if self.fixed is not None:
+                record = {"path": self.fixed, "why": "fixed"}
+            elif main_grad.device.type == "cpu":
+                record = self._measure(names, g, x, main_grad)
+            else:
+                record = {"path": names[0], "why": f"fused path on {main_grad.device.type}, not measured"}
+            self.choices[key] = record
+        return record["path"]
+
+    def run(self, g, x, main_grad) -> str:
+        name = self.choose(g, x, main_grad)
+        try:
+            kernels.RUN[name](g, x, main_grad, self.accelerator)
+        except (RuntimeError, NotImplementedError, TypeError) as exc:
+            if name != kernels.OUT_DTYPE:
+                raise
+            # torch without the mixed-dtype GEMM on this device: the unfused arithmetic, noted once
+            key = self.key(g, x, main_grad)
+            self.choices[key] = {"path": kernels.MM_ADD, "why": f"{name} unavailable: {exc}".splitlines()[0]}
+            self.note(f"--gradient-accumulation-fusion: torch's mixed-dtype GEMM (addmm out_dtype) is not "
+                      f"available here ({type(exc).__name__}); weight gradients use a GEMM + add")
+            name = kernels.MM_ADD
+            kernels.RUN[name](g, x, main_grad, self.accelerator)
+        telemetry.count(PREFIX + "kernel." + name)
+        return name
+
+    def _measure(self, names, g, x, main_grad) -> dict:
+        from npuspeed.ops import memory_tracker
+
+        acc = self.accelerator
+        peak, peak_reserved = acc.max_memory_allocated(), acc.max_memory_reserved()
+        best = {name: float("inf") for name in names}
+        try:
+            scratch = main_grad.clone()
+            for _ in range(2):
+                for name in names:
+                    best[name] = min(best[name], _time(kernels.RUN[name], g, x, scratch, acc))
+            del scratch
+        finally:
+            memory_tracker.restore_peak(peak, peak_reserved)
+        telemetry.count(PREFIX + "measured")
+        fused = names[0]
+        # the fused path keeps no [n, k] temporary: it wins ties
+        path = fused if best[fused] <= best[kernels.MM_ADD] else kernels.MM_ADD
+        times = ", ".join(f"{name} {best[name] * 1e3:.3f} ms" for name in names)
+        return {"path": path, "why": f"measured once: {times}",
+                **{f"{name}_ms": best[name] * 1e3 for name in names}}
+
+    def summary(self) -> str:
+        """One line per shape key, for the report."""
+        if not self.choices:
+            return "no weight gradient computed yet in this process"
+        parts = []
+        for (device, in_dtype, grad_dtype, rows, n, k), record in sorted(self.choices.items(), key=str):
+            parts.append(f"{device} {in_dtype}->{grad_dtype} [{rows}x{n}]^T[{rows}x{k}]: {record['path']} "
+                         f"({record['why']})")
+        return "; ".join(parts)
