@@ -28,9 +28,8 @@ def apex_kernel_installed() -> bool:
 class GradAccumFusionFeature(Feature):
     name = "grad_accum_fusion"
     flags = (FLAG,)
-    #: the planner models neither the weight-gradient temporary nor its add: the measured
-    #: peak is unchanged (Megatron still returns an [n, k] placeholder grad) and the time
-    #: is at most the unfused one, by construction of the chooser
+    #: the planner models neither the weight-gradient temporary nor its add (a transient of
+    #: one layer's weight size); the time is at most the unfused one by the chooser's rule
     plan_neutral = True
 
     def __init__(self):
@@ -62,12 +61,18 @@ class GradAccumFusionFeature(Feature):
         self.chooser = PathChooser(ctx.accelerator, ctx.note)
 
     def register_patches(self, registry, ctx) -> None:
+        from npuspeed.features.grad_accum_fusion import placeholder
+
+        if self.chooser is None:
+            self.prepare(ctx)
+        # with apex too: the weight's placeholder gradient becomes a view of main_grad, and a
+        # shape whose unfused path measured faster runs Megatron's unfused backward
+        registry.register(placeholder.TARGET, wrapper=placeholder.layer_backward(self.chooser, route=not apex_kernel_installed()),
+                          feature=self.name, megatron=">=0.12")
         if apex_kernel_installed():
             return  # Megatron already has the real kernel; nothing to provide
         from npuspeed.features.grad_accum_fusion.wgrad import WgradAccumulator
 
-        if self.chooser is None:
-            self.prepare(ctx)
         registry.register(f"{LAYERS}.fused_weight_gradient_mlp_cuda", WgradAccumulator(self.chooser),
                           feature=self.name, megatron=">=0.12", if_missing=True)
         # the layers refuse gradient_accumulation_fusion unless this is True (set at import

@@ -59,3 +59,13 @@ def candidates(device_type: str, in_dtype: torch.dtype, grad_dtype: torch.dtype,
     if device_type == "cuda" and grad_dtype == torch.float32 and in_dtype in (torch.float16, torch.bfloat16):
         return (OUT_DTYPE, MM_ADD)
     return (ADDMM_UPCAST, MM_ADD)
+
+
+def temporary_bytes(name: str, rows: int, n: int, k: int, in_dtype: torch.dtype, grad_dtype: torch.dtype) -> int:
+    """Bytes a path allocates besides main_grad (the chooser never takes a larger one)."""
+    if name == ADDMM_UPCAST:
+        item = torch.empty((), dtype=grad_dtype).element_size()
+        return rows * (n + k) * item if in_dtype != grad_dtype else 0
+    if name == MM_ADD:
+        return n * k * torch.empty((), dtype=in_dtype).element_size()
+    return 0
