@@ -11,6 +11,7 @@ mixed-dtype GEMM this torch does not have falls back to the unfused path, once, 
 """
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -19,6 +20,9 @@ from npuspeed import telemetry
 from npuspeed.features.grad_accum_fusion import kernels
 
 PREFIX = "grad_accum_fusion."
+#: fixes the choice for every shape: "fused" (the in-place path), "unfused" or a kernels name
+#: (tests and benchmarks; unset: measure)
+FIXED_ENV = "NPUSPEED_WGRAD_PATH"
 
 
 def _time(run, g, x, scratch, accelerator) -> float:
@@ -35,7 +39,7 @@ class PathChooser:
     def __init__(self, accelerator, note=None, fixed: str | None = None):
         self.accelerator = accelerator
         self.note = note or (lambda message: None)
-        self.fixed = fixed  # a kernels name (tests), or None: choose
+        self.fixed = fixed if fixed is not None else (os.environ.get(FIXED_ENV) or None)
         self.choices: dict[tuple, dict] = {}
 
     @staticmethod
@@ -54,7 +58,8 @@ class PathChooser:
         if record is None:
             names = kernels.candidates(main_grad.device.type, in_dtype, main_grad.dtype, self.accelerator)
             if self.fixed is not None:
-                record = {"path": self.fixed, "why": "fixed"}
+                path = {"fused": names[0], "unfused": kernels.MM_ADD}.get(self.fixed, self.fixed)
+                record = {"path": path, "why": f"fixed ({FIXED_ENV}={self.fixed})"}
             elif main_grad.device.type == "cpu":
                 record = self._measure(names, inputs, (rows, n, k, in_dtype), main_grad)
             else:
