@@ -229,3 +229,19 @@ def test_registry_never_rebinds_shared_constants_or_absent_names():
         assert owner.available is False and not hasattr(owner, "kernel")
     finally:
         del sys.modules["gf_owner"], sys.modules["gf_bystander"]
+
+
+def test_a_model_built_without_the_config_setting_is_refused(npuspeed_runtime):
+    import types
+
+    from feature_ctx import ctx_for
+
+    from npuspeed.features.grad_accum_fusion import GradAccumFusionFeature
+
+    ctx = ctx_for([FLAG])
+    feature = GradAccumFusionFeature()
+    off = types.SimpleNamespace(config=types.SimpleNamespace(gradient_accumulation_fusion=False))
+    on = types.SimpleNamespace(config=types.SimpleNamespace(gradient_accumulation_fusion=True))
+    assert feature.check_built(on, ctx) is None
+    assert feature.check_built(off, ctx).startswith(f"{FLAG}: this model's TransformerConfig has "
+                                                    "gradient_accumulation_fusion=False")

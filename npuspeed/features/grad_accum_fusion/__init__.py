@@ -80,6 +80,14 @@ class GradAccumFusionFeature(Feature):
         registry.register(f"{LAYERS}._grad_accum_fusion_available", True, feature=self.name,
                           megatron=">=0.12")
 
+    def check_built(self, block, ctx) -> str | None:
+        config = getattr(block, "config", None)
+        if config is None or getattr(config, "gradient_accumulation_fusion", False):
+            return None
+        return (f"{FLAG}: this model's TransformerConfig has gradient_accumulation_fusion=False, so "
+                "the flag would do nothing; set gradient_accumulation_fusion=True in the config "
+                "(Megatron-LM and the example pass the flag through)")
+
     def path(self, ctx) -> str:
         if not self.enabled(ctx.args):
             return "off"
