@@ -69,6 +69,8 @@ def test_choice_is_measured_once_per_shape_and_never_larger(npuspeed_runtime):
     from npuspeed.features.grad_accum_fusion import kernels
 
     chooser = _chooser()
+    notes = []
+    chooser.note = notes.append
     before = telemetry.snapshot("grad_accum_fusion.")
     # bf16 inputs upcast to fp32 hold rows x (n + k) x 4 bytes, far above the n x k x 2 of the
     # unfused product when rows >> n, k: the unfused path is taken whatever the timing
@@ -76,6 +78,7 @@ def test_choice_is_measured_once_per_shape_and_never_larger(npuspeed_runtime):
     assert chooser.choose(g, x, main_grad) == kernels.MM_ADD
     assert chooser.choose(g, x, main_grad) == kernels.MM_ADD
     assert telemetry.since(before, "grad_accum_fusion.") == {"grad_accum_fusion.measured": 1}
+    assert len(notes) == 1 and notes[0].startswith("--gradient-accumulation-fusion: torch.bfloat16 inputs")
     # fp32 in place allocates nothing: chosen unless it measured slower
     g, x, main_grad, _ = _inputs(64, 32, 32, torch.float32, torch.float32)
     record_path = chooser.choose(g, x, main_grad)

@@ -110,6 +110,10 @@ class PathChooser:
         # the fused path is kept only where it is neither slower nor larger; it wins ties
         take = best[fused] <= best[kernels.MM_ADD] and temp[fused] <= temp[kernels.MM_ADD]
         path = fused if take else kernels.MM_ADD
+        if not take:  # the fallback is said once per dtype pair; the report lists the shapes
+            self.note(f"--gradient-accumulation-fusion: {in_dtype} inputs with a {main_grad.dtype} main_grad "
+                      f"on {main_grad.device.type}: Megatron's unfused weight gradient runs where it measured "
+                      "faster or smaller than the fused one (npuspeed report lists the shapes)")
         times = ", ".join(f"{name} {best[name] * 1e3:.3f} ms / {temp[name] / 2**10:.0f} KiB" for name in names)
         return {"path": path, "why": f"measured once: {times}",
                 **{f"{name}_ms": best[name] * 1e3 for name in names}}
