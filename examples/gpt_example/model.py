@@ -54,7 +54,7 @@ def transformer_config(args) -> TransformerConfig:
         bias_dropout_fusion=False,
         apply_rope_fusion=False,
         persist_layer_norm=False,
-        gradient_accumulation_fusion=False,
+        gradient_accumulation_fusion=bool(getattr(args, "gradient_accumulation_fusion", False)),
         add_bias_linear=not args.disable_bias_linear,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,

@@ -216,6 +216,15 @@ class Accelerator(ABC):
     def is_bf16_supported(self) -> bool:
         return True
 
+    def has_matmul_add_fp32(self) -> bool:
+        """Whether the device has one kernel for `main_grad += dY^T X` with 16-bit dY, X and an
+        fp32 main_grad (gradient-accumulation fusion)."""
+        return False
+
+    def matmul_add_fp32(self, grad_output, total_input, main_grad) -> None:
+        """`main_grad += grad_output^T @ total_input` in the device's fused kernel."""
+        raise NotImplementedError(f"{self.name}: no fused matmul-add kernel")
+
     def describe(self) -> dict:
         """A summary for `npuspeed report`."""
         return {

@@ -36,6 +36,14 @@ class NpuAccelerator(CudaAccelerator):
             self.torch_npu, "npu_mm_reduce_scatter_base"
         )
 
+    def has_matmul_add_fp32(self) -> bool:
+        return hasattr(self.torch_npu, "npu_matmul_add_fp32")
+
+    def matmul_add_fp32(self, grad_output, total_input, main_grad) -> None:
+        # torch_npu.npu_matmul_add_fp32(x, weight, C): C += x^T @ weight, x and weight
+        # float16/bfloat16 [rows, n] / [rows, k], C float32 [n, k], updated in place.
+        self.torch_npu.npu_matmul_add_fp32(grad_output, total_input, main_grad)
+
     def transfer_to_npu(self) -> None:
         """Let torch_npu map `torch.cuda` and `device='cuda'` onto the NPU."""
         importlib.import_module("torch_npu.contrib.transfer_to_npu")

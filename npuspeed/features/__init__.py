@@ -9,6 +9,7 @@ from npuspeed.features.device import DeviceFeature
 from npuspeed.features.fused_attention import FusedAttentionFeature
 from npuspeed.features.fused_linear_ce import FusedLinearCrossEntropyFeature
 from npuspeed.features.fused_ops import FusedRMSNormFeature, FusedRoPEFeature, FusedSwiGLUFeature
+from npuspeed.features.grad_accum_fusion import GradAccumFusionFeature
 from npuspeed.features.megatron_lm import MegatronLMFeature
 from npuspeed.features.moe import (
     AllToAllOverlapFeature, FusedPermuteFeature, GroupedGemmFeature, TpExtendEpFeature,
@@ -22,7 +23,7 @@ from npuspeed.features.swap_attention import SwapAttentionFeature
 def all_features() -> list[Feature]:
     return [DeviceFeature(), FusedAttentionFeature(), ContextParallelFeature(), FusedRMSNormFeature(), FusedSwiGLUFeature(),
             FusedRoPEFeature(), FusedLinearCrossEntropyFeature(), ReuseFp32ParamFeature(), RecomputeActivationFeature(),
-            RecomputeNormFeature(), SwapAttentionFeature(),
+            RecomputeNormFeature(), SwapAttentionFeature(), GradAccumFusionFeature(),
             CocFeature(), AdaptiveMemoryFeature(), TpExtendEpFeature(), GroupedGemmFeature(), FusedPermuteFeature(),
             AllToAllOverlapFeature(), MegatronLMFeature()]
 

@@ -17,6 +17,7 @@ from npuspeed.patching.resolve import Slot, TargetNotFound, resolve
 from npuspeed.patching.versions import in_range, megatron_version
 
 _REBIND_SKIP = ("npuspeed", "torch")
+_SHARED_CONSTANTS = (type(None), bool, int, float, str, bytes)
 
 
 class PatchError(RuntimeError):
@@ -210,7 +211,11 @@ def _marked(fn: Callable, target: str) -> Callable:
 
 def _rebind(records: list[_Installed]) -> None:
     """Point by-value copies of each original in loaded modules at its patched version."""
-    by_id = {id(r.original): r for r in records if not isinstance(r.original, type(sys))}
+    # An `if_missing` slot had no original, and a flag's value (False, None, 0) is shared by
+    # every module that holds the same constant: only real copies (functions, classes,
+    # objects) are rebound.
+    by_id = {id(r.original): r for r in records
+             if not isinstance(r.original, (type(sys), *_SHARED_CONSTANTS)) and not r.slot.absent}
     if not by_id:
         return
     for name, module in list(sys.modules.items()):

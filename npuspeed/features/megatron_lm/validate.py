@@ -81,7 +81,8 @@ def portable_defaults(args, accelerator_name: str, note=None) -> list[str]:
             and not have_grad_accum_fusion():
         args.gradient_accumulation_fusion = False
         notes.append("npuspeed: apex's fused_weight_gradient_mlp_cuda is not installed: using "
-                     "--no-gradient-accumulation-fusion (weight grads accumulate in plain torch)")
+                     "--no-gradient-accumulation-fusion (weight grads accumulate in plain torch; "
+                     "--gradient-accumulation-fusion runs npuspeed's own)")
     if not args.no_persist_layer_norm and not have_persist_layer_norm():
         args.no_persist_layer_norm = True
         notes.append("npuspeed: apex's persistent LayerNorm kernel is not installed: using "

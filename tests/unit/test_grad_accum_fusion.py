@@ -1,0 +1,250 @@
+"""--gradient-accumulation-fusion without apex: the stand-in kernels, the per-shape choice,
+the placeholder gradient that is a view of main_grad, and Megatron's linear layers with it.
+
+Every path's `main_grad += dY^T X` is checked against an fp64 reference (fp32 and 16-bit
+inputs, fp32 and 16-bit main_grad); Megatron's ColumnParallelLinear/RowParallelLinear, which
+refuse the flag without apex, build with the feature and put the same weight gradient in
+main_grad as the unfused layer computes; the counters prove which path ran.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from npuspeed import telemetry
+
+FLAG = "--gradient-accumulation-fusion"
+
+
+def _chooser(fixed=None):
+    from npuspeed import get_accelerator
+    from npuspeed.features.grad_accum_fusion.chooser import PathChooser
+
+    return PathChooser(get_accelerator(), fixed=fixed)
+
+
+def _inputs(rows, n, k, dtype, grad_dtype):
+    g = torch.randn(rows, n).to(dtype)
+    x = torch.randn(rows, k).to(dtype)
+    main_grad = torch.randn(n, k).to(grad_dtype)
+    expected = main_grad.double() + g.double().t() @ x.double()
+    return g, x, main_grad, expected
+
+
+@pytest.mark.parametrize("path", ["fused", "unfused"])
+@pytest.mark.parametrize("dtype, grad_dtype, entry", [
+    (torch.float32, torch.float32, "wgrad_gemm_accum_fp32"),
+    (torch.bfloat16, torch.float32, "wgrad_gemm_accum_fp32"),
+    (torch.float16, torch.float32, "wgrad_gemm_accum_fp32"),
+    (torch.bfloat16, torch.bfloat16, "wgrad_gemm_accum_fp16"),
+])
+def test_stand_in_accumulates_like_the_reference(npuspeed_runtime, path, dtype, grad_dtype, entry):
+    from npuspeed.features.grad_accum_fusion.wgrad import WgradAccumulator
+
+    torch.manual_seed(0)
+    g, x, main_grad, expected = _inputs(48, 24, 40, dtype, grad_dtype)
+    before = telemetry.snapshot("grad_accum_fusion.")
+    storage = main_grad.data_ptr()
+    getattr(WgradAccumulator(_chooser(path)), entry)(x, g, main_grad)
+    assert main_grad.data_ptr() == storage and main_grad.dtype == grad_dtype  # in place
+    tol = 1e-5 if grad_dtype == torch.float32 and dtype == torch.float32 else 0.1
+    torch.testing.assert_close(main_grad.double(), expected, atol=tol * 40, rtol=tol)
+    ran = telemetry.since(before, "grad_accum_fusion.")
+    name = "mm_then_add" if path == "unfused" else ("addmm_inplace" if dtype == grad_dtype else "addmm_inplace_upcast")
+    assert ran == {"grad_accum_fusion.calls": 1, f"grad_accum_fusion.kernel.{name}": 1}
+
+
+def test_wrong_main_grad_dtype_or_shape_is_refused(npuspeed_runtime):
+    from npuspeed.features.grad_accum_fusion.wgrad import WgradAccumulator
+
+    acc = WgradAccumulator(_chooser("fused"))
+    g, x, main_grad, _ = _inputs(8, 4, 6, torch.float32, torch.float32)
+    with pytest.raises(RuntimeError, match="needs a 16-bit main_grad"):
+        acc.wgrad_gemm_accum_fp16(x, g, main_grad)
+    with pytest.raises(RuntimeError, match="does not match"):
+        acc.wgrad_gemm_accum_fp32(x, g, main_grad.t().contiguous())
+
+
+def test_choice_is_measured_once_per_shape_and_never_larger(npuspeed_runtime):
+    from npuspeed.features.grad_accum_fusion import kernels
+
+    chooser = _chooser()
+    notes = []
+    chooser.note = notes.append
+    before = telemetry.snapshot("grad_accum_fusion.")
+    # bf16 inputs upcast to fp32 hold rows x (n + k) x 4 bytes, far above the n x k x 2 of the
+    # unfused product when rows >> n, k: the unfused path is taken whatever the timing
+    g, x, main_grad, expected = _inputs(512, 8, 8, torch.bfloat16, torch.float32)
+    assert chooser.choose(g, x, main_grad) == kernels.MM_ADD
+    assert chooser.choose(g, x, main_grad) == kernels.MM_ADD
+    assert telemetry.since(before, "grad_accum_fusion.") == {"grad_accum_fusion.measured": 1}
+    assert len(notes) == 1 and notes[0].startswith("--gradient-accumulation-fusion: torch.bfloat16 inputs")
+    # fp32 in place allocates nothing: chosen unless it measured slower
+    g, x, main_grad, _ = _inputs(64, 32, 32, torch.float32, torch.float32)
+    record_path = chooser.choose(g, x, main_grad)
+    record = next(r for key, r in chooser.choices.items() if key[1] == "float32")
+    assert record_path == (kernels.ADDMM if record["addmm_inplace_ms"] <= record["mm_then_add_ms"] else kernels.MM_ADD)
+    assert "measured once" in chooser.summary()
+
+
+def test_candidates_per_device(npuspeed_runtime):
+    from npuspeed.features.grad_accum_fusion import kernels
+
+    class Npu:
+        def has_matmul_add_fp32(self):
+            return True
+
+    bf16, fp32 = torch.bfloat16, torch.float32
+    assert kernels.candidates("npu", bf16, fp32, Npu())[0] == kernels.NATIVE
+    assert kernels.candidates("npu", fp32, fp32, Npu())[0] == kernels.ADDMM
+    assert kernels.candidates("cuda", bf16, fp32, None)[0] == kernels.OUT_DTYPE
+    assert kernels.candidates("cpu", bf16, fp32, None)[0] == kernels.ADDMM_UPCAST
+    assert kernels.candidates("cpu", bf16, bf16, None)[0] == kernels.ADDMM
+
+
+def test_npu_kernel_is_called_with_torch_npu_argument_order(npuspeed_runtime):
+    from npuspeed.features.grad_accum_fusion import kernels
+
+    calls = []
+
+    class Npu:
+        def matmul_add_fp32(self, grad_output, total_input, main_grad):
+            calls.append((grad_output, total_input, main_grad))
+
+    g, x, main_grad, _ = _inputs(4, 3, 5, torch.bfloat16, torch.float32)
+    kernels.RUN[kernels.NATIVE](g, x, main_grad, Npu())
+    assert calls == [(g, x, main_grad)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_storage_view_shares_main_grad(dtype):
+    from npuspeed.features.grad_accum_fusion.placeholder import storage_view
+
+    buffer = torch.zeros(100)
+    main_grad = buffer[10:70].view(6, 10)
+    view = storage_view(main_grad, dtype)
+    assert view.shape == (6, 10) and view.dtype == dtype and view.is_contiguous()
+    assert view.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
+    assert view.data_ptr() == main_grad.data_ptr()
+    assert storage_view(torch.zeros(4, 4, dtype=torch.bfloat16), torch.float32) is None  # wider
+
+
+def test_feature_flag_path_and_refusal(npuspeed_runtime):
+    from feature_ctx import ctx_for
+
+    from npuspeed.features.base import FeatureError
+    from npuspeed.features.grad_accum_fusion import GradAccumFusionFeature
+
+    feature = GradAccumFusionFeature()
+    off = ctx_for([])
+    assert not feature.enabled(off.args) and feature.path(off) == "off"
+    on = ctx_for([FLAG])
+    assert feature.enabled(on.args)
+    feature.validate(on)
+    feature.prepare(on)
+    assert "stand-in for fused_weight_gradient_mlp_cuda" in feature.path(on)
+    bad = ctx_for([FLAG, "--defer-embedding-wgrad-compute"])
+    with pytest.raises(FeatureError, match=r"^--gradient-accumulation-fusion: .*drop --defer-embedding-wgrad-compute"):
+        feature.validate(bad)
+
+
+def _linear_pair(kind, config_kw, fused: bool):
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer import TransformerConfig
+
+    config = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2, use_cpu_initialization=True,
+                               gradient_accumulation_fusion=fused, **config_kw)
+    torch.manual_seed(3)
+    init = torch.nn.init.normal_
+    if kind == "column":
+        return ColumnParallelLinear(16, 24, config=config, init_method=init, bias=False, gather_output=False)
+    return RowParallelLinear(24, 16, config=config, init_method=init, bias=False, input_is_parallel=True,
+                             skip_bias_add=True)
+
+
+def test_megatron_refuses_without_the_feature(megatron_mp):
+    with pytest.raises(RuntimeError, match="fused_weight_gradient_mlp_cuda"):
+        _linear_pair("column", {}, fused=True)
+
+
+@pytest.mark.parametrize("kind", ["column", "row"])
+@pytest.mark.parametrize("path", ["fused", "unfused"])
+def test_megatron_linear_accumulates_into_main_grad(megatron_mp, with_features, monkeypatch, kind, path):
+    monkeypatch.setenv("NPUSPEED_WGRAD_PATH", path)
+    with with_features([FLAG]):
+        layer = _linear_pair(kind, {}, fused=True)
+        ref = _linear_pair(kind, {}, fused=False)
+        ref.load_state_dict(layer.state_dict())
+        weight = layer.weight
+        weight.main_grad = torch.zeros_like(weight, dtype=torch.float32)
+        weight.grad_added_to_main_grad = False  # as Megatron's DDP sets it
+        seen = []
+
+        def ddp_hook(p):  # what Megatron's DDP hook does with the grad autograd hands it
+            seen.append((p.grad.shape, p.grad.data_ptr()))
+            if not p.grad_added_to_main_grad:
+                p.main_grad.add_(p.grad)
+            p.grad = None
+
+        weight.register_post_accumulate_grad_hook(ddp_hook)
+        x = torch.randn(5, 2, layer.weight.shape[1], requires_grad=True)
+        before = telemetry.snapshot("grad_accum_fusion.")
+        for _ in range(2):  # two micro-batches accumulate
+            layer(x)[0].square().sum().backward()
+        x_ref = x.detach().clone().requires_grad_(True)
+        for _ in range(2):
+            ref(x_ref)[0].square().sum().backward()
+        torch.testing.assert_close(weight.main_grad, ref.weight.grad, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(x.grad, x_ref.grad)
+        ran = telemetry.since(before, "grad_accum_fusion.")
+        if path == "fused":
+            # the placeholder handed to autograd is main_grad's own storage: no [n, k] temporary
+            assert weight.grad_added_to_main_grad is True
+            assert ran == {"grad_accum_fusion.calls": 2, "grad_accum_fusion.kernel.addmm_inplace": 2,
+                           "grad_accum_fusion.placeholder_views": 2}
+            assert seen == [(weight.shape, weight.main_grad.data_ptr())] * 2
+        else:
+            # Megatron's unfused backward ran: the grad is a real product, added by the caller
+            assert ran == {"grad_accum_fusion.unfused_calls": 2}
+            assert weight.grad_added_to_main_grad is False
+            assert all(ptr != weight.main_grad.data_ptr() for _, ptr in seen)
+
+
+def test_registry_never_rebinds_shared_constants_or_absent_names():
+    """Patching a flag (False -> True) or providing a missing name must not rewrite every
+    module attribute that happens to hold the same False or None."""
+    import sys
+    import types
+
+    from npuspeed.patching.registry import PatchRegistry
+
+    owner, bystander = types.ModuleType("gf_owner"), types.ModuleType("gf_bystander")
+    owner.available, bystander.flag, bystander.nothing = False, False, None
+    sys.modules.update(gf_owner=owner, gf_bystander=bystander)
+    try:
+        registry = PatchRegistry()
+        registry.register("gf_owner.available", True, feature="t", megatron=None)
+        registry.register("gf_owner.kernel", object(), feature="t", megatron=None, if_missing=True)
+        registry.apply()
+        assert owner.available is True and owner.kernel is not None
+        assert bystander.flag is False and bystander.nothing is None
+        registry.revert()
+        assert owner.available is False and not hasattr(owner, "kernel")
+    finally:
+        del sys.modules["gf_owner"], sys.modules["gf_bystander"]
+
+
+def test_a_model_built_without_the_config_setting_is_refused(npuspeed_runtime):
+    import types
+
+    from feature_ctx import ctx_for
+
+    from npuspeed.features.grad_accum_fusion import GradAccumFusionFeature
+
+    ctx = ctx_for([FLAG])
+    feature = GradAccumFusionFeature()
+    off = types.SimpleNamespace(config=types.SimpleNamespace(gradient_accumulation_fusion=False))
+    on = types.SimpleNamespace(config=types.SimpleNamespace(gradient_accumulation_fusion=True))
+    assert feature.check_built(on, ctx) is None
+    assert feature.check_built(off, ctx).startswith(f"{FLAG}: this model's TransformerConfig has "
+                                                    "gradient_accumulation_fusion=False")
