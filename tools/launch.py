@@ -29,9 +29,11 @@ def free_port() -> int:
 
 
 def run_example(args: list[str], tmp_path: Path, nproc: int = 1, name: str = "run",
-                env: dict | None = None, timeout: int = 600, script: Path | str = EXAMPLE) -> dict:
+                env: dict | None = None, timeout: int = 600, script: Path | str | None = None) -> dict:
     """Train; return the summary JSON (with the combined output under 'log'). `script`: the
-    example itself, or a runner that runs it unchanged and dumps more (see `run_then_dump`)."""
+    example itself (default: `EXAMPLE`, read at call time so a test may point it at a runner),
+    or a runner that runs it unchanged and dumps more (see `run_then_dump`)."""
+    script = EXAMPLE if script is None else script
     summary = Path(tmp_path) / f"{name}.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
            "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(script)]
