@@ -4,7 +4,6 @@ The CPU tier pins npuspeed's CPU backend here (NPUSPEED_DEVICE=cpu, inherited by
 a test starts) unless the device tier runs (`-m device`, tests/device/); see tests/tiers.py."""
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
 
@@ -15,6 +14,7 @@ sys.path.insert(0, os.path.join(ROOT, "examples"))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 sys.path.insert(0, os.path.join(ROOT, "tools"))  # launch.py, shared with the benchmarks
 
+from feature_ctx import features_enabled  # noqa: E402
 from launch import free_port  # noqa: E402
 import tiers  # noqa: E402
 
@@ -39,31 +39,6 @@ def npuspeed_runtime():
     from npuspeed import runtime
 
     return runtime.initialize([])
-
-
-@contextlib.contextmanager
-def features_enabled(argv: list[str]):
-    """Turn on the opt-in features named by `argv` on top of the runtime; undo them after.
-    Yields npuspeed's parsed flags; the features' context is `features_enabled.ctx`."""
-    from npuspeed import runtime
-    from npuspeed.features import all_features, build_check
-    from npuspeed.patching import registry
-
-    state = runtime.initialize([])
-    every = all_features()
-    ctx = runtime.make_context(every, list(argv), state.accelerator)
-    active = [f for f in every if not f.always_on and f.enabled(ctx.args)]
-    features_enabled.ctx = ctx
-    try:
-        for feature in active:
-            feature.validate(ctx)
-            feature.prepare(ctx)
-        runtime.activate(active, ctx)
-        yield ctx.args
-    finally:
-        for feature in active:
-            registry.remove(feature.name)
-        registry.remove(build_check.NAME)
 
 
 @pytest.fixture(scope="module")

@@ -49,7 +49,7 @@ def _worker(rank: int, port: int) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(WORLD),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    from conftest import features_enabled
+    from feature_ctx import features_enabled
     from npuspeed import runtime, telemetry
 
     runtime.initialize([])
