@@ -12,6 +12,8 @@ import json
 import os
 import sys
 
+import pytest
+
 COC = ["--use-coc", "--coc-parallel-num", "2"]
 FUSED = ["--use-flash-attn", "--use-fused-rmsnorm", "--use-fused-swiglu", "--use-fused-rotary-pos-emb"]
 
@@ -44,6 +46,7 @@ def _check(base, base_stats, coc, coc_stats, log):
     assert coc[-1] < coc[0], "loss did not fall"
 
 
+@pytest.mark.slow  # CI time: the Llama + flash + fused-ops CoC case covers the same layers
 def test_tp2_sp_coc_matches_gpt(monkeypatch, tmp_path):
     base, base_stats, _ = _train(monkeypatch, tmp_path, "base", [])
     coc, coc_stats, log = _train(monkeypatch, tmp_path, "coc", COC)

@@ -84,6 +84,7 @@ def test_resume_is_bitwise(tmp_path, layout):
     assert resumed["losses"] == full["losses"][5:]
 
 
+@pytest.mark.slow  # CI time: TP1 bitwise resume and the TP2 dropout test in test_fused_attention_tp.py stay in CI
 def test_tp2_sp_agrees_with_tp1_as_megatron_does(tmp_path):
     """|TP2+SP - TP1| with the kernel stays within what Megatron's own dropout gives (x2)."""
     kernel = _kernel()

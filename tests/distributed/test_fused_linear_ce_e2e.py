@@ -53,6 +53,7 @@ def _pair(tmp_path, nproc: int, extra: list[str], iters: int):
     return off, on
 
 
+@pytest.mark.slow  # CI time: unit parity, memory and the TP2 spawn test stay in CI
 def test_tp1_64k_vocab_losses_memory_and_the_path_ran(tmp_path):
     _pair(tmp_path, 1, [], 3)
 

@@ -45,6 +45,7 @@ def test_tp2_sp_llama_with_fused_swiglu(tmp_path):
     assert got["peak_mem_bytes"] < base["peak_mem_bytes"]
 
 
+@pytest.mark.slow  # CI time: TP1 and TP2+SP pairs stay in CI
 def test_pp2_virtual_chunks_first_layer_only(tmp_path):
     args = BASE + ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
                    "--micro-batch-size", "1"]

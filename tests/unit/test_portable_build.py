@@ -9,6 +9,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 SCRIPT = r"""
@@ -33,6 +35,7 @@ print(json.dumps({
 """
 
 
+@pytest.mark.slow  # CI time: a whole C++ build (~50 s); `make bench` runs it
 def test_build_without_x86_sources_runs_the_portable_ops():
     env = dict(os.environ, NPUSPEED_JIT="1", NPUSPEED_NO_X86="1", PYTHONWARNINGS="ignore")
     proc = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
