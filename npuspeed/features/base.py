@@ -86,3 +86,19 @@ class Feature:
     def path(self, ctx) -> str:
         """Which implementation runs, for the report (e.g. 'npu_fusion_attention')."""
         return "on" if self.enabled(ctx.args) else "off"
+
+
+def after_init(apply, *args):
+    """A registry wrapper for a module's `__init__` (TransformerBlock's): once the module is
+    built, run `apply(module, *args)` (the features that pick layers of a built block)."""
+    import functools
+
+    def wrap(init):
+        @functools.wraps(init)
+        def __init__(self, *a, **kwargs):
+            init(self, *a, **kwargs)
+            apply(self, *args)
+
+        return __init__
+
+    return wrap

@@ -17,11 +17,10 @@ Skipped, and said once in the log and the report:
 """
 from __future__ import annotations
 
-import functools
 import math
 
 from npuspeed import telemetry
-from npuspeed.features.base import FeatureError
+from npuspeed.features.base import FeatureError, after_init
 
 TARGET = "megatron.core.transformer.transformer_block.TransformerBlock.__init__"
 FLAG = "--recompute-activation-function-num-layers"
@@ -118,13 +117,4 @@ def select(block, num_layers: int | None, note) -> None:
 
 def selector(num_layers: int | None, note):
     """Wrapper for TransformerBlock.__init__: select this block's MLPs once it is built."""
-
-    def wrap(init):
-        @functools.wraps(init)
-        def __init__(self, *args, **kwargs):
-            init(self, *args, **kwargs)
-            select(self, num_layers, note)
-
-        return __init__
-
-    return wrap
+    return after_init(select, num_layers, note)

@@ -26,6 +26,7 @@ import functools
 import torch
 
 from npuspeed import telemetry
+from npuspeed.features.base import after_init
 
 TARGET = "megatron.core.transformer.transformer_block.TransformerBlock.__init__"
 FLAG = "--recompute-norm-num-layers"
@@ -122,13 +123,4 @@ def select(block, num_layers: int | None, note) -> None:
 
 def selector(num_layers: int | None, note):
     """Wrapper for TransformerBlock.__init__: select this block's norms once it is built."""
-
-    def wrap(init):
-        @functools.wraps(init)
-        def __init__(self, *args, **kwargs):
-            init(self, *args, **kwargs)
-            select(self, num_layers, note)
-
-        return __init__
-
-    return wrap
+    return after_init(select, num_layers, note)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 
 import torch
+from npuspeed.features.base import after_init
 
 TARGET = "megatron.core.transformer.transformer_block.TransformerBlock.__init__"
 #: --swap-modules names -> the module's path inside a TransformerLayer
@@ -66,12 +67,4 @@ def select(block, names: list[str], manager, note) -> None:
 
 
 def selector(names: list[str], manager, note):
-    def wrap(init):
-        @functools.wraps(init)
-        def __init__(self, *args, **kwargs):
-            init(self, *args, **kwargs)
-            select(self, names, manager, note)
-
-        return __init__
-
-    return wrap
+    return after_init(select, names, manager, note)
