@@ -13,7 +13,8 @@ is never slower than off by more than the noise of the measurement. The choice i
 Trial calls are not counted (`_dispatch.quiet`), the random states and memory peaks are put
 back (`Guard`; the feature installs one that knows the accelerator and Megatron's RNG
 tracker), and `NPUSPEED_FUSED_OP_PATH=cpp|triton|npu|native|megatron|auto` forces a choice
-(tests, bitwise-repeatable runs; `npuspeed` means whichever npuspeed kernel exists).
+(tests, bitwise-repeatable runs; `npuspeed` means the flag's own kernel here: C++ on CPU,
+torch_npu's fused op on an NPU, Triton on CUDA).
 Different ranks measure on their own; force a path where every rank must run the same code.
 Under `--deterministic-mode` nothing is measured: npuspeed's kernel runs where it takes the
 call, else Megatron's path, on every rank and in every run (a resume re-runs the same code).
@@ -33,7 +34,10 @@ from npuspeed.ops import _dispatch
 FORCE_ENV = "NPUSPEED_FUSED_OP_PATH"
 MEGATRON = "megatron"
 FORCEABLE = ("auto", "cpp", "triton", "npu", "native", "megatron", "npuspeed")
-NPUSPEED_KERNELS = ("cpp", "triton")
+#: what "npuspeed" (forced, or --deterministic-mode) takes, first present wins: the C++ kernel on
+#: CPU, torch_npu's fused op on an NPU (the flags' NPU path), the Triton kernel on CUDA (or on an
+#: NPU whose torch_npu lacks the op)
+NPUSPEED_KERNELS = ("cpp", "npu", "triton")
 #: forward agreement with Megatron's output needed to be a candidate (the kernels round once)
 AGREE = {torch.float32: 1e-4, torch.float64: 1e-8, torch.bfloat16: 5e-2, torch.float16: 1e-2}
 

@@ -258,3 +258,24 @@ def test_deterministic_mode_measures_nothing_and_takes_the_kernel(chooser):
     (choice,) = fused_choice.choices()
     assert choice.impl == "cpp" and "--deterministic-mode: not measured" in choice.why
     assert chooser.trial.calls == [] and _dispatch.calls() == {("rms_norm", "cpp"): 1}
+
+
+@pytest.mark.parametrize("how", ["forced", "deterministic"])
+def test_npuspeed_kernel_on_an_npu_is_torch_npus_fused_op(chooser, monkeypatch, how):
+    """On an NPU the flag's kernel is torch_npu's fused op (`npu`): NPUSPEED_FUSED_OP_PATH=npuspeed
+    and --deterministic-mode take it (the device tier expects it), not Megatron's path, and
+    triton-ascend's kernel only where torch_npu has no op."""
+    chooser.trial = FakeTimes()  # any trial would raise KeyError: nothing is measured
+    x = _x(8, 16)
+    cands = {"megatron": lambda t: t * 2, "npu": lambda t: t * 2, "triton": lambda t: t * 2}
+    if how == "forced":
+        monkeypatch.setenv(fused_choice.FORCE_ENV, "npuspeed")
+    else:
+        torch.use_deterministic_algorithms(True)
+    try:
+        picked = chooser.pick("rms_norm", ("k", how), "8x16", cands, (x,)).impl
+        without_npu = chooser.pick("rms_norm", ("k2", how), "8x16",
+                                   {k: v for k, v in cands.items() if k != "npu"}, (x,)).impl
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert (picked, without_npu) == ("npu", "triton") and chooser.trial.calls == []
