@@ -87,6 +87,30 @@ def test_choice_is_measured_once_per_shape_and_never_larger(npuspeed_runtime):
     assert "measured once" in chooser.summary()
 
 
+def test_deterministic_mode_decides_without_timing(npuspeed_runtime, monkeypatch):
+    """--deterministic-mode promises the same bits on every run and rank: the fused and the
+    unfused weight gradient round differently, so no timing may pick between them. The path
+    follows from the shape alone (the fused one unless it holds more temporary bytes)."""
+    from npuspeed.features.grad_accum_fusion import chooser as chooser_mod, kernels
+
+    def no_timing(*_a, **_k):
+        raise AssertionError("timed a weight-gradient path under --deterministic-mode")
+
+    monkeypatch.setattr(chooser_mod, "_time", no_timing)
+    chooser = _chooser()
+    before = telemetry.snapshot("grad_accum_fusion.")
+    torch.use_deterministic_algorithms(True)
+    try:
+        fp32 = chooser.choose(*_inputs(64, 32, 32, torch.float32, torch.float32)[:3])
+        upcast_larger = chooser.choose(*_inputs(512, 8, 8, torch.bfloat16, torch.float32)[:3])
+        upcast_smaller = chooser.choose(*_inputs(4, 64, 64, torch.bfloat16, torch.float32)[:3])
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert (fp32, upcast_larger, upcast_smaller) == (kernels.ADDMM, kernels.MM_ADD, kernels.ADDMM_UPCAST)
+    assert "grad_accum_fusion.measured" not in telemetry.since(before, "grad_accum_fusion.")
+    assert "--deterministic-mode" in chooser.summary()
+
+
 def test_candidates_per_device(npuspeed_runtime):
     from npuspeed.features.grad_accum_fusion import kernels
 

@@ -8,6 +8,8 @@ fp32 hold rows x (n + k) x 4 bytes, the unfused product n x k in the input dtype
 released and restored, so the run's memory figures are not disturbed. On a GPU or NPU the
 fused path runs without a trial (no device was at hand to measure the alternatives); a
 mixed-dtype GEMM this torch does not have falls back to the unfused path, once, with a note.
+Under --deterministic-mode nothing is timed (the paths round differently, and a timing differs
+by run and rank): the fused path unless it holds more temporary bytes.
 """
 from __future__ import annotations
 
@@ -60,6 +62,8 @@ class PathChooser:
             if self.fixed is not None:
                 path = {"fused": names[0], "unfused": kernels.MM_ADD}.get(self.fixed, self.fixed)
                 record = {"path": path, "why": f"fixed ({FIXED_ENV}={self.fixed})"}
+            elif torch.are_deterministic_algorithms_enabled():
+                record = self._by_shape(names, rows, n, k, in_dtype, main_grad.dtype)
             elif main_grad.device.type == "cpu":
                 record = self._measure(names, inputs, (rows, n, k, in_dtype), main_grad)
             else:
@@ -117,6 +121,16 @@ class PathChooser:
         times = ", ".join(f"{name} {best[name] * 1e3:.3f} ms / {temp[name] / 2**10:.0f} KiB" for name in names)
         return {"path": path, "why": f"measured once: {times}",
                 **{f"{name}_ms": best[name] * 1e3 for name in names}}
+
+    @staticmethod
+    def _by_shape(names, rows, n, k, in_dtype, grad_dtype) -> dict:
+        """--deterministic-mode: the two paths round differently, so a timing (which varies by
+        run and rank) must not pick; the fused path unless it holds more temporary bytes."""
+        temp = {name: kernels.temporary_bytes(name, rows, n, k, in_dtype, grad_dtype) for name in names}
+        fused = names[0]
+        path = fused if temp[fused] <= temp[kernels.MM_ADD] else kernels.MM_ADD
+        return {"path": path, "why": "--deterministic-mode: not measured, chosen by temporary bytes "
+                                     f"({', '.join(f'{k_} {v / 2**10:.0f} KiB' for k_, v in temp.items())})"}
 
     def summary(self) -> str:
         """One line per shape key, for the report."""
