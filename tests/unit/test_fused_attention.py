@@ -440,3 +440,23 @@ def test_report_lists_the_attention_calls_and_why(megatron_mp, with_features):
     if kernel == CPU_FLASH_FP32:
         assert calls["reasons"][kernel] == "causal, float32, dropout 0.1 in the kernel"
     assert f"{kernel}: 1 (" in render(data)
+
+
+def test_fallback_choice_takes_no_timing_under_deterministic_mode(megatron_mp, monkeypatch):
+    """--deterministic-mode promises the same bits in every run: SDPA and Megatron's unfused
+    forward round differently, so the fallback's choice may not hang on a timing (it follows
+    the trial's memory alone, which is the same in every run); without the mode both count."""
+    from npuspeed import get_accelerator
+    from npuspeed.features.fused_attention import fallback
+
+    # SDPA measured slower but smaller: a timing would pick unfused, memory alone SDPA
+    fake = {SDPA: (2.0, 100), UNFUSED: (1.0, 200)}
+    monkeypatch.setattr(fallback, "_trial", lambda run, inputs, acc: fake[run])
+    inputs = (torch.zeros(2, 2),)
+    plain = fallback.FallbackChooser().choose(("k",), SDPA, UNFUSED, inputs, get_accelerator())
+    torch.use_deterministic_algorithms(True)
+    try:
+        det = fallback.FallbackChooser().choose(("k",), SDPA, UNFUSED, inputs, get_accelerator())
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert plain["kernel"] == UNFUSED and det["kernel"] == SDPA and "--deterministic-mode" in det["why"]

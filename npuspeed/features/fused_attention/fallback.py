@@ -9,7 +9,8 @@ states (device generator and the model-parallel tracker) are put back after the 
 so are the memory peaks, so the run itself is not disturbed. On other devices SDPA's fused
 kernels take masks and dropout, and it runs without a trial.
 `--flash-attn-fallback {sdpa,unfused}` fixes the choice (e.g. for bitwise-repeatable runs
-on arbitrary masks, where two trials could decide differently).
+on arbitrary masks, where two trials could decide differently); under --deterministic-mode the
+trial's memory alone decides (no timing), so every run takes the same kernel.
 """
 from __future__ import annotations
 
@@ -78,11 +79,15 @@ class FallbackChooser:
             torch.set_rng_state(host_state)
             memory_tracker.restore_peak(peak, peak_reserved)
         (t_sdpa, m_sdpa), (t_unf, m_unf) = best[SDPA], best[UNFUSED]
-        take_sdpa = t_sdpa <= t_unf and m_sdpa <= m_unf
+        # under --deterministic-mode a timing (different in every run) may not decide between two
+        # kernels that round differently: the trial's memory alone does, the same in every run
+        deterministic = torch.are_deterministic_algorithms_enabled()
+        take_sdpa = (deterministic or t_sdpa <= t_unf) and m_sdpa <= m_unf
         if take_sdpa:
             buffers.clear()
             buffers.update(kept_buffers)
         why = (f"measured once for this shape: SDPA {t_sdpa * 1e3:.1f} ms / {m_sdpa / 2**20:.1f} MiB, "
-               f"unfused {t_unf * 1e3:.1f} ms / {m_unf / 2**20:.1f} MiB fwd+bwd")
+               f"unfused {t_unf * 1e3:.1f} ms / {m_unf / 2**20:.1f} MiB fwd+bwd"
+               + ("; --deterministic-mode: chosen by memory alone" if deterministic else ""))
         return {"kernel": SDPA if take_sdpa else UNFUSED, "why": why,
                 "sdpa_ms": t_sdpa * 1e3, "sdpa_bytes": m_sdpa, "unfused_ms": t_unf * 1e3, "unfused_bytes": m_unf}
