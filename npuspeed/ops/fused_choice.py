@@ -36,8 +36,8 @@ MEGATRON = "megatron"
 FORCEABLE = ("auto", "cpp", "triton", "npu", "native", "megatron", "npuspeed")
 #: what "npuspeed" (forced, or --deterministic-mode) takes, first present wins: the C++ kernel on
 #: CPU, torch_npu's fused op on an NPU (the flags' NPU path), the Triton kernel on CUDA (or on an
-#: NPU whose torch_npu lacks the op)
-NPUSPEED_KERNELS = ("cpp", "npu", "triton")
+#: NPU whose torch_npu lacks the op), torch's grouped matmul (--moe-grouped-gemm's kernel)
+NPUSPEED_KERNELS = ("cpp", "npu", "triton", "torch")
 #: forward agreement with Megatron's output needed to be a candidate (the kernels round once)
 AGREE = {torch.float32: 1e-4, torch.float64: 1e-8, torch.bfloat16: 5e-2, torch.float16: 1e-2}
 

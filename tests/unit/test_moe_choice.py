@@ -75,6 +75,22 @@ def test_grouped_mm_forced(chooser, monkeypatch):
     assert _grouped_counts() == {"loop": 1, "torch": 1} and chooser.trial.calls == []
 
 
+def test_grouped_mm_under_deterministic_mode_runs_the_grouped_kernel(chooser):
+    """--deterministic-mode measures nothing and takes the flag's own kernel on every rank: for
+    --moe-grouped-gemm that is the device's grouped matmul (torch's here), not the per-expert
+    loop the flag replaces (which would make the flag do nothing under the mode)."""
+    if grouped_gemm.backend_for(torch.empty(0)) != "torch":
+        pytest.skip("torch grouped mm does not run here")
+    chooser.trial = FakeTimes()  # a trial would raise: nothing is measured
+    x, w, counts = _gmm_inputs()
+    torch.use_deterministic_algorithms(True)
+    try:
+        grouped_gemm.grouped_mm(x, w, counts)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert _grouped_counts() == {"torch": 1} and chooser.trial.calls == []
+
+
 def _routing(tokens=10, experts=4, topk=2, hidden=8, dtype=torch.float32):
     gen = torch.Generator().manual_seed(1)
     scores = torch.rand(tokens, experts, generator=gen)
