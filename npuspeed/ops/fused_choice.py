@@ -15,7 +15,9 @@ back (`Guard`; the feature installs one that knows the accelerator and Megatron'
 tracker), and `NPUSPEED_FUSED_OP_PATH=cpp|triton|npu|native|megatron|auto` forces a choice
 (tests, bitwise-repeatable runs; `npuspeed` means the flag's own kernel here: C++ on CPU,
 torch_npu's fused op on an NPU, Triton on CUDA).
-Different ranks measure on their own; force a path where every rank must run the same code.
+Ranks measure on their own, except where every rank of a group must run the same kernel: the
+features hand the chooser an `agree` hook (RMSNorm: the TP group, see
+npuspeed/features/fused_ops/measure.py); force a path where more must agree.
 Under `--deterministic-mode` nothing is measured: npuspeed's kernel runs where it takes the
 call, else Megatron's path, on every rank and in every run (a resume re-runs the same code).
 """
@@ -145,11 +147,17 @@ class Chooser:
         self.guard = guard or Guard()
         self.choices: dict[tuple, Choice] = {}
         self.notify: Callable[[str], None] | None = None
+        #: agree(op, names, seconds) -> seconds: the timings every rank that must run the same
+        #: kernel for `op` decides on (the fused-op features: the MAX over the TP group)
+        self.agree: Callable[[str, list, list], list] | None = None
         self._noted: set[str] = set()
 
-    def configure(self, *, sync=None, guard=None, notify=None) -> None:
-        """The accelerator's synchronize and state guard, and where the one note per op goes
-        when a flag takes Megatron's path (set by the fused-op features: ctx.note)."""
+    def configure(self, *, sync=None, guard=None, notify=None, agree=None) -> None:
+        """The accelerator's synchronize and state guard, where the one note per op goes when a
+        flag takes Megatron's path (set by the fused-op features: ctx.note), and how ranks
+        agree on the timings (`agree`, see __init__)."""
+        if agree is not None:
+            self.agree = agree
         if sync is not None:
             self.sync = sync
         if guard is not None:
@@ -229,6 +237,15 @@ class Chooser:
                     best[name] = min(best[name], seconds)
                     spent += seconds
                 rounds += 1
+        if self.agree is not None:  # every candidate in one order on every rank; inf = dropped here
+            names = sorted(candidates)
+            agreed = self.agree(op, names, [best.get(n, float("inf")) for n in names])
+            for name, seconds in zip(names, agreed):
+                if name in best and seconds == float("inf"):
+                    dropped[name] = "dropped on another rank"
+            best = {n: s for n, s in zip(names, agreed) if n in best and s != float("inf")}
+            if MEGATRON not in best:
+                raise RuntimeError(f"fused {op}: Megatron's path did not run on every rank")
         ms = {name: s * 1e3 for name, s in best.items()}
         impl = min(ms, key=lambda n: (ms[n], n != MEGATRON))
         base = ms[MEGATRON]

@@ -279,3 +279,23 @@ def test_npuspeed_kernel_on_an_npu_is_torch_npus_fused_op(chooser, monkeypatch, 
     finally:
         torch.use_deterministic_algorithms(False)
     assert (picked, without_npu) == ("npu", "triton") and chooser.trial.calls == []
+
+
+def test_agreement_hook_makes_ranks_take_one_implementation(chooser):
+    """Ranks that must run the same kernel (RMSNorm without SP: its weight is replicated on every
+    TP rank and its gradient is not reduced over TP) decide on timings agreed across them (the
+    feature's hook takes the MAX over the TP group): here this rank measured cpp faster, the
+    other rank Megatron's path, and cpp raised there; all take what the agreed timings say."""
+    chooser.trial = FakeTimes(megatron=2.0, cpp=1.0, triton=3.0)
+    other_rank = {"cpp": float("inf"), "megatron": 1.5, "triton": 0.5}  # cpp dropped over there
+    seen = []
+
+    def agree(op, names, seconds):
+        seen.append((op, list(names)))
+        return [max(s, other_rank[n]) for n, s in zip(names, seconds)]
+
+    chooser.configure(agree=agree)
+    cands = {"megatron": lambda t: t * 2, "cpp": lambda t: t * 2, "triton": lambda t: t * 2}
+    choice = chooser.pick("rms_norm", ("k",), "8x16", cands, (_x(8, 16),))
+    assert seen == [("rms_norm", ["cpp", "megatron", "triton"])]
+    assert choice.impl == "megatron" and "cpp" in choice.dropped and "cpp" not in choice.ms

@@ -4,7 +4,8 @@ npuspeed.ops.fused_choice times each candidate on copies of a call's inputs insi
 forward. The ops layer knows nothing of the accelerator or Megatron, so the features hand it
 this guard: the device and host random states, Megatron's model-parallel RNG tracker and
 the memory peaks are put back after the trials (as fused attention's fallback trial does),
-and `synchronize` so device timings are real.
+`synchronize` so device timings are real, and the TP agreement for ops whose kernel every TP
+rank must share.
 """
 from __future__ import annotations
 
@@ -44,12 +45,54 @@ class AcceleratorGuard:
                 memory_tracker.restore_peak(peak, peak_reserved)
 
 
+#: ops every TP rank must run with the same kernel: RMSNorm's weight is replicated on the TP ranks
+#: and, without sequence parallelism, its gradient is not reduced over TP (Megatron relies on
+#: every rank computing the same bits); two kernels would let the copies drift apart. Their
+#: calls have the same shapes, in the same order, on every rank of a TP group.
+TP_AGREED = ("rms_norm",)
+
+
+class TensorParallelAgreement:
+    """The chooser's `agree` hook: for TP_AGREED ops the MAX of each candidate's time over the
+    tensor-parallel group, so every TP rank takes the same implementation."""
+
+    def __init__(self, accelerator):
+        self.acc = accelerator
+
+    def __call__(self, op: str, names: list, seconds: list) -> list:
+        group = _tp_group() if op in TP_AGREED else None
+        if group is None:
+            return seconds
+        import torch.distributed as dist
+
+        t = torch.tensor(seconds, dtype=torch.float64, device=self.acc.device())
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        return t.tolist()
+
+
+def _tp_group():
+    """Megatron's tensor-parallel group when it has more than one rank, else None."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        return None
+    try:
+        from megatron.core import parallel_state
+
+        if not parallel_state.model_parallel_is_initialized():
+            return None
+        group = parallel_state.get_tensor_model_parallel_group()
+    except Exception:  # noqa: BLE001 - no Megatron model-parallel state: nothing to agree with
+        return None
+    return group if group is not None and dist.get_world_size(group) > 1 else None
+
+
 def configure(ctx) -> None:
     """Point the process's fused-op chooser at this run's accelerator and note sink (idempotent)."""
     from npuspeed.ops import fused_choice
 
     fused_choice.CHOOSER.configure(sync=ctx.accelerator.synchronize, guard=AcceleratorGuard(ctx.accelerator),
-                                   notify=ctx.note)
+                                   notify=ctx.note, agree=TensorParallelAgreement(ctx.accelerator))
 
 
 def choice_lines(op: str) -> str:
