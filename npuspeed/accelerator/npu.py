@@ -36,13 +36,21 @@ class NpuAccelerator(CudaAccelerator):
             self.torch_npu, "npu_mm_reduce_scatter_base"
         )
 
+    #: torch_npu's fused matmul-accumulate, by the names builds expose it: op-plugin registers
+    #: the ATB kernel as `_npu_matmul_add_fp32` (what vllm-ascend calls); some builds/shims
+    #: also expose `npu_matmul_add_fp32`
+    _MATMUL_ADD = ("npu_matmul_add_fp32", "_npu_matmul_add_fp32")
+
+    def _matmul_add(self):
+        return next((getattr(self.torch_npu, n) for n in self._MATMUL_ADD if hasattr(self.torch_npu, n)), None)
+
     def has_matmul_add_fp32(self) -> bool:
-        return hasattr(self.torch_npu, "npu_matmul_add_fp32")
+        return self._matmul_add() is not None
 
     def matmul_add_fp32(self, grad_output, total_input, main_grad) -> None:
-        # torch_npu.npu_matmul_add_fp32(x, weight, C): C += x^T @ weight, x and weight
+        # torch_npu._npu_matmul_add_fp32(x, weight, C): C += x^T @ weight, x and weight
         # float16/bfloat16 [rows, n] / [rows, k], C float32 [n, k], updated in place.
-        self.torch_npu.npu_matmul_add_fp32(grad_output, total_input, main_grad)
+        self._matmul_add()(grad_output, total_input, main_grad)
 
     def transfer_to_npu(self) -> None:
         """Let torch_npu map `torch.cuda` and `device='cuda'` onto the NPU."""

@@ -140,6 +140,26 @@ def test_npu_kernel_is_called_with_torch_npu_argument_order(npuspeed_runtime):
     assert calls == [(g, x, main_grad)]
 
 
+@pytest.mark.parametrize("name", ["_npu_matmul_add_fp32", "npu_matmul_add_fp32"])
+def test_npu_backend_finds_torch_npus_matmul_add(name):
+    """torch_npu registers the ATB kernel as `torch_npu._npu_matmul_add_fp32(x, weight, C)`
+    (C += x^T @ weight; op-plugin's atb LinearAtb.cpp, as vllm-ascend calls it); a build that
+    also exposes it without the underscore works too. Looking for the plain name alone left the
+    NPU on the upcast fp32 GEMM (rows x (n + k) x 4 bytes of temporaries) everywhere."""
+    from npuspeed.accelerator.npu import NpuAccelerator
+
+    calls = []
+    fake = type("TorchNpu", (), {name: staticmethod(lambda x, w, c: calls.append((x, w, c)))})()
+    acc = NpuAccelerator.__new__(NpuAccelerator)  # no torch_npu here: hand it the fake module
+    acc.torch_npu = fake
+    g, x, main_grad, _ = _inputs(4, 3, 5, torch.bfloat16, torch.float32)
+    assert acc.has_matmul_add_fp32()
+    acc.matmul_add_fp32(g, x, main_grad)
+    assert calls == [(g, x, main_grad)]
+    acc.torch_npu = object()  # neither name: no native kernel
+    assert not acc.has_matmul_add_fp32()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_storage_view_shares_main_grad(dtype):
     from npuspeed.features.grad_accum_fusion.placeholder import storage_view

@@ -40,7 +40,7 @@ class GradAccumFusionFeature(Feature):
                            help="Megatron's gradient-accumulation fusion without apex: each linear "
                                 "layer's weight gradient is added into its main_grad by one GEMM "
                                 "(CPU: in-place addmm, measured per shape against GEMM + add; CUDA: "
-                                "torch's mixed-dtype addmm; NPU: torch_npu.npu_matmul_add_fp32).")
+                                "torch's mixed-dtype addmm; NPU: torch_npu._npu_matmul_add_fp32).")
 
     def enabled(self, args) -> bool:
         return bool(getattr(args, "gradient_accumulation_fusion", False))
@@ -100,7 +100,7 @@ class GradAccumFusionFeature(Feature):
         choices = self.chooser.summary() if self.chooser is not None else "not prepared"
         return (f"npuspeed's stand-in for fused_weight_gradient_mlp_cuda in {LAYERS} "
                 f"(CPU: in-place addmm or GEMM + add, measured per shape; CUDA: addmm out_dtype=fp32; "
-                f"NPU: torch_npu.npu_matmul_add_fp32); shapes: {choices}; counters: {calls or 'none yet'}")
+                f"NPU: torch_npu._npu_matmul_add_fp32); shapes: {choices}; counters: {calls or 'none yet'}")
 
 
 __all__ = ["GradAccumFusionFeature", "FeatureError"]
