@@ -111,6 +111,30 @@ def test_deterministic_mode_decides_without_timing(npuspeed_runtime, monkeypatch
     assert "--deterministic-mode" in chooser.summary()
 
 
+def test_unmeasured_device_never_takes_a_larger_fused_path(npuspeed_runtime, monkeypatch):
+    """On a GPU/NPU nothing is timed, but the rule "never larger than the flag off" is known from
+    the shape: an NPU without torch_npu's matmul-add kernel has only the upcast fp32 GEMM, whose
+    fp32 copies of dY and X (rows x (n + k) x 4 bytes) exceed the unfused n x k product when the
+    rows outnumber n and k; there the unfused path runs. A kernel with no temporaries is taken."""
+    from npuspeed.features.grad_accum_fusion import chooser as chooser_mod, kernels
+
+    class NoKernelNpu:
+        def has_matmul_add_fp32(self):
+            return False
+
+    class KernelNpu(NoKernelNpu):
+        def has_matmul_add_fp32(self):
+            return True
+
+    monkeypatch.setattr(chooser_mod, "_time", lambda *a, **k: pytest.fail("timed on a device"))
+    # an fp32 main_grad on an NPU (only its device type and dtype are read)
+    fake_grad = type("MainGrad", (), {"device": type("Npu", (), {"type": "npu"})(), "dtype": torch.float32})()
+    without = chooser_mod.PathChooser(NoKernelNpu()).choose_shape(4096, 64, 64, torch.bfloat16, fake_grad)
+    few_rows = chooser_mod.PathChooser(NoKernelNpu()).choose_shape(4, 64, 64, torch.bfloat16, fake_grad)
+    native = chooser_mod.PathChooser(KernelNpu()).choose_shape(4096, 64, 64, torch.bfloat16, fake_grad)
+    assert (without, few_rows, native) == (kernels.MM_ADD, kernels.ADDMM_UPCAST, kernels.NATIVE)
+
+
 def test_candidates_per_device(npuspeed_runtime):
     from npuspeed.features.grad_accum_fusion import kernels
 

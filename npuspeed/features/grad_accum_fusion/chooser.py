@@ -6,8 +6,10 @@ kept only where it is neither slower nor holds more temporary bytes (16-bit inpu
 fp32 hold rows x (n + k) x 4 bytes, the unfused product n x k in the input dtype) (a 16-bit GEMM with AVX512-BF16 can beat an fp32 in-place one, so the
 "fused" path is not always the fast one). The scratch copies and the trial's peak are
 released and restored, so the run's memory figures are not disturbed. On a GPU or NPU the
-fused path runs without a trial (no device was at hand to measure the alternatives); a
-mixed-dtype GEMM this torch does not have falls back to the unfused path, once, with a note.
+fused path runs without a trial (no device was at hand to measure the alternatives) unless it
+holds more temporary bytes (an NPU without torch_npu's matmul-add kernel has only the upcast
+GEMM: there the unfused path runs, with a note); a mixed-dtype GEMM this torch does not have
+falls back to the unfused path, once, with a note.
 Under --deterministic-mode nothing is timed (the paths round differently, and a timing differs
 by run and rank): the fused path unless it holds more temporary bytes.
 """
@@ -63,11 +65,18 @@ class PathChooser:
                 path = {"fused": names[0], "unfused": kernels.MM_ADD}.get(self.fixed, self.fixed)
                 record = {"path": path, "why": f"fixed ({FIXED_ENV}={self.fixed})"}
             elif torch.are_deterministic_algorithms_enabled():
-                record = self._by_shape(names, rows, n, k, in_dtype, main_grad.dtype)
+                record = self._by_shape(names, rows, n, k, in_dtype, main_grad.dtype,
+                                        "--deterministic-mode: not measured")
             elif main_grad.device.type == "cpu":
                 record = self._measure(names, inputs, (rows, n, k, in_dtype), main_grad)
-            else:
-                record = {"path": names[0], "why": f"fused path on {main_grad.device.type}, not measured"}
+            else:  # no trial on a device; the temporary bytes are known from the shape alone
+                record = self._by_shape(names, rows, n, k, in_dtype, main_grad.dtype,
+                                        f"not measured on {main_grad.device.type}")
+                if record["path"] == kernels.MM_ADD:
+                    self.note(f"--gradient-accumulation-fusion: {in_dtype} inputs with a {main_grad.dtype} "
+                              f"main_grad on {main_grad.device.type}: no fused kernel without fp32 copies of the "
+                              "inputs here, so Megatron's unfused weight gradient runs where those copies would "
+                              "be larger (npuspeed report lists the shapes)")
             self.choices[key] = record
         return record["path"]
 
@@ -123,13 +132,14 @@ class PathChooser:
                 **{f"{name}_ms": best[name] * 1e3 for name in names}}
 
     @staticmethod
-    def _by_shape(names, rows, n, k, in_dtype, grad_dtype) -> dict:
-        """--deterministic-mode: the two paths round differently, so a timing (which varies by
-        run and rank) must not pick; the fused path unless it holds more temporary bytes."""
+    def _by_shape(names, rows, n, k, in_dtype, grad_dtype, why: str) -> dict:
+        """Without a timing (--deterministic-mode: the two paths round differently and a timing
+        varies by run and rank; a device: no trial there): the fused path unless it holds more
+        temporary bytes than the unfused one."""
         temp = {name: kernels.temporary_bytes(name, rows, n, k, in_dtype, grad_dtype) for name in names}
         fused = names[0]
         path = fused if temp[fused] <= temp[kernels.MM_ADD] else kernels.MM_ADD
-        return {"path": path, "why": "--deterministic-mode: not measured, chosen by temporary bytes "
+        return {"path": path, "why": f"{why}, chosen by temporary bytes "
                                      f"({', '.join(f'{k_} {v / 2**10:.0f} KiB' for k_, v in temp.items())})"}
 
     def summary(self) -> str:
