@@ -163,3 +163,15 @@ def test_kernels_compile_for_a_cuda_gpu_ahead_of_time():
                                attrs={(i,): [["tt.divisibility", 16]] for i in range(len(types_) + 1)})
             ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
             assert "ld.global.v4.b32" in ptx, fn.arg_names
+
+
+@pytest.mark.parametrize("value, on", [("1", True), ("true", True), ("ON", True), ("yes", True), ("y", True),
+                                       ("0", False), ("", False)])
+def test_interpreter_switch_is_read_as_triton_reads_it(monkeypatch, value, on):
+    """One reading of TRITON_INTERPRET for every npuspeed Triton path (the ops' kernels and this
+    codec): triton itself takes 1/true/on/yes/y; the codec's own copy missed `y`, so under
+    TRITON_INTERPRET=y triton interpreted while the codec refused CPU tensors."""
+    from npuspeed.ops.triton import _runtime
+
+    monkeypatch.setenv("TRITON_INTERPRET", value)
+    assert triton_codec.interpreting() is on and _runtime.interpreting() is on

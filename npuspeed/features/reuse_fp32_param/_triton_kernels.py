@@ -14,13 +14,13 @@ kernels call no @triton.jit library function (tl.sum is one): those are decorate
 triton is first imported, so they would refuse the interpreter in a process (a test session)
 that imported triton before TRITON_INTERPRET=1 was set.
 """
-import os
-
 import triton
 import triton.language as tl
 
+from npuspeed.ops.triton._runtime import interpreting
+
 # read as Triton reads it (triton-ascend's older base has no `triton.knobs`)
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+INTERPRETED = interpreting()
 
 
 @triton.jit

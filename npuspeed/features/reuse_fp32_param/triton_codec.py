@@ -15,7 +15,6 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
-import os
 import sys
 
 import torch
@@ -53,7 +52,10 @@ def available(device_type: str) -> bool:
 
 
 def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+    """TRITON_INTERPRET as triton reads it (one reading for every npuspeed Triton path)."""
+    from npuspeed.ops.triton._runtime import interpreting as triton_interpreting
+
+    return triton_interpreting()
 
 
 def _kernels():
