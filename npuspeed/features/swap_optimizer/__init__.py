@@ -27,6 +27,13 @@ WINDOW_CHUNKS = 3
 LINK_BYTES_PER_S = {"cuda": 20e9, "npu": 20e9, "cpu": 5e9}
 
 
+def host_is_device(acc) -> bool:
+    """The accelerator's answer; a planned device (`npuspeed plan --npuspeed-device cuda`) is
+    an accelerator with its own memory unless it is the CPU."""
+    ask = getattr(acc, "host_is_device", None)
+    return ask() if ask is not None else getattr(acc, "name", "cpu") == "cpu"
+
+
 def te_installed() -> bool:
     try:
         return importlib.util.find_spec("transformer_engine") is not None
@@ -88,11 +95,11 @@ class SwapOptimizerFeature(Feature):
         if "--use-megatron-fsdp" in ctx.argv or "--use-torch-fsdp2" in ctx.argv:
             raise FeatureError(f"{FLAG} with FSDP: its buffers own the optimizer's masters and states; drop one of them")
         acc = ctx.accelerator
-        if acc.host_is_device():
+        if host_is_device(acc):
             ctx.note(f"{FLAG}: the host is the device on the {acc.name} backend: optimizer states and masters are "
                      "copied to another place in the same memory and nothing is freed; the mechanics run, the gain "
                      "is measured on an accelerator")
-        elif not acc.has_pinned_memory():
+        elif not getattr(acc, "has_pinned_memory", lambda: True)():
             raise FeatureError(f"{FLAG} needs page-locked host memory for overlapped copies, which the {acc.name} "
                                f"backend does not offer here; drop {FLAG}")
 
@@ -116,8 +123,7 @@ class SwapOptimizerFeature(Feature):
         name = getattr(acc, "name", "cpu")
         masters = not getattr(ctx.args, "reuse_fp32_param", False)
         what = "Adam states" + (" and fp32 masters" if masters and model.batch.dtype != "fp32" else "")
-        host = acc.host_is_device() if hasattr(acc, "host_is_device") else name == "cpu"
-        if host:
+        if host_is_device(acc):
             return PlanEffect(
                 swap_optimizer={"frees": False, "masters": masters, "window_bytes": 0,
                                 "link_bytes_per_s": LINK_BYTES_PER_S["cpu"], "overlapped": False},
@@ -140,7 +146,7 @@ class SwapOptimizerFeature(Feature):
         from npuspeed.features.swap_optimizer.swapper import PREFIX
 
         acc = ctx.accelerator
-        where = ("host is the device (CPU backend): copies run, nothing is freed" if acc.host_is_device()
+        where = ("host is the device (CPU backend): copies run, nothing is freed" if host_is_device(acc)
                  else f"pinned host memory, side stream on {acc.name}")
         moved = "states" + (" + fp32 masters" if not getattr(args, "reuse_fp32_param", False) else
                             " (masters stay with --reuse-fp32-param)")
