@@ -51,7 +51,8 @@ NPUSPEED_ROWS = [
     ("offload-fraction-zero", ["--optimizer-cpu-offload", "--optimizer-offload-fraction", "0"], {},
      "--optimizer-offload-fraction 0 is outside (0, 1]"),
     ("cpu-offload-without-te", ["--optimizer-cpu-offload"], {},
-     "--optimizer-cpu-offload: megatron-core's hybrid optimizer needs Transformer Engine"),
+     "--optimizer-cpu-offload: megatron-core 0.16.1 runs its hybrid optimizer only on the "
+     "--use-precision-aware-optimizer path"),
     ("swap-optimizer-chunk-zero", ["--swap-optimizer", "--swap-optimizer-chunk-mb", "0"], {},
      "--swap-optimizer-chunk-mb must be a positive number of MiB"),
     ("coc-without-num", ["--use-coc", "--tensor-model-parallel-size", "2"], W2,

@@ -79,10 +79,10 @@ class SwapOptimizerFeature(Feature):
             raise FeatureError(f"{FLAG} with {OFFLOAD}: both move optimizer state to the host; pick one "
                                f"(drop {OFFLOAD} to keep {FLAG})")
         if offload and not te_installed():
-            raise FeatureError(f"{OFFLOAD}: megatron-core's hybrid optimizer needs Transformer Engine (Megatron-LM "
-                               f"requires --use-precision-aware-optimizer with it, and its HybridDeviceOptimizer "
-                               f"drives torch.cuda streams itself), which is not installed here; use npuspeed's "
-                               f"{FLAG} instead")
+            raise FeatureError(f"{OFFLOAD}: megatron-core 0.16.1 runs its hybrid optimizer only on the "
+                               f"--use-precision-aware-optimizer path (Megatron-LM asserts it), written for Transformer "
+                               f"Engine, which is not installed here; the optimizer drives torch.cuda streams itself "
+                               f"(on the CPU backend its step fails); use npuspeed's {FLAG} instead")
         if offload:
             ctx.note(f"{OFFLOAD}: Megatron-Core's own HybridDeviceOptimizer runs (Transformer Engine is installed); "
                      "npuspeed leaves it alone")
