@@ -172,3 +172,119 @@ def test_state_dict_round_trip_resumes_bitwise(megatron_mp, with_features):
     model.load_state_dict(swap_sd[0])
     optimizer.load_state_dict(copy.deepcopy(swap_sd[1]))
     assert _train(model, optimizer, 2, start=2) == want[2:]
+
+
+class _Stream:
+    def __init__(self, log, name):
+        self.log, self.name = log, name
+
+    def wait_stream(self, other):
+        self.log.append(("wait_stream", self.name, other.name))
+
+
+class _Event:
+    count = 0
+
+    def __init__(self, log):
+        _Event.count += 1
+        self.log, self.id = log, _Event.count
+
+    def record(self, stream):
+        self.log.append(("record", self.id, stream.name))
+
+    def wait(self, stream):
+        self.log.append(("wait_event", self.id, stream.name))
+
+
+class _RecordingAccelerator:
+    """Streams and events that log what the swap asks of them (the CPU backend's are no-ops):
+    the device path's ordering, checked without a device."""
+
+    name = "recording"
+
+    def __init__(self):
+        import contextlib
+
+        self.log, self.streams = [], 0
+        self.compute = _Stream(self.log, "compute")
+        self.current = self.compute
+        self._ctx = contextlib.contextmanager(self._enter)
+
+    def Stream(self):
+        self.streams += 1
+        return _Stream(self.log, ("in", "out")[self.streams - 1])
+
+    def Event(self):
+        return _Event(self.log)
+
+    def current_stream(self):
+        return self.current
+
+    def _enter(self, stream):
+        before, self.current = self.current, stream
+        try:
+            yield
+        finally:
+            self.current = before
+
+    def stream(self, stream):
+        return self._ctx(stream)
+
+    def pinned_empty(self, nbytes):
+        self.log.append(("pinned", nbytes))
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def record_stream(self, tensor, stream):
+        self.log.append(("record_stream", stream.name, tensor.untyped_storage().nbytes()))
+
+
+def test_stream_protocol_of_the_device_path_and_bitwise_adam():
+    """On the device path: chunk k's update waits for its copy-in event on the compute stream;
+    its copy out runs on the out stream after that stream waited for the compute stream, and the
+    allocator is told (record_stream) while the storage is still there; the in stream waits for
+    the out stream before the step's first copy in (the host buffers it reads). The swapped
+    AdamW (no Megatron) is bitwise torch's own."""
+    from npuspeed.features.swap_optimizer.swapper import OptimizerSwap
+
+    torch.manual_seed(0)
+    shapes = [(64, 32), (32,), (128, 16), (16,), (48, 48)]
+    plain = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
+    swapped = [torch.nn.Parameter(p.detach().clone()) for p in plain]
+    ref = torch.optim.AdamW(plain, lr=1e-2, weight_decay=0.1)
+    inner = torch.optim.AdamW(swapped, lr=1e-2, weight_decay=0.1)
+    acc = _RecordingAccelerator()
+    swap = OptimizerSwap(acc, inner, masters=[], chunk_bytes=16 * 1024)
+
+    def update(closure=None, step=swap._orig_step):
+        acc.log.append(("update", acc.current.name))
+        return step(closure)
+
+    swap._orig_step = update
+    for i in range(3):
+        for a, b in zip(plain, swapped):
+            a.grad = torch.randn(a.shape, generator=torch.Generator().manual_seed(i))
+            b.grad = a.grad.clone()
+        ref.step()
+        acc.log.clear()
+        swap.in_step = True
+        swap.step()
+        swap.in_step = False
+        assert all(t.untyped_storage().nbytes() == 0 for s in inner.state.values()
+                   for k, t in s.items() if k != "step")
+        for a, b in zip(plain, swapped):
+            assert torch.equal(a, b)
+        log = acc.log
+        assert swap.chunk_count >= 3
+        assert all(e[1] == "compute" for e in log if e[0] == "update")
+        updates = [j for j, e in enumerate(log) if e[0] == "update"]
+        for j in updates:  # the compute stream waited for an in event just before the update
+            assert log[j - 1][0] == "wait_event" and log[j - 1][2] == "compute"
+        recs = {e[1]: e[2] for e in log if e[0] == "record"}
+        assert all(recs[log[j - 1][1]] == "in" for j in updates)
+        outs = [j for j, e in enumerate(log) if e == ("wait_stream", "out", "compute")]
+        assert len(outs) == len(updates) and all(u < o for u, o in zip(updates, outs))
+        rs = [e for e in log if e[0] == "record_stream"]
+        assert rs and all(e[1] == "out" and e[2] > 0 for e in rs)
+        if i > 0:  # the step's first copy in waits for the previous step's copies out
+            assert log.index(("wait_stream", "in", "out")) < updates[0]
+        assert sum(1 for e in log if e[0] == "pinned") == (2 * len(shapes) if i == 0 else 0)
