@@ -5,16 +5,16 @@ tensor (Adam's exp_avg / exp_avg_sq, any per-parameter state of the parameter's 
 fp32 masters it was given) has a host copy in pinned memory and no device storage
 (`untyped_storage().resize_(0)`: the tensor objects, and so every reference Megatron and the
 checkpoint code hold, stay the same). A step splits the inner optimizer's parameters into
-chunks of at most `chunk_bytes` and, on a side stream, copies chunk k+1 in while chunk k is
-updated, and chunk k out (its storage then freed) while chunk k+1 is updated: the device holds
-about three chunks. The update of a chunk is the inner optimizer's own `step` with its param
+chunks of at most `chunk_bytes` and, on two side streams (in and out: the link's two
+directions run at once), copies chunk k+1 in while chunk k is updated, and chunk k out (its
+storage then freed) while chunk k+1 is updated: the device holds about three chunks. The update of a chunk is the inner optimizer's own `step` with its param
 groups cut down to the chunk's parameters, so every element goes through the same arithmetic
 as without the swap (Adam's update is elementwise) and losses stay bitwise equal.
 
 Outside a Megatron step (a checkpoint's state_dict, a load, Megatron's dummy step that creates
 states before a sharded load) everything is brought in first and stays in until the next step
 sends it out again. All stream, event and pinned-memory calls go through the accelerator; on
-the CPU backend the stream is the in-order null stream and the "host" copy is ordinary memory.
+the CPU backend the streams are the in-order null stream and the "host" copy is ordinary memory.
 """
 from __future__ import annotations
 
