@@ -77,10 +77,9 @@ def _plain(bf16, distopt, steps):
     return _train(model, optimizer, steps), _bits(model)
 
 
-# CI: fp32 and bf16 (the e2e DP2 resume covers the distributed optimizer); the rest -m slow
+# CI: fp32, bf16 and the distributed optimizer (a second or two each); reuse-fp32-param -m slow
 @pytest.mark.parametrize("bf16, distopt, extra", [
-    (False, False, []), (True, False, []),
-    pytest.param(True, True, [], marks=pytest.mark.slow),
+    (False, False, []), (True, False, []), (True, True, []),
     pytest.param(True, False, ["--reuse-fp32-param"], marks=pytest.mark.slow),
 ], ids=["fp32", "bf16", "bf16-distopt", "bf16-reuse-fp32"])
 def test_bitwise_equal_to_the_plain_optimizer(megatron_mp, with_features, bf16, distopt, extra):
