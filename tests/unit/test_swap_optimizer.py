@@ -287,3 +287,21 @@ def test_stream_protocol_of_the_device_path_and_bitwise_adam():
         if i > 0:  # the step's first copy in waits for the previous step's copies out
             assert log.index(("wait_stream", "in", "out")) < updates[0]
         assert sum(1 for e in log if e[0] == "pinned") == (2 * len(shapes) if i == 0 else 0)
+
+
+@pytest.mark.parametrize("config, needle", [
+    ({"use_precision_aware_optimizer": True}, "--swap-optimizer with --use-precision-aware-optimizer"),
+    ({"optimizer_cpu_offload": True}, "--swap-optimizer with --optimizer-cpu-offload: .* pick one"),
+    ({"reuse_grad_buf_for_mxfp8_param_ag": True}, "--swap-optimizer with fp8 parameters"),
+])
+def test_optimizer_configs_set_in_code_that_cannot_compose_are_refused(config, needle):
+    """A script may set Megatron's optimizer config in code, past the flag checks: the optimizer
+    the swap would attach to refuses it with the same one-line errors."""
+    from types import SimpleNamespace
+
+    from npuspeed.features.base import FeatureError
+    from npuspeed.features.swap_optimizer import patches
+
+    with pytest.raises(FeatureError, match=needle):
+        patches._check(SimpleNamespace(config=SimpleNamespace(**config)))
+    patches._check(SimpleNamespace(config=SimpleNamespace()))

@@ -56,6 +56,15 @@ def _restricted(opt, params):
             setattr(opt, attr, value)
 
 
+def _has_fp8_params(opt) -> bool:
+    try:
+        from megatron.core.fp8_utils import is_float8tensor
+    except ImportError:
+        return False
+    groups = getattr(opt, "model_float16_groups", None) or getattr(opt, "float16_groups", None) or []
+    return any(is_float8tensor(p) for group in groups for p in group)
+
+
 def _check(opt) -> None:
     config = opt.config
     if getattr(config, "use_precision_aware_optimizer", False):
@@ -64,6 +73,9 @@ def _check(opt) -> None:
     if getattr(config, "optimizer_cpu_offload", False):
         raise FeatureError(f"{FLAG} with --optimizer-cpu-offload: both move optimizer state to the host; pick one "
                            f"(drop --optimizer-cpu-offload to keep {FLAG})")
+    if getattr(config, "reuse_grad_buf_for_mxfp8_param_ag", False) or _has_fp8_params(opt):
+        raise FeatureError(f"{FLAG} with fp8 parameters: their masters are quantized for all parameters at once, "
+                           "not per chunk; drop --fp8-param-gather or the flag")
     ddp = getattr(opt, "ddp_config", None)
     if ddp is not None and getattr(ddp, "use_megatron_fsdp", False):
         raise FeatureError(f"{FLAG} with Megatron FSDP: its buffers own the optimizer's masters; drop one of them")
@@ -164,12 +176,11 @@ _MATERIALIZING = {
         "get_parameter_state_dp_zero", "get_parameter_state_dp_reshardable",
         "load_parameter_state_from_dp_zero", "load_parameter_state_from_dp_reshardable",
         "load_parameter_state_from_fs_model_space", "load_parameter_state_from_fully_reshardable",
-        "_copy_main_params_to_param_buffer",
     ],
 }
 _SINCE = {"get_parameter_state_dp_reshardable": ">=0.15", "load_parameter_state_from_dp_reshardable": ">=0.15",
           "load_parameter_state_from_fully_reshardable": ">=0.15",
-          "load_parameter_state_from_fs_model_space": ">=0.12", "_copy_main_params_to_param_buffer": ">=0.14"}
+          "load_parameter_state_from_fs_model_space": ">=0.12"}
 
 
 def register(registry, feature: str, accelerator, chunk_bytes: int, swap_masters: bool) -> None:
