@@ -108,16 +108,20 @@ def persistent_buffers(spec: RunSpec, effects) -> int:
 
 def swap_optimizer(static, step_static, effects) -> tuple[int, int]:
     """--swap-optimizer: take the states (and masters where swapped) out of the static bytes
-    between steps and of the step's own; (bytes off the device, the window the step holds)."""
+    between steps and of the step's own; (bytes off the device, the window the step holds).
+    Where the host is the device nothing leaves it, and the chunks in flight come on top."""
     sw = effects.swap_optimizer
-    if not sw or not sw.get("frees"):
+    if not sw:
         return 0, 0
     swapped = static.optimizer + (static.masters if sw.get("masters") else 0)
     step_swapped = step_static.optimizer + (step_static.masters if sw.get("masters") else 0)
+    window = min(int(sw.get("window_bytes", 0)), step_swapped)
+    if not sw.get("frees"):  # the host is the device: the host copies stay, the chunks in flight add
+        return 0, window
     static.optimizer = step_static.optimizer = 0
     if sw.get("masters"):
         static.masters = step_static.masters = 0
-    return swapped, min(int(sw.get("window_bytes", 0)), step_swapped)
+    return swapped, window
 
 
 def rank_memory(spec: RunSpec, effects, pp_rank: int) -> RankMemory:

@@ -125,10 +125,12 @@ class SwapOptimizerFeature(Feature):
         what = "Adam states" + (" and fp32 masters" if masters and model.batch.dtype != "fp32" else "")
         if host_is_device(acc):
             return PlanEffect(
-                swap_optimizer={"frees": False, "masters": masters, "window_bytes": 0,
+                swap_optimizer={"frees": False, "masters": masters,
+                                "window_bytes": WINDOW_CHUNKS * self.chunk_bytes(ctx.args),
                                 "link_bytes_per_s": LINK_BYTES_PER_S["cpu"], "overlapped": False},
                 summary=f"{FLAG}: {what} copied to host memory between steps; the host is the device on the "
-                        f"{name} backend, so it frees nothing (the copies cost step time)")
+                        f"{name} backend, so it frees nothing; the step's peak gains the chunks in flight (about "
+                        f"{WINDOW_CHUNKS} of {ctx.args.swap_optimizer_chunk_mb:g} MiB) and the copies cost step time")
         return PlanEffect(
             swap_optimizer={"frees": True, "masters": masters,
                             "window_bytes": WINDOW_CHUNKS * self.chunk_bytes(ctx.args),
