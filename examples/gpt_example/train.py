@@ -156,6 +156,9 @@ def build_optimizer(args, model):
         adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
         clip_grad=args.clip_grad, use_distributed_optimizer=args.use_distributed_optimizer,
         overlap_param_gather=args.overlap_param_gather, **dtype_kwargs,
+        # Megatron's hybrid host/device optimizer (npuspeed refuses it without Transformer Engine)
+        **({"optimizer_cpu_offload": True, "optimizer_offload_fraction": args.optimizer_offload_fraction or 1.0}
+           if getattr(args, "optimizer_cpu_offload", None) else {}),
     )))
     optimizer = get_megatron_optimizer(config, model)
     scheduler = OptimizerParamScheduler(

@@ -18,12 +18,13 @@ from npuspeed.features.recompute_activation import RecomputeActivationFeature
 from npuspeed.features.recompute_norm import RecomputeNormFeature
 from npuspeed.features.reuse_fp32_param import ReuseFp32ParamFeature
 from npuspeed.features.swap_attention import SwapAttentionFeature
+from npuspeed.features.swap_optimizer import SwapOptimizerFeature
 
 
 def all_features() -> list[Feature]:
     return [DeviceFeature(), FusedAttentionFeature(), ContextParallelFeature(), FusedRMSNormFeature(), FusedSwiGLUFeature(),
             FusedRoPEFeature(), FusedLinearCrossEntropyFeature(), ReuseFp32ParamFeature(), RecomputeActivationFeature(),
-            RecomputeNormFeature(), SwapAttentionFeature(), GradAccumFusionFeature(),
+            RecomputeNormFeature(), SwapAttentionFeature(), SwapOptimizerFeature(), GradAccumFusionFeature(),
             CocFeature(), AdaptiveMemoryFeature(), TpExtendEpFeature(), GroupedGemmFeature(), FusedPermuteFeature(),
             AllToAllOverlapFeature(), MegatronLMFeature()]
 

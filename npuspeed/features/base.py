@@ -36,6 +36,10 @@ class PlanEffect:
     #: parallel dimension -> bytes one rank sends per layer and micro-batch, forward and backward
     #: (replaces the planner's own estimate for that dimension)
     comm_per_layer: dict = field(default_factory=dict)
+    #: optimizer states (and masters where "masters") off the device between steps
+    #: (--swap-optimizer): {"frees": bool, "masters": bool, "window_bytes": int held during the
+    #: step, "link_bytes_per_s": float, "overlapped": bool (copies hidden behind the update)}
+    swap_optimizer: dict = field(default_factory=dict)
     #: one line for the plan: what it removes or costs
     summary: str = ""
 

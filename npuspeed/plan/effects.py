@@ -25,6 +25,8 @@ class Effects:
     overlap: dict = field(default_factory=dict)
     options: dict = field(default_factory=dict)
     comm_per_layer: dict = field(default_factory=dict)
+    #: --swap-optimizer's effect (PlanEffect.swap_optimizer); empty when off
+    swap_optimizer: dict = field(default_factory=dict)
     #: (feature name, summary) of every enabled feature with an effect
     summaries: list = field(default_factory=list)
     features: list = field(default_factory=list)
@@ -84,6 +86,7 @@ def collect(spec, ctx, features) -> Effects:
         if effect.master_bytes_per_param is not None:
             out.master_bytes = effect.master_bytes_per_param
         out.kernels.update(effect.kernels)
+        out.swap_optimizer.update(effect.swap_optimizer)
         out.options.update(effect.options)
         for dim, nbytes in effect.comm_per_layer.items():
             out.comm_per_layer[dim] = out.comm_per_layer.get(dim, 0.0) + nbytes

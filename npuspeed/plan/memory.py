@@ -35,6 +35,9 @@ class RankMemory:
     step_peak: int  # the optimizer step's peak
     peak: int
     activation_terms: dict = field(default_factory=dict)
+    #: bytes --swap-optimizer keeps in host memory instead of on the device between steps
+    #: (0 when off, and on the CPU backend, where the host is the device)
+    swapped_optimizer: int = 0
 
     def as_dict(self) -> dict:
         return {k: v for k, v in self.__dict__.items()}
@@ -103,6 +106,24 @@ def persistent_buffers(spec: RunSpec, effects) -> int:
     return mpu + mask + rope
 
 
+def swap_optimizer(static, step_static, effects) -> tuple[int, int]:
+    """--swap-optimizer: take the states (and masters where swapped) out of the static bytes
+    between steps and of the step's own; (bytes off the device, the window the step holds).
+    Where the host is the device nothing leaves it, and the chunks in flight come on top."""
+    sw = effects.swap_optimizer
+    if not sw:
+        return 0, 0
+    swapped = static.optimizer + (static.masters if sw.get("masters") else 0)
+    step_swapped = step_static.optimizer + (step_static.masters if sw.get("masters") else 0)
+    window = min(int(sw.get("window_bytes", 0)), step_swapped)
+    if not sw.get("frees"):  # the host is the device: the host copies stay, the chunks in flight add
+        return 0, window
+    static.optimizer = step_static.optimizer = 0
+    if sw.get("masters"):
+        static.masters = step_static.masters = 0
+    return swapped, window
+
+
 def rank_memory(spec: RunSpec, effects, pp_rank: int) -> RankMemory:
     lay = spec.layout
     d = dims(spec)
@@ -117,6 +138,7 @@ def rank_memory(spec: RunSpec, effects, pp_rank: int) -> RankMemory:
     static = static_memory(spec, pp_rank, effects.master_bytes, effects.options)
     step_static = static_memory(spec, pp_rank, None, effects.options)
     buffers = persistent_buffers(spec, effects)
+    swapped, window = swap_optimizer(static, step_static, effects)
     held = top = count = top_count = 0
     for kind, chunk in schedule.events(lay.pp, pp_rank, lay.chunks, spec.batch.num_microbatches(lay.dp)):
         r = replays[chunk]
@@ -131,7 +153,7 @@ def rank_memory(spec: RunSpec, effects, pp_rank: int) -> RankMemory:
             held -= r.held
             count -= 1
     base = static.total + buffers
-    step_peak = step_static.total + buffers + static.step_temp
+    step_peak = step_static.total + buffers + static.step_temp + window
     per_layer = 0
     n = spec.layers_per_chunk()
     if n:
@@ -142,7 +164,7 @@ def rank_memory(spec: RunSpec, effects, pp_rank: int) -> RankMemory:
         optimizer=static.optimizer, buffers=buffers,
         activation_per_microbatch=[r.held for r in replays], activation_per_layer=per_layer,
         in_flight=top_count, activation_peak=top, step_peak=step_peak,
-        peak=max(base + top, step_peak), activation_terms=terms,
+        peak=max(base + top, step_peak), activation_terms=terms, swapped_optimizer=swapped,
     )
 
 

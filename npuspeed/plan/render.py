@@ -75,6 +75,10 @@ def text(p) -> str:
             delta = p.removes.get(name)
             what = "" if delta is None else (f" [peak -{_mib(delta)}]" if delta >= 0 else f" [peak +{_mib(-delta)}]")
             lines.append(f"  {name}{what}: {summary}")
+            if name == "swap_optimizer":
+                off = max(r.swapped_optimizer for r in p.ranks)
+                lines.append(f"    optimizer state in host memory between steps: {_mib(off)} per rank (largest stage)"
+                             + ("" if off else " (nothing leaves the device on this backend)"))
     lines.append("")
     lines.append("communication per step and rank: " + ", ".join(
         f"{k.upper()} {_mib(v)}" for k, v in p.comm.items() if v) or "communication: none")
@@ -82,7 +86,8 @@ def text(p) -> str:
         s = p.speed
         lines.append(f"step {s.step_ms:,.1f} ms ({s.tokens_per_s:,.0f} tokens/s, {_tflops(s.tflops_per_s_per_rank)} "
                      f"TFLOP/s per rank): compute {s.compute_ms:,.1f}, "
-                     f"bubble {s.bubble_ms:,.1f}, optimizer {s.optimizer_ms:,.1f}, comm " +
+                     f"bubble {s.bubble_ms:,.1f}, optimizer {s.optimizer_ms:,.1f}"
+                     + (f" (of it optimizer swap {s.swap_ms:,.1f})" if s.swap_ms else "") + ", comm " +
                      ", ".join(f"{k.upper()} {v:,.1f}" for k, v in s.comm_ms.items()) + " ms")
     else:
         lines.append("step time: no profile (run `npuspeed plan --calibrate ...` and pass --profile)")

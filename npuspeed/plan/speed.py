@@ -55,6 +55,8 @@ class StepTime:
     notes: tuple = ()
     #: Megatron-LM's model FLOPs of the step (global batch) over the step time and the ranks
     tflops_per_s_per_rank: float = 0.0
+    #: what --swap-optimizer's host copies add to the step (estimate, not calibrated)
+    swap_ms: float = 0.0
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -224,6 +226,26 @@ def megatron_model_flops(spec: RunSpec) -> float:
     return model_flops(shape, spec.batch.global_size(lay.dp))
 
 
+def swap_seconds(spec: RunSpec, effects, optimizer_s: float) -> float:
+    """--swap-optimizer's cost: its bytes over the host link (PlanEffect.swap_optimizer), in and
+    out at once; on a device hidden behind the update but for the first chunk in and the last
+    out, on CPU (a memcpy each way in the same memory) not hidden."""
+    from npuspeed.plan.params import static_memory
+
+    sw = getattr(effects, "swap_optimizer", None)
+    if not sw:
+        return 0.0
+    moved = 0
+    for r in range(spec.layout.pp):
+        st = static_memory(spec, r, None, effects.options)
+        moved = max(moved, st.optimizer + (st.masters if sw.get("masters") else 0))
+    bw = float(sw["link_bytes_per_s"])
+    if not sw.get("overlapped"):
+        return 2 * moved / bw
+    chunk = min(sw.get("window_bytes", 0) / 3, moved)
+    return max(0.0, moved / bw - optimizer_s) + 2 * chunk / bw
+
+
 def step_time(spec: RunSpec, effects, profile: dict, volume: dict) -> StepTime:
     lay = spec.layout
     d = dims(spec)
@@ -260,6 +282,8 @@ def step_time(spec: RunSpec, effects, profile: dict, volume: dict) -> StepTime:
             vocab = spec.model.padded_vocab(lay.tp) // lay.tp
             comm["pp"] += _line(coll["all_reduce"], vocab * spec.model.hidden * 4)
     optimizer = _per_param(pts, params, 2)
+    swap = swap_seconds(spec, effects, optimizer)
+    optimizer += swap
     total = pipeline + comm["dp"] + (comm.get("pp", 0.0) - hop * 2 * lay.chunks * mbs if lay.pp > 1 else 0.0) \
         + optimizer
     tokens = spec.batch.global_size(lay.dp) * spec.model.seq_length
@@ -269,4 +293,5 @@ def step_time(spec: RunSpec, effects, profile: dict, volume: dict) -> StepTime:
                     bubble_ms=max(pipeline - busiest, 0.0) * 1e3, comm_ms={k: v * 1e3 for k, v in comm.items()},
                     optimizer_ms=optimizer * 1e3, flops_per_step=flops, layer_ms=(lf * 1e3, lb * 1e3), group=key,
                     notes=tuple(notes), tflops_per_s_per_rank=tflops_per_rank(
-                        megatron_model_flops(spec), total * 1e3, lay.tp * lay.pp * lay.cp * lay.dp))
+                        megatron_model_flops(spec), total * 1e3, lay.tp * lay.pp * lay.cp * lay.dp),
+                    swap_ms=swap * 1e3)

@@ -1,0 +1,160 @@
+"""Optimizer state off the device between steps (`--swap-optimizer`, MindSpeed-LLM's name).
+
+Adam's states and the fp32 masters are 12 of the 16 bytes a mixed-precision parameter keeps on
+the device. With this flag they live in pinned host memory between optimizer steps; the step
+streams them in and out by chunks on a side stream, overlapped with the update of the previous
+chunk (swapper.py), through Megatron's own optimizers (patches.py): losses are bitwise those of
+the run without the flag. Where `--reuse-fp32-param` already keeps the masters as a residual
+inside the bf16 parameters only the states move.
+
+Megatron-Core's own `--optimizer-cpu-offload [--optimizer-offload-fraction F]` (a hybrid
+optimizer that updates a share of the parameters on the host) needs Transformer Engine: without
+it npuspeed refuses the flag and points here. On the CPU backend the host is the device: the
+mechanics run (and are tested), nothing is freed, and the log and report say so.
+"""
+from __future__ import annotations
+
+import importlib.util
+
+from npuspeed.features.base import Feature, FeatureError
+
+FLAG, CHUNK = "--swap-optimizer", "--swap-optimizer-chunk-mb"
+OFFLOAD, FRACTION = "--optimizer-cpu-offload", "--optimizer-offload-fraction"
+#: chunks the device holds at once in a step: one coming in, one updating, one going out
+WINDOW_CHUNKS = 3
+#: host<->device bytes per second one direction, per backend, for the planner's estimate (not
+#: calibrated: PCIe 4/5 x16 with pinned memory; on CPU a memcpy, not overlapped with the update)
+LINK_BYTES_PER_S = {"cuda": 20e9, "npu": 20e9, "cpu": 5e9}
+
+
+def host_is_device(acc) -> bool:
+    """The accelerator's answer; a planned device (`npuspeed plan --npuspeed-device cuda`) is
+    an accelerator with its own memory unless it is the CPU."""
+    ask = getattr(acc, "host_is_device", None)
+    return ask() if ask is not None else getattr(acc, "name", "cpu") == "cpu"
+
+
+def te_installed() -> bool:
+    try:
+        return importlib.util.find_spec("transformer_engine") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+class SwapOptimizerFeature(Feature):
+    name = "swap_optimizer"
+    flags = (FLAG, CHUNK, OFFLOAD, FRACTION)
+
+    def add_arguments(self, group) -> None:
+        group.add_argument(FLAG, action="store_true",
+                           help="Keep Adam's states and the fp32 masters in pinned host memory between optimizer "
+                                "steps; the step brings them in and out by chunks on a side stream, overlapped with "
+                                "the update (bitwise-equal training).")
+        group.add_argument(CHUNK, type=float, default=128.0, metavar="MB",
+                           help=f"With {FLAG}: MiB of states and masters per chunk (default 128); the device holds "
+                                f"about {WINDOW_CHUNKS} chunks during the step.")
+        group.add_argument(OFFLOAD, action="store_true", default=None,
+                           help="Megatron-Core's hybrid host/device optimizer (needs Transformer Engine; without it "
+                                f"use {FLAG}).")
+        group.add_argument(FRACTION, type=float, default=None, metavar="F",
+                           help=f"With {OFFLOAD}: the share (0, 1] of optimizer state Megatron updates on the host.")
+
+    def enabled(self, args) -> bool:
+        return bool(getattr(args, "swap_optimizer", False) or getattr(args, "optimizer_cpu_offload", None)
+                    or getattr(args, "optimizer_offload_fraction", None) is not None)
+
+    def swapping(self, args) -> bool:
+        return bool(getattr(args, "swap_optimizer", False))
+
+    def validate(self, ctx) -> None:
+        args = ctx.args
+        fraction, offload = getattr(args, "optimizer_offload_fraction", None), getattr(args, "optimizer_cpu_offload", None)
+        if fraction is not None and not 0.0 < fraction <= 1.0:
+            raise FeatureError(f"{FRACTION} {fraction:g} is outside (0, 1]: give the share of optimizer state to "
+                               f"update on the host, e.g. {FRACTION} 0.5 (or drop it)")
+        if fraction is not None and not offload:
+            raise FeatureError(f"{FRACTION} is a setting of {OFFLOAD}, which is not given; add {OFFLOAD} or drop "
+                               f"{FRACTION} ({FLAG} moves all of the state)")
+        if self.swapping(args) and offload:
+            raise FeatureError(f"{FLAG} with {OFFLOAD}: both move optimizer state to the host; pick one "
+                               f"(drop {OFFLOAD} to keep {FLAG})")
+        if offload and not te_installed():
+            raise FeatureError(f"{OFFLOAD}: megatron-core 0.16.1 runs its hybrid optimizer only on the "
+                               f"--use-precision-aware-optimizer path (Megatron-LM asserts it), written for Transformer "
+                               f"Engine, which is not installed here; the optimizer drives torch.cuda streams itself "
+                               f"(on the CPU backend its step fails); use npuspeed's {FLAG} instead")
+        if offload:
+            ctx.note(f"{OFFLOAD}: Megatron-Core's own HybridDeviceOptimizer runs (Transformer Engine is installed); "
+                     "npuspeed leaves it alone")
+            return
+        if getattr(args, "swap_optimizer_chunk_mb", 128.0) <= 0:
+            raise FeatureError(f"{CHUNK} must be a positive number of MiB, got {args.swap_optimizer_chunk_mb:g}")
+        if "--use-precision-aware-optimizer" in ctx.argv:
+            raise FeatureError(f"{FLAG} with --use-precision-aware-optimizer: Transformer Engine's fused Adam keeps "
+                               "masters and states in its own layout, which the swap does not move; drop one of them")
+        if "--use-megatron-fsdp" in ctx.argv or "--use-torch-fsdp2" in ctx.argv:
+            raise FeatureError(f"{FLAG} with FSDP: its buffers own the optimizer's masters and states; drop one of them")
+        acc = ctx.accelerator
+        if host_is_device(acc):
+            ctx.note(f"{FLAG}: the host is the device on the {acc.name} backend: optimizer states and masters are "
+                     "copied to another place in the same memory and nothing is freed; the mechanics run, the gain "
+                     "is measured on an accelerator")
+        elif not getattr(acc, "has_pinned_memory", lambda: True)():
+            raise FeatureError(f"{FLAG} needs page-locked host memory for overlapped copies, which the {acc.name} "
+                               f"backend does not offer here; drop {FLAG}")
+
+    def chunk_bytes(self, args) -> int:
+        return int(float(getattr(args, "swap_optimizer_chunk_mb", 128.0)) * 2**20)
+
+    def register_patches(self, registry, ctx) -> None:
+        if not self.swapping(ctx.args):
+            return
+        from npuspeed.features.swap_optimizer import patches
+
+        patches.register(registry, self.name, ctx.accelerator, self.chunk_bytes(ctx.args),
+                         swap_masters=not getattr(ctx.args, "reuse_fp32_param", False))
+
+    def plan_effect(self, model, ctx):
+        from npuspeed.features.base import PlanEffect
+
+        if not self.swapping(ctx.args):
+            return None
+        acc = ctx.accelerator
+        name = getattr(acc, "name", "cpu")
+        masters = not getattr(ctx.args, "reuse_fp32_param", False)
+        what = "Adam states" + (" and fp32 masters" if masters and model.batch.dtype != "fp32" else "")
+        if host_is_device(acc):
+            return PlanEffect(
+                swap_optimizer={"frees": False, "masters": masters,
+                                "window_bytes": WINDOW_CHUNKS * self.chunk_bytes(ctx.args),
+                                "link_bytes_per_s": LINK_BYTES_PER_S["cpu"], "overlapped": False},
+                summary=f"{FLAG}: {what} copied to host memory between steps; the host is the device on the "
+                        f"{name} backend, so it frees nothing; the step's peak gains the chunks in flight (about "
+                        f"{WINDOW_CHUNKS} of {ctx.args.swap_optimizer_chunk_mb:g} MiB) and the copies cost step time")
+        return PlanEffect(
+            swap_optimizer={"frees": True, "masters": masters,
+                            "window_bytes": WINDOW_CHUNKS * self.chunk_bytes(ctx.args),
+                            "link_bytes_per_s": LINK_BYTES_PER_S.get(name, 20e9), "overlapped": True},
+            summary=f"{FLAG}: {what} in pinned host memory between steps; the step holds about {WINDOW_CHUNKS} "
+                    f"chunks of {ctx.args.swap_optimizer_chunk_mb:g} MiB (copies overlapped with the update)")
+
+    def path(self, ctx) -> str:
+        args = ctx.args
+        if getattr(args, "optimizer_cpu_offload", None):
+            return "Megatron-Core's HybridDeviceOptimizer (--optimizer-cpu-offload)"
+        if not self.swapping(args):
+            return "off"
+        from npuspeed import telemetry
+        from npuspeed.features.swap_optimizer.swapper import PREFIX
+
+        acc = ctx.accelerator
+        where = ("host is the device (CPU backend): copies run, nothing is freed" if host_is_device(acc)
+                 else f"pinned host memory, side stream on {acc.name}")
+        moved = "states" + (" + fp32 masters" if not getattr(args, "reuse_fp32_param", False) else
+                            " (masters stay with --reuse-fp32-param)")
+        counts = ", ".join(f"{k} {telemetry.get(PREFIX + k)}" for k in
+                           ("steps", "chunks_in", "chunks_out", "bytes_in", "bytes_out", "materialize"))
+        return f"{moved} by chunks of {args.swap_optimizer_chunk_mb:g} MiB; {where}; {counts}"
+
+
+__all__ = ["SwapOptimizerFeature", "FeatureError"]

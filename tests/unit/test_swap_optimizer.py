@@ -1,0 +1,307 @@
+"""--swap-optimizer in one process: Megatron's optimizers on a tiny GPT, with and without the flag.
+
+Proves the states and masters leave the device between steps (storage freed, host copies
+hold the values), the chunks are pipelined (chunk k+1 comes in before chunk k is updated,
+chunk k goes out before chunk k+1 is updated), bytes in equal bytes out in a steady step, and
+losses and parameters are bitwise those of the plain optimizer (fp32, bf16, the distributed
+optimizer, --reuse-fp32-param), also across a state_dict / load_state_dict round trip.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from npuspeed import telemetry
+from npuspeed.features.swap_optimizer.patches import ATTR
+from npuspeed.features.swap_optimizer.swapper import PREFIX
+
+#: a chunk this small cuts the tiny model into many chunks (MiB)
+CHUNK = ["--swap-optimizer-chunk-mb", "0.004"]
+
+
+def _build(bf16: bool, distopt: bool):
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.module import Float16Module
+
+    torch.manual_seed(0)
+    config = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, use_cpu_initialization=True,
+                               hidden_dropout=0.0, attention_dropout=0.0, bf16=bf16,
+                               params_dtype=torch.bfloat16 if bf16 else torch.float32)
+    gpt = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=64, max_sequence_length=16)
+    if bf16:
+        gpt = Float16Module(config, gpt)
+    model = DistributedDataParallel(config, DistributedDataParallelConfig(
+        use_distributed_optimizer=distopt, grad_reduce_in_fp32=True), gpt)
+    optimizer = get_megatron_optimizer(OptimizerConfig(
+        optimizer="adam", lr=1e-2, weight_decay=0.01, clip_grad=1.0, bf16=bf16,
+        use_distributed_optimizer=distopt), [model])
+    return model, optimizer
+
+
+def _train(model, optimizer, steps: int, start: int = 0) -> list[float]:
+    losses = []
+    for i in range(start, start + steps):
+        g = torch.Generator().manual_seed(100 + i)
+        tokens = torch.randint(0, 64, (2, 16), generator=g)
+        labels = torch.randint(0, 64, (2, 16), generator=g)
+        position = torch.arange(16).unsqueeze(0).expand(2, 16)
+        model.zero_grad_buffer()
+        optimizer.zero_grad()
+        loss = model(tokens, position, None, labels=labels).float().mean()
+        loss.backward()
+        model.finish_grad_sync()
+        ok, _, _ = optimizer.step()
+        assert ok
+        losses.append(loss.item())
+    return losses
+
+
+def _bits(model) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _subs(optimizer):
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def _swaps(optimizer):
+    return [getattr(o, ATTR) for o in _subs(optimizer)]
+
+
+def _plain(bf16, distopt, steps):
+    model, optimizer = _build(bf16, distopt)
+    return _train(model, optimizer, steps), _bits(model)
+
+
+# CI: fp32, bf16 and the distributed optimizer (a second or two each); reuse-fp32-param -m slow
+@pytest.mark.parametrize("bf16, distopt, extra", [
+    (False, False, []), (True, False, []), (True, True, []),
+    pytest.param(True, False, ["--reuse-fp32-param"], marks=pytest.mark.slow),
+], ids=["fp32", "bf16", "bf16-distopt", "bf16-reuse-fp32"])
+def test_bitwise_equal_to_the_plain_optimizer(megatron_mp, with_features, bf16, distopt, extra):
+    want_losses, want_params = _plain(bf16, distopt, 4)
+    with with_features(["--swap-optimizer", *CHUNK, *extra]):
+        telemetry.reset(PREFIX)
+        model, optimizer = _build(bf16, distopt)
+        swaps = _swaps(optimizer)
+        assert all(s is not None for s in swaps)
+        got = _train(model, optimizer, 4)
+        assert got == want_losses
+        for a, b in zip(_bits(model), want_params):
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+        assert telemetry.get(PREFIX + "steps") == 4 * len(swaps)
+        assert max(s.chunk_count for s in swaps) >= 4  # really cut into chunks
+
+
+def test_states_and_masters_live_on_the_host_between_steps(megatron_mp, with_features):
+    with with_features(["--swap-optimizer", *CHUNK]):
+        model, optimizer = _build(True, False)
+        (swap,) = _swaps(optimizer)
+        inner = swap.inner
+        masters = [p for g in _subs(optimizer)[0].fp32_from_float16_groups for p in g]
+        assert masters and all(p.untyped_storage().nbytes() == 0 for p in masters)  # from the start
+        _train(model, optimizer, 2)
+        states = [v for s in inner.state.values() for k, v in s.items() if k in ("exp_avg", "exp_avg_sq")]
+        assert len(states) == 2 * len(masters)
+        assert all(t.untyped_storage().nbytes() == 0 for t in states + masters)
+        assert swap.resident_bytes() == 0
+        expect = sum(t.numel() * t.element_size() for t in states + masters)
+        assert swap.host_bytes() == expect
+        # the host copies hold the values: a state dict brings them back and they are real
+        sd = optimizer.state_dict()
+        assert swap.resident_bytes() == expect
+        assert all(t.untyped_storage().nbytes() > 0 for t in states + masters)
+        exp_avg_sq = [s["exp_avg_sq"] for s in sd["optimizer"]["state"].values()]
+        assert all(torch.all(t >= 0) for t in exp_avg_sq) and any(torch.any(t > 0) for t in exp_avg_sq)
+        for p in masters:  # masters are what the bf16 weights were rounded from
+            key = (id(p), "param")
+            assert torch.equal(swap.host[key], p.detach())
+
+
+def test_chunks_are_pipelined_and_bytes_balance(megatron_mp, with_features):
+    with with_features(["--swap-optimizer", *CHUNK]):
+        model, optimizer = _build(True, False)
+        (swap,) = _swaps(optimizer)
+        _train(model, optimizer, 1)  # the first step creates the states on the device
+        before = telemetry.snapshot(PREFIX)
+        _train(model, optimizer, 1, start=1)
+        step = {k[len(PREFIX):]: v for k, v in telemetry.since(before, PREFIX).items()}
+        n = swap.chunk_count
+        assert n >= 4
+        assert step["chunks_in"] == step["chunks_out"] == n
+        assert step["bytes_in"] == step["bytes_out"] == swap.host_bytes()
+        order = swap.order
+        pos = {event: i for i, event in enumerate(order)}
+        for k in range(n):
+            assert pos[("in", k)] < pos[("update", k)] < pos[("out", k)]
+            if k + 1 < n:  # k+1 is on its way in before k is updated; k goes out before k+1 is
+                assert pos[("in", k + 1)] < pos[("update", k)]
+                assert pos[("out", k)] < pos[("update", k + 1)]
+            if k + 2 < n:  # a bounded window: k+2 comes in only after k was updated
+                assert pos[("update", k)] < pos[("in", k + 2)]
+        assert telemetry.get(PREFIX + "copies_skipped") >= 2  # Megatron's full main->model copy
+
+
+def test_state_dict_round_trip_resumes_bitwise(megatron_mp, with_features):
+    """Save with the flag after 2 steps, load into a fresh optimizer with and without the flag,
+    and into one with the flag from a plain save: the next 2 losses are the uninterrupted run's."""
+    want, _ = _plain(True, False, 4)
+    model, optimizer = _build(True, False)
+    _train(model, optimizer, 2)
+    plain_sd = (model.state_dict(), optimizer.state_dict())
+    with with_features(["--swap-optimizer", *CHUNK]):
+        model, optimizer = _build(True, False)
+        _train(model, optimizer, 2)
+        swap_sd = (model.state_dict(), optimizer.state_dict())
+        import copy
+
+        swap_sd = copy.deepcopy(swap_sd)
+        for saved in (swap_sd, plain_sd):
+            model, optimizer = _build(True, False)
+            model.load_state_dict(saved[0])
+            optimizer.load_state_dict(copy.deepcopy(saved[1]))
+            assert _train(model, optimizer, 2, start=2) == want[2:]
+            (swap,) = _swaps(optimizer)
+            assert swap.resident_bytes() == 0
+    model, optimizer = _build(True, False)
+    model.load_state_dict(swap_sd[0])
+    optimizer.load_state_dict(copy.deepcopy(swap_sd[1]))
+    assert _train(model, optimizer, 2, start=2) == want[2:]
+
+
+class _Stream:
+    def __init__(self, log, name):
+        self.log, self.name = log, name
+
+    def wait_stream(self, other):
+        self.log.append(("wait_stream", self.name, other.name))
+
+
+class _Event:
+    count = 0
+
+    def __init__(self, log):
+        _Event.count += 1
+        self.log, self.id = log, _Event.count
+
+    def record(self, stream):
+        self.log.append(("record", self.id, stream.name))
+
+    def wait(self, stream):
+        self.log.append(("wait_event", self.id, stream.name))
+
+
+class _RecordingAccelerator:
+    """Streams and events that log what the swap asks of them (the CPU backend's are no-ops):
+    the device path's ordering, checked without a device."""
+
+    name = "recording"
+
+    def __init__(self):
+        import contextlib
+
+        self.log, self.streams = [], 0
+        self.compute = _Stream(self.log, "compute")
+        self.current = self.compute
+        self._ctx = contextlib.contextmanager(self._enter)
+
+    def Stream(self):
+        self.streams += 1
+        return _Stream(self.log, ("in", "out")[self.streams - 1])
+
+    def Event(self):
+        return _Event(self.log)
+
+    def current_stream(self):
+        return self.current
+
+    def _enter(self, stream):
+        before, self.current = self.current, stream
+        try:
+            yield
+        finally:
+            self.current = before
+
+    def stream(self, stream):
+        return self._ctx(stream)
+
+    def pinned_empty(self, nbytes):
+        self.log.append(("pinned", nbytes))
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def record_stream(self, tensor, stream):
+        self.log.append(("record_stream", stream.name, tensor.untyped_storage().nbytes()))
+
+
+def test_stream_protocol_of_the_device_path_and_bitwise_adam():
+    """On the device path: chunk k's update waits for its copy-in event on the compute stream;
+    its copy out runs on the out stream after that stream waited for the compute stream, and the
+    allocator is told (record_stream) while the storage is still there; the in stream waits for
+    the out stream before the step's first copy in (the host buffers it reads). The swapped
+    AdamW (no Megatron) is bitwise torch's own."""
+    from npuspeed.features.swap_optimizer.swapper import OptimizerSwap
+
+    torch.manual_seed(0)
+    shapes = [(64, 32), (32,), (128, 16), (16,), (48, 48)]
+    plain = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
+    swapped = [torch.nn.Parameter(p.detach().clone()) for p in plain]
+    ref = torch.optim.AdamW(plain, lr=1e-2, weight_decay=0.1)
+    inner = torch.optim.AdamW(swapped, lr=1e-2, weight_decay=0.1)
+    acc = _RecordingAccelerator()
+    swap = OptimizerSwap(acc, inner, masters=[], chunk_bytes=16 * 1024)
+
+    def update(closure=None, step=swap._orig_step):
+        acc.log.append(("update", acc.current.name))
+        return step(closure)
+
+    swap._orig_step = update
+    for i in range(3):
+        for a, b in zip(plain, swapped):
+            a.grad = torch.randn(a.shape, generator=torch.Generator().manual_seed(i))
+            b.grad = a.grad.clone()
+        ref.step()
+        acc.log.clear()
+        swap.in_step = True
+        swap.step()
+        swap.in_step = False
+        assert all(t.untyped_storage().nbytes() == 0 for s in inner.state.values()
+                   for k, t in s.items() if k != "step")
+        for a, b in zip(plain, swapped):
+            assert torch.equal(a, b)
+        log = acc.log
+        assert swap.chunk_count >= 3
+        assert all(e[1] == "compute" for e in log if e[0] == "update")
+        updates = [j for j, e in enumerate(log) if e[0] == "update"]
+        for j in updates:  # the compute stream waited for an in event just before the update
+            assert log[j - 1][0] == "wait_event" and log[j - 1][2] == "compute"
+        recs = {e[1]: e[2] for e in log if e[0] == "record"}
+        assert all(recs[log[j - 1][1]] == "in" for j in updates)
+        outs = [j for j, e in enumerate(log) if e == ("wait_stream", "out", "compute")]
+        assert len(outs) == len(updates) and all(u < o for u, o in zip(updates, outs))
+        rs = [e for e in log if e[0] == "record_stream"]
+        assert rs and all(e[1] == "out" and e[2] > 0 for e in rs)
+        if i > 0:  # the step's first copy in waits for the previous step's copies out
+            assert log.index(("wait_stream", "in", "out")) < updates[0]
+        assert sum(1 for e in log if e[0] == "pinned") == (2 * len(shapes) if i == 0 else 0)
+
+
+@pytest.mark.parametrize("config, needle", [
+    ({"use_precision_aware_optimizer": True}, "--swap-optimizer with --use-precision-aware-optimizer"),
+    ({"optimizer_cpu_offload": True}, "--swap-optimizer with --optimizer-cpu-offload: .* pick one"),
+    ({"reuse_grad_buf_for_mxfp8_param_ag": True}, "--swap-optimizer with fp8 parameters"),
+])
+def test_optimizer_configs_set_in_code_that_cannot_compose_are_refused(config, needle):
+    """A script may set Megatron's optimizer config in code, past the flag checks: the optimizer
+    the swap would attach to refuses it with the same one-line errors."""
+    from types import SimpleNamespace
+
+    from npuspeed.features.base import FeatureError
+    from npuspeed.features.swap_optimizer import patches
+
+    with pytest.raises(FeatureError, match=needle):
+        patches._check(SimpleNamespace(config=SimpleNamespace(**config)))
+    patches._check(SimpleNamespace(config=SimpleNamespace()))
