@@ -9,9 +9,10 @@ alternated `--rounds` times, per global batch. Reported per case:
 - time_ratio: feature / baseline median step time (acceptance on a device: <= 1.10 at global
   batch 8, <= 1.03 at 64); cpu_ratio: the same for rank 0's process CPU time per step (on a
   shared CPU host steadier than wall time).
-On the CPU backend the host is the device: nothing is freed (peak_drop_share about 0) and the
-ratios are the cost of the mechanics (the copies are memcpys in one memory, not overlapped).
-    python benchmarks/bench_swap_optimizer.py                       # CPU: a small model
+On the CPU backend the host is the device and the flag leaves the states in place; to measure
+the mechanics there, force them: nothing is freed (peak_drop_share about 0) and the ratios are
+their cost (the copies are memcpys in one memory, not overlapped).
+    NPUSPEED_SWAP_OPTIMIZER=run python benchmarks/bench_swap_optimizer.py   # CPU: a small model
     python benchmarks/bench_swap_optimizer.py --device-config       # Llama 8 x 2048 on a device
 """
 from __future__ import annotations

@@ -12,6 +12,8 @@ from launch import TINY, run_example
 
 ITERS = 8
 FLAG = ["--swap-optimizer", "--swap-optimizer-chunk-mb", "0.01"]
+#: on the CPU backend the states stay in place unless the mechanics are asked for
+RUN = {"NPUSPEED_SWAP_OPTIMIZER": "run"}
 LAYOUTS = {
     "tp1-fp32": (1, []),
     "tp1-bf16": (1, ["--bf16"]),
@@ -25,6 +27,7 @@ def _swapped(run: dict, steps: int) -> None:
     assert counters["swap_optimizer.steps"] >= steps, counters
     assert counters["swap_optimizer.chunks_in"] >= 2 * (steps - 1), counters  # several chunks a step
     assert "--swap-optimizer: the host is the device on the cpu backend" in run["log"]
+    assert "NPUSPEED_SWAP_OPTIMIZER=run: the mechanics run" in run["log"]
 
 
 # CI keeps the suite short (the unit tests compare every optimizer kind bitwise in one process,
@@ -36,7 +39,7 @@ def test_losses_bitwise_equal_to_the_run_without_it(layout, tmp_path):
     nproc, extra = LAYOUTS[layout]
     args = TINY + extra + ["--train-iters", str(ITERS)]
     base = run_example(args, tmp_path, nproc=nproc, name="base")
-    swap = run_example(args + FLAG, tmp_path, nproc=nproc, name="swap")
+    swap = run_example(args + FLAG, tmp_path, nproc=nproc, name="swap", env=RUN)
     _swapped(swap, ITERS)
     assert swap["losses"] == base["losses"]
 
@@ -47,7 +50,8 @@ def test_checkpoint_with_flag_resumes_without_it(tmp_path):
     real states and masters, not the empty device tensors)."""
     args = TINY + ["--bf16", "--use-distributed-optimizer", "--train-iters", str(ITERS)]
     ckpt = tmp_path / "ckpt"
-    full = run_example(args + FLAG + ["--save", str(ckpt), "--save-interval", "4"], tmp_path, nproc=2, name="full")
+    full = run_example(args + FLAG + ["--save", str(ckpt), "--save-interval", "4"], tmp_path, nproc=2, name="full",
+                       env=RUN)
     _swapped(full, ITERS)
     resumed = run_example(args + ["--load", str(ckpt), "--ckpt-step", "4"], tmp_path, nproc=2, name="plain")
     assert resumed["first_iteration"] == 5
@@ -63,9 +67,9 @@ def test_checkpoint_resumes_with_the_flag_both_ways(extra, tmp_path):
     for save_flag, load_flag in ((FLAG, FLAG), ([], FLAG), (FLAG, [])):
         ckpt = tmp_path / f"ckpt{len(save_flag)}{len(load_flag)}"
         full = run_example(args + save_flag + ["--save", str(ckpt), "--save-interval", "4"], tmp_path, nproc=nproc,
-                           name="full")
+                           name="full", env=RUN)
         resumed = run_example(args + load_flag + ["--load", str(ckpt), "--ckpt-step", "4"], tmp_path,
-                              nproc=nproc, name="resumed")
+                              nproc=nproc, name="resumed", env=RUN)
         assert resumed["losses"] == full["losses"][4:], (save_flag, load_flag)
         if load_flag:
             _swapped(resumed, ITERS - 4)

@@ -12,11 +12,18 @@ import pytest
 import torch
 
 from npuspeed import telemetry
+from npuspeed.features.swap_optimizer import ENV
 from npuspeed.features.swap_optimizer.patches import ATTR
 from npuspeed.features.swap_optimizer.swapper import PREFIX
 
 #: a chunk this small cuts the tiny model into many chunks (MiB)
 CHUNK = ["--swap-optimizer-chunk-mb", "0.004"]
+
+
+@pytest.fixture(autouse=True)
+def _mechanics_on_cpu(monkeypatch):
+    """On the CPU backend the states stay in place unless the mechanics are asked for."""
+    monkeypatch.setenv(ENV, "run")
 
 
 def _build(bf16: bool, distopt: bool):
@@ -95,6 +102,36 @@ def test_bitwise_equal_to_the_plain_optimizer(megatron_mp, with_features, bf16, 
             assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
         assert telemetry.get(PREFIX + "steps") == 4 * len(swaps)
         assert max(s.chunk_count for s in swaps) >= 4  # really cut into chunks
+
+
+def test_on_the_cpu_backend_the_states_stay_in_place_by_default(megatron_mp, with_features, monkeypatch):
+    """The host is the device: copying the states would cost time and free nothing, so by
+    default no swap is attached (and the run is the plain one); the report says why."""
+    monkeypatch.delenv(ENV)
+    want_losses, want_params = _plain(True, False, 2)
+    from feature_ctx import features_enabled
+    from npuspeed.features.swap_optimizer import SwapOptimizerFeature
+
+    with with_features(["--swap-optimizer", *CHUNK]):
+        ctx = features_enabled.ctx
+        telemetry.reset(PREFIX)
+        model, optimizer = _build(True, False)
+        assert [getattr(o, ATTR, None) for o in _subs(optimizer)] == [None]
+        assert _train(model, optimizer, 2) == want_losses
+        assert telemetry.get(PREFIX + "steps") == 0
+        assert any("stay in place" in n for n in ctx.notes), ctx.notes
+        assert "stay in place" in SwapOptimizerFeature().path(ctx)
+    for a, b in zip(_bits(model), want_params):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def test_a_bad_mode_value_is_refused(monkeypatch):
+    from npuspeed.features.base import FeatureError
+    from npuspeed.features.swap_optimizer import moves
+
+    monkeypatch.setenv(ENV, "always")
+    with pytest.raises(FeatureError, match=ENV):
+        moves(object())
 
 
 def test_states_and_masters_live_on_the_host_between_steps(megatron_mp, with_features):

@@ -48,7 +48,23 @@ def test_with_reuse_fp32_param_only_the_states_move():
     assert both.optimizer == 0 and both.swapped_optimizer == reuse.optimizer
 
 
-def test_on_the_cpu_backend_it_frees_nothing():
+def test_on_the_cpu_backend_the_states_stay_in_place():
+    _, base = _rank([])
+    p, swap = _rank(["--swap-optimizer"])
+    assert (swap.optimizer, swap.masters, swap.swapped_optimizer, swap.step_peak, swap.peak) == \
+        (base.optimizer, base.masters, 0, base.step_peak, base.peak)
+    assert "stay in place" in dict(p.effects.summaries)["swap_optimizer"]
+    assert swap_seconds_of(p) == 0.0
+
+
+def swap_seconds_of(p):
+    from npuspeed.plan.speed import swap_seconds
+
+    return swap_seconds(p.spec, p.effects, optimizer_s=1.0)
+
+
+def test_on_the_cpu_backend_the_forced_mechanics_free_nothing(monkeypatch):
+    monkeypatch.setenv("NPUSPEED_SWAP_OPTIMIZER", "run")
     _, base = _rank([])
     p, swap = _rank(["--swap-optimizer"])
     assert (swap.optimizer, swap.masters, swap.swapped_optimizer) == (base.optimizer, base.masters, 0)
@@ -61,7 +77,8 @@ def test_on_the_cpu_backend_it_frees_nothing():
     assert swap.peak >= base.peak
 
 
-def test_step_time_cost_per_backend():
+def test_step_time_cost_per_backend(monkeypatch):
+    monkeypatch.setenv("NPUSPEED_SWAP_OPTIMIZER", "run")  # the CPU row: the mechanics' copies
     from npuspeed.plan.speed import swap_seconds
 
     p, _ = _rank(CUDA + ["--swap-optimizer"])
@@ -85,7 +102,7 @@ def _outcome(argv):
     return (p.full, p.activation, p.norm, p.selective, p.peak)
 
 
-def test_adaptive_policy_counts_it_on_a_device_and_not_on_cpu():
+def test_adaptive_policy_counts_it_on_a_device_and_not_on_cpu(monkeypatch):
     from npuspeed.plan.adaptive import MARGIN
 
     _, base = _rank(CUDA)
@@ -102,5 +119,7 @@ def test_adaptive_policy_counts_it_on_a_device_and_not_on_cpu():
     cpu_argv = MODEL + ["--adaptive-recompute-device-size", f"{cpu.peak / 2**20:.2f}"]
     plain = _outcome(cpu_argv)
     assert not isinstance(plain, str)
+    assert _outcome(cpu_argv + ["--swap-optimizer"]) == plain  # by default the states stay in place
+    monkeypatch.setenv("NPUSPEED_SWAP_OPTIMIZER", "run")
     assert _outcome(cpu_argv + ["--swap-optimizer", "--swap-optimizer-chunk-mb", "0.25"]) == plain
     assert _outcome(cpu_argv + ["--swap-optimizer"]).startswith("refused:  nothing fits")
