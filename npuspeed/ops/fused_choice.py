@@ -10,9 +10,9 @@ checks its output against Megatron's and drops a candidate that disagrees or rai
 `repeats` interleaved timed rounds; the fastest minimum wins, ties go to `megatron`, so a flag
 is never slower than off by more than the noise of the measurement. The choice is cached.
 
-Trial calls are not counted (`_dispatch.quiet`), the random states and memory peaks are put
-back (`Guard`; the feature installs one that knows the accelerator and Megatron's RNG
-tracker), and `NPUSPEED_FUSED_OP_PATH=cpp|triton|npu|native|megatron|auto` forces a choice
+Trial calls are not counted (`_dispatch.quiet`), the random states are put back, and the
+memory peaks on CPU (`Guard`; the feature installs one that knows the accelerator and
+Megatron's RNG tracker; a device allocator's peak cannot be set back), and `NPUSPEED_FUSED_OP_PATH=cpp|triton|npu|native|megatron|auto` forces a choice
 (tests, bitwise-repeatable runs; `npuspeed` means the flag's own kernel here: C++ on CPU,
 torch_npu's fused op on an NPU, Triton on CUDA).
 Ranks measure on their own, except where every rank of a group must run the same kernel: the
