@@ -101,3 +101,19 @@ def test_triton_is_not_a_candidate_on_a_real_cpu_run():
     from npuspeed.features.moe import permute as feature
 
     assert not feature._triton_runs(torch.randn(4, 8), "cpp")
+
+
+def test_report_names_the_triton_pair_where_triton_runs(monkeypatch):
+    import types
+
+    from npuspeed.features.moe.fused_permute_feature import FusedPermuteFeature
+    from npuspeed.ops.triton import moe_permute as kernels
+
+    args = types.SimpleNamespace(use_fused_moe_token_permute_and_unpermute=True)
+    cuda = types.SimpleNamespace(args=args, accelerator=types.SimpleNamespace(name="cuda"))
+    monkeypatch.setattr(kernels, "available", lambda: False)
+    assert "no npuspeed kernel" in FusedPermuteFeature().path(cuda)
+    monkeypatch.setattr(kernels, "available", lambda: True)
+    assert FusedPermuteFeature().path(cuda).startswith("npuspeed Triton kernels (npuspeed.ops.triton.moe_permute")
+    npu = types.SimpleNamespace(args=args, accelerator=types.SimpleNamespace(name="npu", torch_npu=object()))
+    assert "this torch_npu has no npu_moe_token_permute_with_routing_map" in FusedPermuteFeature().path(npu)
