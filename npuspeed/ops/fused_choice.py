@@ -10,9 +10,10 @@ checks its output against Megatron's and drops a candidate that disagrees or rai
 `repeats` interleaved timed rounds; the fastest minimum wins, ties go to `megatron`, so a flag
 is never slower than off by more than the noise of the measurement. The choice is cached.
 
-Trial calls are not counted (`_dispatch.quiet`), the random states are put back, and the
-memory peaks on CPU (`Guard`; the feature installs one that knows the accelerator and
-Megatron's RNG tracker; a device allocator's peak cannot be set back), and `NPUSPEED_FUSED_OP_PATH=cpp|triton|npu|native|megatron|auto` forces a choice
+Trial calls are not counted (`_dispatch.quiet`), the random states are put back, and so are
+the memory peaks on CPU (`Guard`; the feature installs one that knows the accelerator and
+Megatron's RNG tracker; a device allocator's peak cannot be set back, so there the trials may
+raise it), and `NPUSPEED_FUSED_OP_PATH=cpp|triton|npu|native|megatron|auto` forces a choice
 (tests, bitwise-repeatable runs; `npuspeed` means the flag's own kernel here: C++ on CPU,
 torch_npu's fused op on an NPU, Triton on CUDA).
 Ranks measure on their own, except where every rank of a group must run the same kernel: the
@@ -322,8 +323,8 @@ TRITON_DEVICES = {"cuda", "npu"}
 def triton_kernel(module: str, name: str, *tensors: torch.Tensor, check: str = "supports"):
     """npuspeed's Triton kernel `npuspeed.ops.triton.<module>.<name>` for these accelerator
     tensors, or None (CPU tensors, triton not importable, its `available()` says no, or its
-    `supports(*tensors)` (or the `check` named) refuses the call, where it would run a reference). Imported lazily:
-    triton is an optional dependency and takes seconds to import."""
+    `supports(*tensors)`, or the function named by `check`, refuses the call, where it would run
+    a reference). Imported lazily: triton is an optional dependency and takes seconds to import."""
     if not tensors or {t.device.type for t in tensors} - TRITON_DEVICES:
         return None
     try:

@@ -161,7 +161,7 @@ def qk_candidates(q: torch.Tensor, k: torch.Tensor, freqs: torch.Tensor, interle
     found = {"megatron": lambda q, k: (megatron(q), megatron(k))}
     singles_q = candidates(q, freqs, interleaved, mscale, megatron)
     singles_k = candidates(k, freqs, interleaved, mscale, megatron)
-    for name in singles_q.keys() & singles_k.keys() - {"megatron"}:
+    for name in sorted((singles_q.keys() & singles_k.keys()) - {"megatron"}):
         found["triton_each" if name == "triton" else name] = (
             lambda q, k, fq=singles_q[name], fk=singles_k[name]: (fq(q), fk(k)))
     found["triton"] = lambda q, k: triton_qk(q, k, freqs, interleaved, mscale)

@@ -13,9 +13,10 @@ rebinds. A caller asking for TE's fused kernels (`fused=True`, Megatron's
 
 The fused pair runs only where it is faster: per (device, dtype, tokens, hidden, experts,
 output rows, options) a permute + unpermute round trip, forward + backward, of each fused pair
-(cpp/npu, triton) and of Megatron's own pair is timed once (npuspeed.ops.fused_choice); where Megatron's wins,
-its functions run (counted `ops.moe_permute.megatron`, one note, and `npuspeed report` says
-so); Triton's are counted `ops.moe_permute.triton` / `ops.moe_unpermute.triton`. An unpermute follows the choice of the permute that made its sorted_indices.
+(cpp/npu, triton) and of Megatron's own pair is timed once (npuspeed.ops.fused_choice); where
+Megatron's wins, its functions run (counted `ops.moe_permute.megatron`, one note, and `npuspeed
+report` says so); Triton's are counted `ops.moe_permute.triton` / `ops.moe_unpermute.triton`.
+An unpermute follows the choice of the permute that made its sorted_indices.
 """
 from __future__ import annotations
 
