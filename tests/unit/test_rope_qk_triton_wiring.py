@@ -136,3 +136,57 @@ def test_no_pair_on_a_real_cpu_run(megatron_mp, with_features, monkeypatch):
 
     assert rope_qk._shared_freqs(Attn(), {"rotary_pos_emb": freqs}) is None
     _dispatch.reset_calls()
+
+
+def test_pairing_is_by_identity_and_falls_back_to_megatron(monkeypatch):
+    """The scope only pairs the very query and key its attention made, rotated by the one angle
+    tensor both get; anything else (other angles, another tensor, a changed key) runs Megatron's."""
+    import types
+
+    import torch
+
+    from npuspeed.features.fused_ops import rope_qk
+    from npuspeed.ops import fused_choice, rope
+
+    monkeypatch.setattr(fused_choice, "TRITON_DEVICES", {"cpu"})
+    config = types.SimpleNamespace(rotary_interleaved=False)
+    attn = types.SimpleNamespace(config=config)
+    f, g = torch.randn(4, 1, 1, 8), torch.randn(4, 1, 1, 8)
+    assert rope_qk._shared_freqs(attn, {"rotary_pos_emb": f}) is f
+    assert rope_qk._shared_freqs(attn, {"rotary_pos_emb": (f, f)}) is f
+    assert rope_qk._shared_freqs(attn, {"rotary_pos_emb": (f, g)}) is None  # q and k rotated differently
+    assert rope_qk._shared_freqs(attn, {"rotary_pos_emb": f, "packed_seq_params": object()}) is None
+    assert rope_qk._shared_freqs(types.SimpleNamespace(config=types.SimpleNamespace(apply_rope_fusion=True)),
+                                 {"rotary_pos_emb": f}) is None
+
+    pairs = []
+    monkeypatch.setattr(rope, "fused_rotary_pos_emb_qk",
+                        lambda q, k, *a: pairs.append(1) or (q + 100, k + 200))
+    monkeypatch.setitem(rope_qk._ORIGINAL, "bshd", lambda t, *a, **kw: t)
+
+    def megatron_apply(t, freqs, config, cu_seqlens=None, mscale=1.0):
+        return t - 1
+
+    apply = rope_qk.apply_wrapper(megatron_apply)
+    q, k = torch.zeros(4, 1, 2, 8), torch.zeros(4, 1, 1, 8)
+
+    def scoped(run):
+        scope = rope_qk._Scope(attn, f)
+        scope.query, scope.key = q, k
+        monkeypatch.setattr(rope_qk._LOCAL, "scope", scope, raising=False)
+        return run()
+
+    got = scoped(lambda: (apply(q, f, config), apply(k, f, config)))
+    assert pairs == [1] and torch.equal(got[0], q + 100) and torch.equal(got[1], k + 200)
+    got = scoped(lambda: (apply(q, f, config), apply(k, g, config)))  # the key gets other angles
+    assert torch.equal(got[1], k - 1)
+    got = scoped(lambda: (apply(q, g, config), apply(k, g, config)))  # not the scope's angles
+    assert len(pairs) == 2 and torch.equal(got[0], q - 1) and torch.equal(got[1], k - 1)
+
+    def changed_key():
+        out = apply(q, f, config)
+        k.add_(0)  # an in-place change between the two calls
+        return out, apply(k, f, config)
+
+    assert torch.equal(scoped(changed_key)[1], k - 1)
+    monkeypatch.setattr(rope_qk._LOCAL, "scope", None)
