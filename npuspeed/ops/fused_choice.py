@@ -10,9 +10,10 @@ checks its output against Megatron's and drops a candidate that disagrees or rai
 `repeats` interleaved timed rounds; the fastest minimum wins, ties go to `megatron`, so a flag
 is never slower than off by more than the noise of the measurement. The choice is cached.
 
-Trial calls are not counted (`_dispatch.quiet`), the random states and memory peaks are put
-back (`Guard`; the feature installs one that knows the accelerator and Megatron's RNG
-tracker), and `NPUSPEED_FUSED_OP_PATH=cpp|triton|npu|native|megatron|auto` forces a choice
+Trial calls are not counted (`_dispatch.quiet`), the random states are put back, and so are
+the memory peaks on CPU (`Guard`; the feature installs one that knows the accelerator and
+Megatron's RNG tracker; a device allocator's peak cannot be set back, so there the trials may
+raise it), and `NPUSPEED_FUSED_OP_PATH=cpp|triton|npu|native|megatron|auto` forces a choice
 (tests, bitwise-repeatable runs; `npuspeed` means the flag's own kernel here: C++ on CPU,
 torch_npu's fused op on an NPU, Triton on CUDA).
 Ranks measure on their own, except where every rank of a group must run the same kernel: the
@@ -90,7 +91,8 @@ def label(*tensors: torch.Tensor, extra: str = "", rows: bool = False) -> str:
 
 
 def key_of(op: str, tensors, extra=()) -> tuple:
-    """Cache key: op, device type, dtypes, shapes, strides' contiguity, grad needs, options."""
+    """Cache key: op, device type, dtypes, shapes, strides' contiguity, grad needs, options.
+    (A candidate may return a tuple, e.g. RoPE's (q, k): each part is checked and back-propagated.)"""
     return (op, tuple((t.device.type, t.dtype, tuple(t.shape), t.is_contiguous(), t.requires_grad)
                       for t in tensors), torch.is_grad_enabled(), tuple(extra))
 
@@ -285,18 +287,21 @@ class _Run:
             self.prepare()
         leaves, self.leaves = self.leaves, None
         out = self.fn(*leaves)
+        outs = out if isinstance(out, tuple) else (out,)  # e.g. RoPE's (q, k)
         if self.grads:
             wrt = [t for t in leaves if t.requires_grad]
-            torch.autograd.grad(out, wrt, torch.ones_like(out))
-        return out.detach()
+            torch.autograd.grad(outs, wrt, [torch.ones_like(o) for o in outs])
+        return tuple(o.detach() for o in outs) if isinstance(out, tuple) else out.detach()
 
 
 def _make_run(fn, inputs, grads) -> _Run:
     return _Run(fn, inputs, grads)
 
 
-def _agrees(out: torch.Tensor, ref: torch.Tensor) -> bool:
-    if out.shape != ref.shape or out.dtype != ref.dtype:
+def _agrees(out, ref) -> bool:
+    if isinstance(ref, tuple):
+        return isinstance(out, tuple) and len(out) == len(ref) and all(map(_agrees, out, ref))
+    if isinstance(out, tuple) or out.shape != ref.shape or out.dtype != ref.dtype:
         return False
     tol = AGREE.get(out.dtype, 1e-3)
     return bool(torch.allclose(out.float(), ref.float(), rtol=tol, atol=tol))
@@ -315,11 +320,11 @@ def choices() -> list[Choice]:
 TRITON_DEVICES = {"cuda", "npu"}
 
 
-def triton_kernel(module: str, name: str, *tensors: torch.Tensor):
+def triton_kernel(module: str, name: str, *tensors: torch.Tensor, check: str = "supports"):
     """npuspeed's Triton kernel `npuspeed.ops.triton.<module>.<name>` for these accelerator
     tensors, or None (CPU tensors, triton not importable, its `available()` says no, or its
-    `supports(*tensors)` refuses the call, where it would run a reference). Imported lazily:
-    triton is an optional dependency and takes seconds to import."""
+    `supports(*tensors)`, or the function named by `check`, refuses the call, where it would run
+    a reference). Imported lazily: triton is an optional dependency and takes seconds to import."""
     if not tensors or {t.device.type for t in tensors} - TRITON_DEVICES:
         return None
     try:
@@ -330,7 +335,7 @@ def triton_kernel(module: str, name: str, *tensors: torch.Tensor):
         return None
     if not getattr(module_, "available", lambda: False)():
         return None
-    supports = getattr(module_, "supports", None)
+    supports = getattr(module_, check, None)
     if supports is not None and not supports(*tensors):
         return None
     return getattr(module_, name, None)

@@ -143,3 +143,38 @@ def fused_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, interleaved: bool
         OP, candidates(t, freqs, interleaved, mscale, megatron), (t,),
         extra=(tuple(freqs.shape), freqs.dtype, bool(interleaved), float(mscale)),
         text_extra=f"rot {freqs.shape[-1]}{' interleaved' if interleaved else ''}")
+
+
+QK_OP = "rotary_pos_emb_qk"
+
+
+def qk_candidates(q: torch.Tensor, k: torch.Tensor, freqs: torch.Tensor, interleaved: bool, mscale: float,
+                  megatron) -> dict:
+    """The implementations of RoPE on q and k with the same angles, as fn(q, k) -> (q', k'), or {}
+    where npuspeed's one-launch Triton kernel cannot take the pair (then each tensor goes through
+    `fused_rotary_pos_emb` on its own). `triton`: q and k in one launch each way; `megatron`:
+    Megatron's `_apply_rotary_pos_emb_bshd` on q then k (`megatron(t)`); every single-tensor
+    candidate (`triton_each`: the one-tensor Triton kernel; `npu`: torch_npu's op) on q then k."""
+    triton_qk = fused_choice.triton_kernel("rope", "rotary_pos_emb_qk", q, k, freqs, check="supports_qk")
+    if triton_qk is None:
+        return {}
+    found = {"megatron": lambda q, k: (megatron(q), megatron(k))}
+    singles_q = candidates(q, freqs, interleaved, mscale, megatron)
+    singles_k = candidates(k, freqs, interleaved, mscale, megatron)
+    for name in sorted((singles_q.keys() & singles_k.keys()) - {"megatron"}):
+        found["triton_each" if name == "triton" else name] = (
+            lambda q, k, fq=singles_q[name], fk=singles_k[name]: (fq(q), fk(k)))
+    found["triton"] = lambda q, k: triton_qk(q, k, freqs, interleaved, mscale)
+    return found
+
+
+def fused_rotary_pos_emb_qk(q: torch.Tensor, k: torch.Tensor, freqs: torch.Tensor, interleaved: bool,
+                            mscale: float, megatron):
+    """--use-fused-rotary-pos-emb on an attention's q and k: the fastest of `qk_candidates`,
+    measured once per shape, as (q', k'); None where the pair kernel cannot take them."""
+    found = qk_candidates(q, k, freqs, interleaved, mscale, megatron)
+    if not found:
+        return None
+    return fused_choice.run_chosen(
+        QK_OP, found, (q, k), extra=(tuple(freqs.shape), freqs.dtype, bool(interleaved), float(mscale)),
+        text_extra=f"k heads {k.shape[2]}, rot {freqs.shape[-1]}{' interleaved' if interleaved else ''}")

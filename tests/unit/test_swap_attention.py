@@ -164,3 +164,32 @@ def test_other_modules_and_selective_recompute(megatron_mp, with_features, modul
     assert torch.equal(loss, base_loss)
     assert all(torch.equal(grads[n], g) for n, g in base_grads.items())
     assert delta["groups"] == LAYERS and delta["out_bytes"] == delta["in_bytes"] > 0
+
+
+def test_with_recompute_norm_the_norm_output_is_left_to_the_recompute(megatron_mp, with_features):
+    """--recompute-norm frees each input norm's output after linear_qkv saved it and recomputes it
+    in backward: the swap of the attention block must not also copy it out (paid twice, and
+    backward would hold both the fetched copy and the recomputed tensor). Same loss and grads."""
+    from megatron.core import tensor_parallel
+
+    from npuspeed import telemetry
+    from npuspeed.features.recompute_norm.norms import PREFIX as NORM
+
+    tensor_parallel.model_parallel_cuda_manual_seed(7)
+    baseline = _gpt()
+    base_loss, base_grads = _step(baseline)
+    out_bytes, skipped = {}, {}
+    for argv in ([FLAG], [FLAG, "--recompute-norm"]):
+        with with_features(argv):
+            model = _gpt()
+            model.load_state_dict(baseline.state_dict())
+            before, skip0, freed0 = _stats(), telemetry.get("swap.skipped_recomputed"), telemetry.get(NORM + "freed")
+            loss, grads = _step(model)
+            out_bytes[len(argv)] = _stats()["out_bytes"] - before["out_bytes"]
+            skipped[len(argv)] = telemetry.get("swap.skipped_recomputed") - skip0
+            freed = telemetry.get(NORM + "freed") - freed0
+        assert torch.equal(loss, base_loss)
+        assert all(torch.equal(grads[n], g) for n, g in base_grads.items())
+    assert skipped == {1: 0, 2: LAYERS} and freed == 2 * LAYERS
+    norm_output = SEQ * BATCH * HIDDEN * 4  # fp32 [s, b, h] per layer
+    assert out_bytes[1] - out_bytes[2] == LAYERS * norm_output, out_bytes

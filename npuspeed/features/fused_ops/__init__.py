@@ -58,6 +58,13 @@ class FusedRoPEFeature(FusedOpFeature):
     def plan_applies(self, model) -> bool:
         return model.position_embedding == "rope"
 
+    def candidates(self, accelerator) -> list[str]:
+        found = super().candidates(accelerator)
+        if accelerator.name in ("cuda", "npu") and any(c.startswith("npuspeed Triton kernel") for c in found):
+            found.insert(-1, "an attention's q and k in one Triton launch (rotary_pos_emb_qk, against the "
+                             "one-tensor paths twice and Megatron's)")
+        return found
+
     def validate(self, ctx) -> None:
         kind = ctx.megatron.position_embedding_type
         if kind in ("learned_absolute", "none"):  # rope, yarn, mrope rotate

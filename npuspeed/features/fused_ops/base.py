@@ -80,7 +80,7 @@ class FusedOpFeature(Feature):
         force = fused_choice.forced()
         if force:
             rule += f"; {fused_choice.FORCE_ENV}={force}"
-        made = [c.line() for c in fused_choice.choices() if c.op == self.op]
+        made = [c.line() for c in fused_choice.choices() if c.op in (self.op, f"{self.op}_qk")]
         return rule + ("; " + "; ".join(made) if made else "")
 
     def candidates(self, accelerator) -> list[str]:

@@ -2,8 +2,10 @@
 
 npuspeed.ops.fused_choice times each candidate on copies of a call's inputs inside the real
 forward. The ops layer knows nothing of the accelerator or Megatron, so the features hand it
-this guard: the device and host random states, Megatron's model-parallel RNG tracker and
-the memory peaks are put back after the trials (as fused attention's fallback trial does),
+this guard: the device and host random states and Megatron's model-parallel RNG tracker are
+put back after the trials (as fused attention's fallback trial does), and the memory peaks on
+CPU (npuspeed's tracker); a GPU's or NPU's caching allocator has no way to set its peak back
+(a reset would drop the run's earlier, higher peak), so there the trials may raise it,
 `synchronize` so device timings are real, and the TP agreement for ops whose kernel every TP
 rank must share.
 """
@@ -39,7 +41,7 @@ class AcceleratorGuard:
                 tracker.set_states(tracker_states)
             acc.set_rng_state(device_state)
             torch.set_rng_state(host_state)
-            if acc.name == "cpu":
+            if acc.name == "cpu":  # device allocators cannot set a peak back (see the module doc)
                 from npuspeed.ops import memory_tracker
 
                 memory_tracker.restore_peak(peak, peak_reserved)

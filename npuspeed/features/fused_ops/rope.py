@@ -5,13 +5,15 @@
 kernel (which needs TE, absent on CPU and NPU). We wrap `_apply_rotary_pos_emb_bshd`; both
 rotate-half and `rotary_interleaved` forms, partial rotary dims and mscale are handled, and
 what the fused op does not cover (multi-latent attention's channel reorder, freqs that need
-a gradient, other ranks) goes to Megatron's own function.
+a gradient, other ranks) goes to Megatron's own function. Where npuspeed's Triton kernel runs,
+an attention's q and k are rotated together in one launch (rope_qk.py).
 """
 from __future__ import annotations
 
 import functools
 import inspect
 
+from npuspeed.features.fused_ops import rope_qk
 from npuspeed.ops import rope
 
 TARGET = "megatron.core.models.common.embeddings.rope_utils._apply_rotary_pos_emb_bshd"
@@ -20,6 +22,7 @@ _HANDLED = {"t", "freqs", "rotary_interleaved", "multi_latent_attention", "mscal
 
 def fused_bshd(original):
     signature = inspect.signature(original)
+    rope_qk._ORIGINAL["bshd"] = original  # Megatron's path of the q+k candidates
 
     @functools.wraps(original)
     def _apply_rotary_pos_emb_bshd(*args, **kwargs):
@@ -37,3 +40,4 @@ def fused_bshd(original):
 
 def register(registry, feature: str) -> None:
     registry.register(TARGET, wrapper=fused_bshd, feature=feature)
+    rope_qk.register(registry, feature)

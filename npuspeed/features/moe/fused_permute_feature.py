@@ -14,7 +14,9 @@ class FusedPermuteFeature(Feature):
     def add_arguments(self, group) -> None:
         group.add_argument("--use-fused-moe-token-permute-and-unpermute", action="store_true",
                            help="MindSpeed's flag: MoE token permute/unpermute as one op each way (CPU: npuspeed:: "
-                                "C++; NPU: torch_npu npu_moe_token_(un)permute_with_routing_map).")
+                                "C++; CUDA: npuspeed's Triton kernels; NPU: torch_npu "
+                                "npu_moe_token_(un)permute_with_routing_map, else Triton), where measured "
+                                "faster than Megatron's pair (once per shape).")
 
     def enabled(self, args) -> bool:
         return bool(getattr(args, "use_fused_moe_token_permute_and_unpermute", False))
@@ -63,11 +65,34 @@ class FusedPermuteFeature(Feature):
         acc = ctx.accelerator
         rule = ("; Megatron's own permute/unpermute where that measured faster (once per shape, fwd+bwd round trip)"
                 + choice_lines("moe_permute"))
+        triton = _triton_state()
         if acc.name == "npu":
-            return "torch_npu npu_moe_token_permute_with_routing_map / npu_moe_token_unpermute_with_routing_map" + rule
+            from npuspeed.ops.moe_permute import NPU_PERMUTE
+
+            if hasattr(acc.torch_npu, NPU_PERMUTE):
+                return ("torch_npu npu_moe_token_permute_with_routing_map / npu_moe_token_unpermute_with_routing_map"
+                        + rule)
+            if triton:
+                return f"{triton} (this torch_npu has no {NPU_PERMUTE})" + rule
+            return f"Megatron's own permute/unpermute (no npuspeed kernel: this torch_npu has no {NPU_PERMUTE}, " \
+                   "and no Triton)"
+        if acc.name == "cuda":
+            if triton:
+                return triton + rule
+            return "Megatron's own permute/unpermute (no npuspeed kernel for this device: triton does not run here)"
         from npuspeed.ops._extension import has_op, load_library
 
         if acc.name == "cpu" and has_op("moe_permute"):
             return (f"npuspeed::moe_permute / moe_unpermute (C++ csrc/cpu/moe_permute.cpp, "
                     f"{load_library()['source']})" + rule)
         return "Megatron's own permute/unpermute (no npuspeed kernel for this device)"
+
+
+def _triton_state() -> str:
+    """"npuspeed Triton kernels (...)" where they can run here, else ""."""
+    try:
+        from npuspeed.ops.triton import moe_permute as kernels
+    except ImportError:
+        return ""
+    return ("npuspeed Triton kernels (npuspeed.ops.triton.moe_permute: gather + fp32 row sums, no atomics)"
+            if kernels.available() else "")

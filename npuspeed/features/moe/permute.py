@@ -1,5 +1,7 @@
 """--use-fused-moe-token-permute-and-unpermute: Megatron's `moe_utils.permute` / `unpermute`
-run npuspeed's fused ops (npuspeed/ops/moe_permute.py).
+run npuspeed's fused ops (npuspeed/ops/moe_permute.py: C++ on CPU, torch_npu's on an NPU) or
+npuspeed's Triton kernels (npuspeed/ops/triton/moe_permute.py: CUDA, and an NPU through
+triton-ascend where torch_npu has no fused permute).
 
 Upstream's unfused pair transposes the routing map and the probabilities into dense
 [experts, tokens] copies, masks and gathers, then scatter-adds back; its `fused=True` branch
@@ -10,10 +12,11 @@ rebinds. A caller asking for TE's fused kernels (`fused=True`, Megatron's
 `--moe-permute-fusion`) keeps upstream's function.
 
 The fused pair runs only where it is faster: per (device, dtype, tokens, hidden, experts,
-output rows, options) a permute + unpermute round trip, forward + backward, of the fused ops
-and of Megatron's own pair is timed once (npuspeed.ops.fused_choice); where Megatron's wins,
-its functions run (counted `ops.moe_permute.megatron`, one note, and `npuspeed report` says
-so). An unpermute follows the choice of the permute that made its sorted_indices.
+output rows, options) a permute + unpermute round trip, forward + backward, of each fused pair
+(cpp/npu, triton) and of Megatron's own pair is timed once (npuspeed.ops.fused_choice); where
+Megatron's wins, its functions run (counted `ops.moe_permute.megatron`, one note, and `npuspeed
+report` says so); Triton's are counted `ops.moe_permute.triton` / `ops.moe_unpermute.triton`.
+An unpermute follows the choice of the permute that made its sorted_indices.
 """
 from __future__ import annotations
 
@@ -29,24 +32,50 @@ _ORIGINAL: dict = {}  # "permute" / "unpermute" -> Megatron's function (set when
 _PAIRS: dict = {}  # id(sorted_indices) -> (weakref, impl of the permute that made it)
 
 
+def _triton_runs(tokens, mine: str) -> bool:
+    """Whether npuspeed's Triton permute pair is a candidate for these tokens: where Triton runs
+    (CUDA; an NPU through triton-ascend when its torch_npu has no fused permute), not on CPU
+    (the C++ kernel is the candidate there; the interpreter is a test tool)."""
+    return mine != "npu" and fused_choice.triton_kernel("moe_permute", "moe_permute", tokens) is not None
+
+
+def _pair_of(impl: str):
+    """(permute, unpermute) of a fused implementation: npuspeed.ops' front ends (cpp/npu) or Triton's."""
+    if impl == "triton":
+        from npuspeed.ops.triton import moe_permute as kernels
+
+        return kernels.moe_permute, kernels.moe_unpermute
+    return moe_permute, moe_unpermute
+
+
 def _choose(tokens, routing_map, probs, num_out_tokens, drop_and_pad) -> str:
-    """`megatron` or the fused ops' implementation (cpp/npu) for this permute call."""
+    """`megatron` or the fused implementation (cpp/npu/triton) for this permute call: the
+    candidates are the device's op (C++ on CPU, torch_npu's on an NPU), npuspeed's Triton
+    kernels where Triton runs, and Megatron's own pair; the per-shape rule picks."""
     mine = implementation(tokens)
-    if mine == "reference" or "unpermute" not in _ORIGINAL:
-        return fused_choice.MEGATRON if mine == "reference" else mine
-    force = fused_choice.forced()
-    if force is not None:
-        return fused_choice.MEGATRON if force == fused_choice.MEGATRON else mine
+    found = [] if mine == "reference" else [mine]
+    if _triton_runs(tokens, mine):
+        found.append("triton")
+    if not found:
+        return fused_choice.MEGATRON
+    if "unpermute" not in _ORIGINAL:  # only the permute wrapped (tests): nothing to measure a round trip with
+        return found[0]
     key = ("moe_permute", tokens.device.type, tokens.dtype, tuple(tokens.shape), tuple(routing_map.shape),
-           num_out_tokens, probs is not None, bool(drop_and_pad), torch.is_grad_enabled() and tokens.requires_grad)
+           num_out_tokens, probs is not None, bool(drop_and_pad), torch.is_grad_enabled() and tokens.requires_grad,
+           fused_choice.forced())
     choice = fused_choice.CHOOSER.choices.get(key)
     if choice is None:
         rm, p = routing_map, None if probs is None else probs.detach()
         n, t = num_out_tokens, tokens.shape[0]
 
-        def fused(tok):
-            out, _, order, _ = moe_permute(tok, rm, p, num_out_tokens=n, drop_and_pad=drop_and_pad)
-            return moe_unpermute(out, order, t, None, rm, drop_and_pad=drop_and_pad)
+        def fused(impl):
+            perm, unperm = _pair_of(impl)
+
+            def round_trip(tok):
+                out, _, order, _ = perm(tok, rm, p, num_out_tokens=n, drop_and_pad=drop_and_pad)
+                return unperm(out, order, t, None, rm, drop_and_pad=drop_and_pad)
+
+            return round_trip
 
         def megatron(tok):
             out, _, order = _ORIGINAL["permute"](tok, rm, probs=p, num_out_tokens=n, fused=False,
@@ -55,20 +84,24 @@ def _choose(tokens, routing_map, probs, num_out_tokens, drop_and_pad) -> str:
                                           drop_and_pad=drop_and_pad)
 
         label = fused_choice.label(tokens, extra=f"{routing_map.shape[1]} experts, {n} rows")
-        choice = fused_choice.CHOOSER.pick("moe_permute", key, label, {fused_choice.MEGATRON: megatron, mine: fused},
-                                           (tokens,))
+        candidates = {fused_choice.MEGATRON: megatron, **{impl: fused(impl) for impl in found}}
+        choice = fused_choice.CHOOSER.pick("moe_permute", key, label, candidates, (tokens,))
     return choice.impl
 
 
 def _remember(sorted_indices, impl: str) -> None:
-    if len(_PAIRS) > 64:
-        _PAIRS.clear()
+    """Which permute made `sorted_indices` (torch_npu's have their own meaning): its unpermute
+    must be the same implementation's. Dead entries are dropped, live ones kept."""
+    if len(_PAIRS) > 256:
+        for key in [k for k, (ref, _) in _PAIRS.items() if ref() is None]:
+            del _PAIRS[key]
     _PAIRS[id(sorted_indices)] = (weakref.ref(sorted_indices), impl)
 
 
 def _paired(sorted_indices) -> str | None:
     hit = _PAIRS.get(id(sorted_indices))
     return hit[1] if hit is not None and hit[0]() is sorted_indices else None
+
 
 MOE_UTILS = "megatron.core.transformer.moe.moe_utils"
 MEGATRON_RANGE = ">=0.13,<0.17"  # permute returns (tokens, probs, sorted_indices) since 0.13
@@ -82,15 +115,18 @@ def permute_wrapper(original):
         if fused:
             return original(tokens, routing_map, probs=probs, num_out_tokens=num_out_tokens, fused=fused,
                             drop_and_pad=drop_and_pad)
-        if _choose(tokens, routing_map, probs, num_out_tokens, drop_and_pad) == fused_choice.MEGATRON:
+        impl = _choose(tokens, routing_map, probs, num_out_tokens, drop_and_pad)
+        if impl == fused_choice.MEGATRON:
             _dispatch.record("moe_permute", fused_choice.MEGATRON)
             permuted, permuted_probs, sorted_indices = original(
                 tokens, routing_map, probs=probs, num_out_tokens=num_out_tokens, fused=False,
                 drop_and_pad=drop_and_pad)
-            _remember(sorted_indices, fused_choice.MEGATRON)
-            return permuted, permuted_probs, sorted_indices
-        permuted, permuted_probs, sorted_indices, _ = moe_permute(
-            tokens, routing_map, probs, num_out_tokens=num_out_tokens, drop_and_pad=drop_and_pad)
+        else:
+            if impl == "triton":  # npuspeed.ops' front ends count themselves
+                _dispatch.record("moe_permute", "triton")
+            permuted, permuted_probs, sorted_indices, _ = _pair_of(impl)[0](
+                tokens, routing_map, probs, num_out_tokens=num_out_tokens, drop_and_pad=drop_and_pad)
+        _remember(sorted_indices, impl)
         return permuted, permuted_probs, sorted_indices
 
     return permute
@@ -102,14 +138,18 @@ def unpermute_wrapper(original):
     @functools.wraps(original)
     def unpermute(permuted_tokens, sorted_indices, restore_shape, probs=None, routing_map=None, fused=False,
                   drop_and_pad=False):
-        megatrons = not fused and _paired(sorted_indices) == fused_choice.MEGATRON
-        if fused or megatrons:  # TE's kernel asked for, or the permute took Megatron's path
-            if megatrons:
+        paired = None if fused else _paired(sorted_indices)
+        if fused or paired == fused_choice.MEGATRON:  # TE's kernel asked for, or the permute took Megatron's path
+            if paired == fused_choice.MEGATRON:
                 _dispatch.record("moe_unpermute", fused_choice.MEGATRON)
             return original(permuted_tokens, sorted_indices, restore_shape, probs=probs, routing_map=routing_map,
                             fused=fused, drop_and_pad=drop_and_pad)
-        return moe_unpermute(permuted_tokens, sorted_indices, restore_shape[0], probs, routing_map,
-                             drop_and_pad=drop_and_pad)
+        unpermute_ = moe_unpermute
+        if paired == "triton":
+            _dispatch.record("moe_unpermute", "triton")
+            unpermute_ = _pair_of("triton")[1]
+        return unpermute_(permuted_tokens, sorted_indices, restore_shape[0], probs, routing_map,
+                          drop_and_pad=drop_and_pad)
 
     return unpermute
 

@@ -22,6 +22,7 @@ linear), and everything when activations are offloaded to the host (offload hook
 from __future__ import annotations
 
 import functools
+import weakref
 
 import torch
 
@@ -35,6 +36,23 @@ PREFIX = "recompute_norm."
 SELECTED = PREFIX + "selected"
 #: set on a norm module that recomputes; holds the pending checkpoint between norm and linear
 ATTR = "_npuspeed_recompute_norm"
+
+
+#: storage address -> weakref to a norm output this feature frees after its consumer ran (between
+#: the norm's forward and that consumer's forward hook); read by --swap-attention, which must not
+#: copy to the host what is freed and recomputed here anyway (see `frees`)
+_PENDING: dict[int, weakref.ref] = {}
+
+
+def frees(t: torch.Tensor) -> bool:
+    """Whether `t` lives in a norm output whose storage this feature frees once its consumer has
+    run and recomputes in backward (so another memory saver, e.g. the swap, leaves it alone)."""
+    if not _PENDING:
+        return False
+    storage = t.untyped_storage()
+    ref = _PENDING.get(storage.data_ptr())
+    out = ref() if ref is not None else None
+    return out is not None and out.untyped_storage().data_ptr() == storage.data_ptr() and storage.nbytes() > 0
 
 
 def _norm_forward(norm, x, *args, **kwargs):
@@ -51,6 +69,11 @@ def _checkpointed(norm):
         checkpoint = ActivationCheckpoint(prefix=PREFIX, release_inputs=False, random=False)
         out = checkpoint.checkpoint(functools.partial(_norm_forward, norm), x)
         setattr(norm, ATTR, checkpoint)
+        if isinstance(out, torch.Tensor):
+            if len(_PENDING) > 64:  # a consumer that never ran: drop the dead entries
+                for key in [k for k, r in _PENDING.items() if r() is None]:
+                    del _PENDING[key]
+            _PENDING[out.untyped_storage().data_ptr()] = weakref.ref(out)
         return out
 
     return forward
@@ -64,6 +87,9 @@ def _free_after(norm):
         if checkpoint is None:
             return
         setattr(norm, ATTR, None)
+        for norm_out in checkpoint.outputs if isinstance(checkpoint.outputs, tuple) else (checkpoint.outputs,):
+            if isinstance(norm_out, torch.Tensor):
+                _PENDING.pop(norm_out.untyped_storage().data_ptr(), None)
         out = output[0] if isinstance(output, (tuple, list)) else output
         checkpoint.discard_output_and_register_recompute(out)
         norm._npuspeed_recompute_norm_last = checkpoint  # what was freed (tests and debugging)

@@ -24,7 +24,8 @@ import torch
 
 from npuspeed import telemetry
 
-#: counters: groups, out_bytes, in_bytes, prefetched (fetched ahead of use), on_demand, kept
+#: counters: groups, out_bytes, in_bytes, prefetched (fetched ahead of use), on_demand, kept,
+#: skipped_recomputed (a norm output --recompute-norm frees and recomputes: left to it)
 PREFIX = "swap."
 
 
@@ -87,6 +88,9 @@ class SwapGroup:
         if isinstance(t, torch.nn.Parameter) or (t.grad_fn is None and t.requires_grad) or nbytes <= self.m.min_bytes \
                 or nbytes == 0:
             telemetry.count(PREFIX + "kept")
+            return ("keep", t)
+        if _recompute_norm_frees(t):  # --recompute-norm frees and recomputes it: a copy would be paid twice
+            telemetry.count(PREFIX + "skipped_recomputed")
             return ("keep", t)
         # one copy per live storage; an address freed and reused inside the call is another one
         storage = t.untyped_storage()
@@ -158,6 +162,12 @@ class SwapGroup:
         acc.record_stream(dev, acc.current_stream())
         out = torch.empty(0, dtype=dtype, device=dev.device)
         return out.set_(dev.untyped_storage(), offset, shape, stride)
+
+
+def _recompute_norm_frees(t: torch.Tensor) -> bool:
+    from npuspeed.features.recompute_norm.norms import frees
+
+    return frees(t)
 
 
 #: the manager the running process installed (the feature makes one per activation); tests

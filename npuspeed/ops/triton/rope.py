@@ -126,6 +126,12 @@ def supports(t: torch.Tensor, freqs: torch.Tensor) -> bool:
     return supported(t, freqs) and freqs.device == t.device and _runtime.supported_dtype(t)
 
 
+def supports_qk(q: torch.Tensor, k: torch.Tensor, freqs: torch.Tensor) -> bool:
+    """Whether `rotary_pos_emb_qk` takes q and k in one launch (same dtype, s, b and d; heads may differ)."""
+    return (supports(q, freqs) and supports(k, freqs) and q.dtype == k.dtype and q.shape[:2] == k.shape[:2]
+            and q.shape[-1] == k.shape[-1])
+
+
 def _tables(t, freqs, mscale):
     """fp32 cos/sin of Megatron's rounding (to t's dtype), contiguous for the kernel's strides."""
     cos, sin = cached_cos_sin(t, freqs, mscale, torch.float32)
@@ -147,8 +153,7 @@ def rotary_pos_emb_qk(q: torch.Tensor, k: torch.Tensor, freqs: torch.Tensor, int
     """(rotary_pos_emb(q, freqs), rotary_pos_emb(k, freqs)) in one kernel launch each way.
 
     q [s, b, hq, d] and k [s, b, hk, d] (hk may differ: GQA) share s, b, d and the angles."""
-    if not (supports(q, freqs) and supports(k, freqs) and q.dtype == k.dtype and q.shape[:2] == k.shape[:2]
-            and q.shape[-1] == k.shape[-1]):
+    if not supports_qk(q, k, freqs):
         return (rotary_pos_emb(q, freqs, interleaved, mscale), rotary_pos_emb(k, freqs, interleaved, mscale))
     _runtime.check_runs_on("rope", q, k, freqs)
     cos, sin = _tables(q, freqs, mscale)
