@@ -92,9 +92,12 @@ def label(*tensors: torch.Tensor, extra: str = "", rows: bool = False) -> str:
 
 def key_of(op: str, tensors, extra=()) -> tuple:
     """Cache key: op, device type, dtypes, shapes, strides' contiguity, grad needs, options.
-    (A candidate may return a tuple, e.g. RoPE's (q, k): each part is checked and back-propagated.)"""
+    (A candidate may return a tuple, e.g. RoPE's (q, k): each part is checked and back-propagated.)
+    Grad mode is not part of it: a recompute's first forward runs under no_grad on inputs that
+    need grad, and must take the kernel its rerun in backward (and the run without recompute)
+    takes, or the recomputed output would round differently from the one the forward used."""
     return (op, tuple((t.device.type, t.dtype, tuple(t.shape), t.is_contiguous(), t.requires_grad)
-                      for t in tensors), torch.is_grad_enabled(), tuple(extra))
+                      for t in tensors), tuple(extra))
 
 
 class Guard:
@@ -209,7 +212,7 @@ class Chooser:
         return Choice(op, text, MEGATRON, f"{by}; {want} is not available for this call")
 
     def _measure(self, op, text, candidates, inputs) -> Choice:
-        grads = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
+        grads = any(t.requires_grad for t in inputs)  # under no_grad too: see key_of
         self.clock = clock_for(inputs)
         runs, dropped, reference = {}, {}, None
         with self.guard(), _dispatch.quiet(), torch.enable_grad() if grads else contextlib.nullcontext():

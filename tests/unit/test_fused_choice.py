@@ -107,6 +107,19 @@ def test_cache_is_per_shape_dtype_and_device(chooser):
 
 
 @needs_cpp
+def test_a_recomputes_no_grad_forward_takes_the_kernel_its_backward_rerun_takes(chooser):
+    """Recompute runs the first forward under no_grad on inputs that need grad: it must share
+    the grad-mode choice (one key, one measurement), or the rerun would round differently."""
+    chooser.trial = FakeTimes(megatron=2.0, cpp=1.0)
+    w = torch.ones(16, requires_grad=True)
+    with torch.no_grad():
+        _norm_call(_x(8, 16), w)
+    _norm_call(_x(8, 16), w).sum().backward()
+    assert len(chooser.choices) == 1
+    assert _dispatch.calls() == {("rms_norm", "cpp"): 2}
+
+
+@needs_cpp
 @pytest.mark.parametrize("winner", ["cpp", "megatron"])
 def test_the_counter_shows_the_chosen_path_ran_and_trials_count_nothing(chooser, winner):
     chooser.trial = FakeTimes(megatron=1.0 if winner == "megatron" else 2.0, cpp=1.0 if winner == "cpp" else 2.0)

@@ -61,7 +61,7 @@ def _choose(tokens, routing_map, probs, num_out_tokens, drop_and_pad) -> str:
     if "unpermute" not in _ORIGINAL:  # only the permute wrapped (tests): nothing to measure a round trip with
         return found[0]
     key = ("moe_permute", tokens.device.type, tokens.dtype, tuple(tokens.shape), tuple(routing_map.shape),
-           num_out_tokens, probs is not None, bool(drop_and_pad), torch.is_grad_enabled() and tokens.requires_grad,
+           num_out_tokens, probs is not None, bool(drop_and_pad), tokens.requires_grad,
            fused_choice.forced())
     choice = fused_choice.CHOOSER.choices.get(key)
     if choice is None:
