@@ -36,6 +36,9 @@ class PlanEffect:
     #: parallel dimension -> bytes one rank sends per layer and micro-batch, forward and backward
     #: (replaces the planner's own estimate for that dimension)
     comm_per_layer: dict = field(default_factory=dict)
+    #: --swap-modules names whose saved activations are kept in host memory between forward
+    #: and backward (npuspeed/plan/ops.py SWAP_PARTS); empty where the host is the device
+    swap_modules: tuple = ()
     #: one line for the plan: what it removes or costs
     summary: str = ""
 
