@@ -106,7 +106,7 @@ def replay(graph: Graph, output_grad: int = 0) -> Replay:
     swapped_root = {}
     for r, ix in saved_by.items():
         layers = {graph.ops[i].swap for i in ix}
-        if len(layers) == 1 and min(layers) >= 0 and size.get(r, 0) >= SWAP_MIN_BYTES:
+        if len(layers) == 1 and min(layers) >= 0 and size.get(r, 0) >= SWAP_MIN_BYTES and r not in graph.inputs:
             swapped_root[r] = layers.pop()
     swap_layers = sorted(set(swapped_root.values()))
     last_output = None
