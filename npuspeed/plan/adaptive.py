@@ -1,20 +1,22 @@
-"""The adaptive memory policy: per layer keep / norm recompute / activation recompute / full
-recompute, chosen by the planner for a per-rank device budget (`--adaptive-recompute-device-size`).
+"""The adaptive memory policy: per layer keep / norm recompute / activation recompute / swap /
+full recompute, chosen by the planner for a per-rank device budget (`--adaptive-recompute-device-size`).
 
 The candidates are what the features and Megatron apply per pipeline stage, counted from each
 stage's first layer: full recompute of the first F layers (Megatron's block method) or
 Megatron's selective recompute of core attention in every layer (its granularity is one value),
-with activation-function recompute and norm recompute of the first A and R layers after F. Each
-is planned (npuspeed/plan/memory.py, the same replay `npuspeed plan` prints, within a few per
-cent of measured peaks); those whose predicted peak stays under the budget less a safety
-margin are ranked by predicted step time: the calibrated profile's when the run names one
-(`--profile`), else the seconds each recompute adds by recompute_cost.py's roofline of the
-planner's op graph (matmul FLOPs, bytes moved and op calls at the backend's nominal rates: a
-FLOPs count alone ranked Megatron's memory-bound selective core-attention recompute as cheap
-as two full layers where it costs three on this CPU host).
-Swap is not a candidate where the host is the device (CPU); on a device it is not modeled yet.
-The choice is returned as explicit flags, so the run, `npuspeed plan` and `npuspeed report`
-all see the same configuration.
+with activation-function recompute and norm recompute of the first A and R layers after F, and,
+with `--adaptive-memory-optimization` on a device backend, `--swap-attention` of every layer
+not fully recomputed (on CPU the host is the device: a swap frees nothing, so it is no
+candidate, and the policy says so). Each is planned (npuspeed/plan/memory.py, the same replay
+`npuspeed plan` prints, within a few per cent of measured peaks); those whose predicted peak
+stays under the budget less a safety margin are ranked by predicted step time: the calibrated
+profile's when the run names one (`--profile`), else the seconds each recompute adds by
+recompute_cost.py's roofline of the planner's op graph (matmul FLOPs, bytes moved and op
+calls at the backend's nominal rates: a FLOPs count alone priced Megatron's memory-bound
+selective core-attention recompute at under half a layer's recompute where it costs about
+two thirds on this CPU host); a swap adds its copies' time not hidden behind the layer's
+compute. The choice is returned as explicit flags, so the run, `npuspeed plan` and `npuspeed
+report` all see the same configuration.
 """
 from __future__ import annotations
 
