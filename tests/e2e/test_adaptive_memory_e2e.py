@@ -59,7 +59,7 @@ HAND = [[], ["--recompute-norm"], ["--recompute-activation-function"],
 
 
 #: rounds of interleaved runs (each run: 12 iterations; its fastest of the last 11 steps by CPU time)
-ROUNDS = int(os.environ.get("NPUSPEED_ADAPTIVE_ROUNDS", "3"))
+ROUNDS = int(os.environ.get("NPUSPEED_ADAPTIVE_ROUNDS", "5"))
 
 
 @pytest.mark.slow
