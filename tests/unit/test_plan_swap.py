@@ -57,6 +57,10 @@ def test_plan_subtracts_swapped_activations_on_a_device_only():
     assert rank.swapped_per_layer == per_layer and rank.swapped_per_microbatch == 4 * per_layer
     # the peak is the top layer's backward: it and the layer fetched ahead are back on the device
     assert got.removes["swap_attention"] == plain.peak - got.peak == 2 * per_layer
+    from npuspeed.plan import render
+
+    assert "swapped to host memory (--swap-attention): 37.0 MiB a micro-batch, 9.2 MiB a layer" in render.text(got)
+    assert "swapped to host" not in render.text(on_cpu)
 
 
 def test_policy_picks_swap_on_a_device_where_it_hides_behind_compute():
