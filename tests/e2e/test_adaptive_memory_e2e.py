@@ -58,7 +58,7 @@ HAND = [[], ["--recompute-norm"], ["--recompute-activation-function"],
     for n in (1, 2, 3, 4)] + [["--recompute-granularity", "selective"]]
 
 
-#: rounds of interleaved runs (each run: 12 iterations; its fastest of the last 11 steps by CPU time)
+#: rounds of interleaved runs (each run: 12 iterations, the first left out)
 ROUNDS = int(os.environ.get("NPUSPEED_ADAPTIVE_ROUNDS", "5"))
 
 
@@ -67,9 +67,11 @@ ROUNDS = int(os.environ.get("NPUSPEED_ADAPTIVE_ROUNDS", "5"))
 def test_five_budgets_within_the_limit_and_near_the_best_hand_picked(tmp_path):
     """Step time is rank 0's process CPU time per step (on this shared host wall time moves
     3-5x with other work; CPU time less, but it too grows under contention, up to +40% seen):
-    each run's fastest of 11 steps (contention only adds), the policy's runs and the hand-picked
-    ones interleaved in rounds, the policy compared with the fastest fitting hand-picked setting
-    in the same round, and the median of those ratios asserted; per-run medians are printed."""
+    the policy's runs and the hand-picked ones interleaved in rounds, each setting's fastest step
+    over all its rounds asserted within 10% of the fastest fitting hand-picked setting's
+    (contention only adds time, so the fastest step is what the setting costs; the median of the
+    per-round ratios of each run's fastest step moved 10% with the same flags: printed, not
+    asserted)."""
     runs = RUN[:-1] + ["12"]
     hand = {i: [] for i in range(len(HAND))}
     for i, h in enumerate(HAND):  # round 0 of the hand-picked settings: their (deterministic) peaks
@@ -105,6 +107,7 @@ def test_five_budgets_within_the_limit_and_near_the_best_hand_picked(tmp_path):
         fits = [i for i in range(len(HAND)) if peaks[i] <= budget]
         best = min(fits, key=lambda i: statistics.median(cpu(hand[i])))
         ratios = [a / h for a, h in zip(cpu(got), cpu(hand[best]))]
+        fastest = min(cpu(got)) / min(cpu(hand[best]))
         policy = [line for line in got[0]["log"].splitlines() if "adaptive memory policy" in line][0]
         print(f"budget {budget / 2**20:.1f} MiB: policy {policy.split('flags: ')[-1]} at "
               f"{got[0]['peak_mem_bytes'] / 2**20:.1f} MiB: CPU ms/step fastest {_spread(cpu(got))}, median "
@@ -112,9 +115,11 @@ def test_five_budgets_within_the_limit_and_near_the_best_hand_picked(tmp_path):
               f"best hand-picked that fits: {' '.join(HAND[best]) or '(none)'} at {peaks[best] / 2**20:.1f} MiB: "
               f"CPU fastest {_spread(cpu(hand[best]))}, median {_spread(cpu_median(hand[best]))}, wall median "
               f"{_spread(wall(hand[best]))}; CPU ratio per round "
-              f"{', '.join(f'{x:.3f}' for x in ratios)}; load {os.getloadavg()[0]:.1f}", flush=True)
-        if statistics.median(ratios) > 1.10:
-            failures.append(f"budget {budget / 2**20:.1f} MiB: median CPU ratio {statistics.median(ratios):.3f}")
+              f"{', '.join(f'{x:.3f}' for x in ratios)} (median {statistics.median(ratios):.3f}); fastest step over "
+              f"all rounds {min(cpu(got)):.1f} / {min(cpu(hand[best])):.1f} = {fastest:.3f}; load "
+              f"{os.getloadavg()[0]:.1f}", flush=True)
+        if fastest > 1.10:
+            failures.append(f"budget {budget / 2**20:.1f} MiB: fastest step {fastest:.3f} of the best hand-picked's")
     for i, h in enumerate(HAND):
         print(f"hand {' '.join(h) or '(none)'}: {peaks[i] / 2**20:.1f} MiB, CPU fastest {_spread(cpu(hand[i]))}, "
               f"median {_spread(cpu_median(hand[i]))}, wall median {_spread(wall(hand[i]))}", flush=True)
