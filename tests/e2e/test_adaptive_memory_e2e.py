@@ -7,7 +7,7 @@ losses bit-identical to the plain run's (fp32, dropout 0: recompute changes no v
 `npuspeed plan` shows the policy without training. Slow (`make bench`): five budgets between
 the all-recompute peak and the plain peak, each run under its own limit, never above it, its
 per-step CPU time against the fastest hand-picked setting of the recompute flags that fits
-(interleaved rounds, medians; never wall time, which other work on the host moves).
+(interleaved rounds, each setting's fastest step; never wall time, which other work on the host moves).
 """
 from __future__ import annotations
 
