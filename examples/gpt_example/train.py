@@ -363,6 +363,10 @@ def _train(args, progress) -> dict:
         "mean_step_ms": mean_ms,
         # rank 0's process CPU time per step (first iteration left out, as for mean_step_ms)
         "mean_step_cpu_ms": sum(cpu_times[1:] or cpu_times) / max(len(cpu_times[1:] or cpu_times), 1),
+        # rank 0's process CPU time per iteration, and its median without the first (what a
+        # shared host's other work moves least: benchmarks and slow tests compare these)
+        "step_cpu_ms": cpu_times,
+        "median_step_cpu_ms": statistics.median(cpu_times[1:] or cpu_times) if cpu_times else 0.0,
         "tokens_per_s": tokens_per_iter / (mean_ms / 1000.0) if mean_ms else 0.0,
         "peak_mem_bytes": int(_max_over_ranks(max(run_peak, acc.max_memory_allocated()))),
         # the optimizer step's own peak (largest over iterations and ranks): what masters,

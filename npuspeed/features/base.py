@@ -40,6 +40,9 @@ class PlanEffect:
     #: (--swap-optimizer): {"frees": bool, "masters": bool, "window_bytes": int held during the
     #: step, "link_bytes_per_s": float, "overlapped": bool (copies hidden behind the update)}
     swap_optimizer: dict = field(default_factory=dict)
+    #: --swap-modules names whose saved activations are kept in host memory between forward
+    #: and backward (npuspeed/plan/ops.py SWAP_PARTS); empty where the host is the device
+    swap_modules: tuple = ()
     #: one line for the plan: what it removes or costs
     summary: str = ""
 

@@ -1,18 +1,22 @@
-"""The adaptive memory policy: per layer keep / norm recompute / activation recompute / full
-recompute, chosen by the planner for a per-rank device budget (`--adaptive-recompute-device-size`).
+"""The adaptive memory policy: per layer keep / norm recompute / activation recompute / swap /
+full recompute, chosen by the planner for a per-rank device budget (`--adaptive-recompute-device-size`).
 
 The candidates are what the features and Megatron apply per pipeline stage, counted from each
 stage's first layer: full recompute of the first F layers (Megatron's block method) or
 Megatron's selective recompute of core attention in every layer (its granularity is one value),
-with activation-function recompute and norm recompute of the first A and R layers after F. Each
-is planned (npuspeed/plan/memory.py, the same replay `npuspeed plan` prints, within a few per
-cent of measured peaks); those whose predicted peak stays under the budget less a safety
-margin are ranked by predicted step time: the calibrated profile's when the run names one
-(`--profile`), else the work each recompute adds (a layer's forward FLOPs for full recompute,
-the activation's and the norms' elementwise passes) at one rate, which ranks them the same way.
-Swap is not a candidate where the host is the device (CPU); on a device it is not modeled yet.
-The choice is returned as explicit flags, so the run, `npuspeed plan` and `npuspeed report`
-all see the same configuration.
+with activation-function recompute and norm recompute of the first A and R layers after F, and,
+with `--adaptive-memory-optimization` on a device backend, `--swap-attention` of every layer
+not fully recomputed (on CPU the host is the device: a swap frees nothing, so it is no
+candidate, and the policy says so). Each is planned (npuspeed/plan/memory.py, the same replay
+`npuspeed plan` prints, within a few per cent of measured peaks); those whose predicted peak
+stays under the budget less a safety margin are ranked by predicted step time: the calibrated
+profile's when the run names one (`--profile`), else the seconds each recompute adds by
+recompute_cost.py's roofline of the planner's op graph (matmul FLOPs, bytes moved and op
+calls at the backend's nominal rates: a FLOPs count alone priced Megatron's memory-bound
+selective core-attention recompute at under half a layer's recompute where it costs about
+two thirds on this CPU host); a swap adds its copies' time not hidden behind the layer's
+compute. The choice is returned as explicit flags, so the run, `npuspeed plan` and `npuspeed
+report` all see the same configuration.
 """
 from __future__ import annotations
 
@@ -22,6 +26,8 @@ from npuspeed.errors import UserError
 
 MAIN = "--adaptive-recompute-device-size"
 OPT = "--adaptive-memory-optimization"
+#: added with --swap-attention when the policy chose it (the flag given by a user is refused)
+SWAP_MARK = "--adaptive-swap"
 #: the predicted peak must stay this far under the budget (the planner's largest error on the
 #: README's configurations is -2.4% for dense models)
 MARGIN = 0.05
@@ -44,7 +50,9 @@ class Policy:
     budget: int  # bytes
     timed: bool  # cost is the profile's step time
     selective: bool = False  # Megatron's selective recompute of core attention, every layer
-
+    swap: bool = False  # --swap-attention (the attention block's saves to host) on the other layers
+    #: why swap is not a candidate here ("" where it is)
+    no_swap: str = ""
 
     def flags(self) -> list[str]:
         out = []
@@ -58,6 +66,8 @@ class Policy:
                     str(self.full + self.activation)]
         if self.norm:
             out += ["--recompute-norm", "--recompute-norm-num-layers", str(self.full + self.norm)]
+        if self.swap:
+            out += ["--swap-attention", SWAP_MARK]
         return out
 
     def describe(self) -> str:
@@ -66,7 +76,9 @@ class Policy:
         parts = [f"full recompute {f}", f"activation recompute {a}", f"norm recompute {r}", f"keep all {keep}",
                  f"core attention recompute (selective) {'all' if self.selective else 0}"]
         return (f"of {L} layers per stage: " + ", ".join(parts) + f" (first layers first); predicted peak "
-                f"{self.peak / 2**20:.1f} MiB of {self.budget / 2**20:.1f} MiB; swap: not chosen")
+                f"{self.peak / 2**20:.1f} MiB of {self.budget / 2**20:.1f} MiB; swap: "
+                + (f"attention block of the other {L - f} layers to host memory" if self.swap else
+                   self.no_swap or "not chosen"))
 
 
 def _value(argv: list[str], flag: str):
@@ -99,19 +111,9 @@ def _grid(n: int) -> list[int]:
     return sorted(set(list(range(0, n + 1, step)) + [n]))
 
 
-def _work(spec, f: int, a: int, r: int, selective: bool = False) -> float:
-    """Seconds-like work the recomputes add per micro-batch and stage (one rate for all)."""
-    from npuspeed.plan.dims import dims
-    from npuspeed.plan.speed import layer_flops
-
-    d = dims(spec)
-    full = layer_flops(spec) / 3  # the layer's forward again
-    act = 8.0 * d.tokens * d.ffn * d.glu  # the activation's elementwise forward
-    norm = 2 * 8.0 * d.tokens * d.hidden  # two norms
-    # selective: the S x S scores, softmax and context again in every layer
-    # (the S x S matmuls counted as layer_flops counts them, plus the softmax's elementwise passes)
-    core = (2 * d.batch * d.heads * d.seq * d.seq * d.head_dim + 5.0 * d.scores) if selective else 0.0
-    return f * full + a * act + r * norm + spec.layers_per_chunk() * spec.layout.chunks * core
+def _work(costs, n: int, f: int, a: int, r: int, selective: bool = False) -> float:
+    """Seconds the recomputes add per micro-batch and stage (recompute_cost.py's roofline)."""
+    return f * costs.full + a * costs.act + r * costs.norm + (n * costs.core if selective else 0.0)
 
 
 def choose(argv: list[str], world: int | None = None) -> Policy:
@@ -130,7 +132,7 @@ def choose(argv: list[str], world: int | None = None) -> Policy:
     given = [f for f in OWNED if f in argv or any(a.startswith(f + "=") for a in argv)]
     if given:
         raise AdaptiveError(f"{MAIN} chooses recompute itself: drop {', '.join(given)} (or drop {MAIN})")
-    if "--swap-attention" in argv:
+    if "--swap-attention" in argv or SWAP_MARK in argv:
         raise AdaptiveError(f"--swap-attention with {MAIN}: the adaptive policy chooses swap itself (MindSpeed refuses "
                             "the pair too); drop --swap-attention")
     base = _without(argv)
@@ -148,28 +150,48 @@ def choose(argv: list[str], world: int | None = None) -> Policy:
     spec = first.spec
     n = spec.layers_per_chunk() * spec.layout.chunks
     timed = first.speed is not None
+    from npuspeed.plan.planner import _device
+    from npuspeed.plan.recompute_cost import layer_costs, swap_seconds, swap_unavailable
+
+    backend = _device(base).name
+    costs = layer_costs(spec, first.effects, backend)
+    mbs = spec.batch.num_microbatches(spec.layout.dp)
+    no_swap = swap_unavailable(backend) or ("" if OPT in argv else f"not considered (add {OPT})")
     best, smallest = None, None
     grid = _grid(n)
     # Megatron's recompute granularity is one value: block full recompute of the first F layers,
-    # or selective (core attention) in every layer; activation and norm recompute go with either
+    # or selective (core attention) in every layer; activation and norm recompute go with either;
+    # swap of the attention block applies to every layer not fully recomputed (those save nothing)
     shapes = [(f, False) for f in grid] + [(0, True)]
-    for f, sel in shapes:
-        for a in [x for x in grid if x <= n - f]:
-            for r in [x for x in grid if x <= n - f]:
-                cand = Policy(f, a, r, n, 0, 0.0, budget, timed, sel)
-                p = first if not (f or a or r or sel) else plan(base + cand.flags(), with_removes=False)
-                if not p.ok:
-                    continue
-                cand.peak = p.peak
-                cand.cost = p.speed.step_ms if timed else _work(p.spec, f, a, r, sel)
-                if smallest is None or cand.peak < smallest.peak:
-                    smallest = cand
-                if cand.peak <= budget * (1 - MARGIN) and (best is None or (cand.cost, cand.peak) < (best.cost, best.peak)):
-                    best = cand
+    for swap in ([False] if no_swap else [False, True]):
+        for f, sel in shapes:
+            if swap and f == n:
+                continue
+            for a in [x for x in grid if x <= n - f]:
+                for r in [x for x in grid if x <= n - f]:
+                    cand = Policy(f, a, r, n, 0, 0.0, budget, timed, sel, swap, no_swap)
+                    p = first if not cand.flags() else plan(base + cand.flags(), with_removes=False)
+                    if not p.ok:
+                        continue
+                    cand.peak = p.peak
+                    extra = 0.0
+                    if swap:
+                        per_layer = max(rank.swapped_per_layer for rank in p.ranks)
+                        if not per_layer:
+                            continue
+                        extra = (n - f) * swap_seconds(costs, per_layer)
+                    cand.cost = p.speed.step_ms + extra * mbs * 1e3 if timed else _work(costs, n, f, a, r, sel) + extra
+                    if smallest is None or cand.peak < smallest.peak:
+                        smallest = cand
+                    if cand.peak <= budget * (1 - MARGIN):
+                        if best is None or (cand.cost, cand.peak) < (best.cost, best.peak):
+                            best = cand
+                        break  # more norm recompute only costs more (the grid's r ascends)
     if best is None:
         need = smallest.peak / (1 - MARGIN) / 2**20
         raise AdaptiveError(f"{MAIN} {budget_mib:g}: nothing fits; the least memory (full recompute {smallest.full}, "
-                            f"activation {smallest.activation}, norm {smallest.norm} of {n} layers) is predicted at "
+                            f"activation {smallest.activation}, norm {smallest.norm} of {n} layers"
+                            f"{', swap' if smallest.swap else ''}) is predicted at "
                             f"{smallest.peak / 2**20:.1f} MiB per rank: give at least {need:.1f} (MiB, with the "
                             f"{MARGIN:.0%} margin) or more ranks")
     return best

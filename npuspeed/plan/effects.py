@@ -27,6 +27,9 @@ class Effects:
     comm_per_layer: dict = field(default_factory=dict)
     #: --swap-optimizer's effect (PlanEffect.swap_optimizer); empty when off
     swap_optimizer: dict = field(default_factory=dict)
+    #: --swap-modules names whose saved activations leave the device (empty: no swap or the host
+    #: is the device)
+    swap_modules: tuple = ()
     #: (feature name, summary) of every enabled feature with an effect
     summaries: list = field(default_factory=list)
     features: list = field(default_factory=list)
@@ -53,6 +56,12 @@ def check(name: str, effect) -> None:
     for dim in (*effect.overlap, *effect.comm_per_layer):
         if dim not in ("tp", "dp", "pp", "cp", "ep"):
             raise PlanEffectError(f"feature {name}: overlap or communication of unknown dimension {dim!r}")
+    from npuspeed.plan.ops import SWAP_PARTS
+
+    for module in effect.swap_modules:
+        if module not in SWAP_PARTS:
+            raise PlanEffectError(f"feature {name}: swapped module {module!r} is not one the planner models "
+                                  f"({', '.join(SWAP_PARTS)})")
     for key in effect.options:
         if key not in OPTIONS:
             raise PlanEffectError(f"feature {name}: plan option {key!r} is not one the planner reads ({OPTIONS})")
@@ -85,6 +94,7 @@ def collect(spec, ctx, features) -> Effects:
         out.variant_layers.update(effect.variant_layers)
         if effect.master_bytes_per_param is not None:
             out.master_bytes = effect.master_bytes_per_param
+        out.swap_modules = tuple(dict.fromkeys(out.swap_modules + tuple(effect.swap_modules)))
         out.kernels.update(effect.kernels)
         out.swap_optimizer.update(effect.swap_optimizer)
         out.options.update(effect.options)

@@ -15,6 +15,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+#: storages under this many bytes stay on the device under --swap-attention (its MIN_BYTES)
+SWAP_MIN_BYTES = 16 * 1024
+
 
 @dataclass
 class Op:
@@ -41,6 +44,10 @@ class Op:
     grad_in_saved: bool = False
     #: the breakdown term this op's saved tensors count under
     term: str = ""
+    #: layer whose swapped module (--swap-attention) this op runs in (-1: none): a tensor
+    #: only such ops of one layer save leaves the device after its last forward reader and
+    #: comes back when backward reaches that layer's module, with the layer below's (prefetch)
+    swap: int = -1
 
 
 @dataclass
@@ -66,6 +73,8 @@ class Replay:
     bwd_peak: int
     #: saved bytes by breakdown term
     by_term: dict
+    #: bytes swapped to the host per layer (--swap-attention on a device backend)
+    swapped: dict = field(default_factory=dict)
 
 
 def _sizes(graph: Graph):
@@ -93,6 +102,13 @@ def replay(graph: Graph, output_grad: int = 0) -> Replay:
             last_read[root(name)] = i
         for name in op.saves:
             saved_by.setdefault(root(name), []).append(i)
+    # swapped: saved only by ops of one layer's swapped module -> that layer
+    swapped_root = {}
+    for r, ix in saved_by.items():
+        layers = {graph.ops[i].swap for i in ix}
+        if len(layers) == 1 and min(layers) >= 0 and size.get(r, 0) >= SWAP_MIN_BYTES and r not in graph.inputs:
+            swapped_root[r] = layers.pop()
+    swap_layers = sorted(set(swapped_root.values()))
     last_output = None
     if graph.ops:
         outs = [n for n in graph.ops[-1].outputs]
@@ -109,14 +125,15 @@ def replay(graph: Graph, output_grad: int = 0) -> Replay:
                 cur += nbytes
         peak = max(peak, cur + op.fwd_temp)
         for name in list(alive):
-            if name in saved_by or name == last_output:
+            if name in saved_by and name not in swapped_root or name == last_output:
                 continue
             made = producer.get(name, -1)
-            if last_read.get(name, made) <= i:
+            done = max(last_read.get(name, made), max(saved_by.get(name, [made])))
+            if done <= i:
                 cur -= alive.pop(name)
         for name in op.saves:
             r = root(name)
-            if r in alive and saved_by[r][0] == i and op.term:
+            if r in alive and r not in swapped_root and saved_by[r][0] == i and op.term:
                 by_term[op.term] = by_term.get(op.term, 0) + alive[r]
     held_end = cur
     if last_output in alive and last_output not in saved_by:
@@ -132,8 +149,29 @@ def replay(graph: Graph, output_grad: int = 0) -> Replay:
         cur += output_grad
     bpeak = cur
     first_saver = {r: min(ix) for r, ix in saved_by.items()}
+    swapped = {}
+    for r, layer in swapped_root.items():
+        swapped[layer] = swapped.get(layer, 0) + size.get(r, 0)
+    fetched = set()
+
+    def fetch(layer):
+        nonlocal cur
+        if layer in fetched:
+            return
+        fetched.add(layer)
+        for r, lay in swapped_root.items():
+            if lay == layer:
+                alive[r] = size.get(r, 0)
+                cur += alive[r]
+
     for i in range(len(graph.ops) - 1, -1, -1):
         op = graph.ops[i]
+        if op.swap >= 0 and op.swap in swapped:  # the layer's first unpack: it, and the layer below ahead
+            fetch(op.swap)
+            below = [layer for layer in swap_layers if layer < op.swap]
+            if below:
+                fetch(below[-1])
+            bpeak = max(bpeak, cur)
         live_out = [n for n in op.outputs if n in grads]
         if live_out:
             wanted = op.grad_inputs if op.grad_inputs is not None else op.inputs
@@ -164,4 +202,4 @@ def replay(graph: Graph, output_grad: int = 0) -> Replay:
         for r, first in first_saver.items():
             if first == i and r in alive:
                 cur -= alive.pop(r)
-    return Replay(held=held, fwd_peak=fwd_peak, bwd_peak=max(bpeak - start, 0), by_term=by_term)
+    return Replay(held=held, fwd_peak=fwd_peak, bwd_peak=max(bpeak - start, 0), by_term=by_term, swapped=swapped)

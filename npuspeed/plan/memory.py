@@ -38,6 +38,10 @@ class RankMemory:
     #: bytes --swap-optimizer keeps in host memory instead of on the device between steps
     #: (0 when off, and on the CPU backend, where the host is the device)
     swapped_optimizer: int = 0
+    #: --swap-attention: bytes one micro-batch's chunk swaps to the host (largest chunk), and
+    #: its largest layer's share
+    swapped_per_microbatch: int = 0
+    swapped_per_layer: int = 0
 
     def as_dict(self) -> dict:
         return {k: v for k, v in self.__dict__.items()}
@@ -87,6 +91,9 @@ def chunk_graph(spec: RunSpec, effects, pp_rank: int, chunk: int) -> Graph:
     else:
         for i in range(n):
             x = ops.layer_ops(g, d, m, x, i, variants, i in rc_layers, opts, i in rn_layers)
+    if effects.swap_modules:  # --swap-attention on a device backend: the chosen modules' saves leave
+        for op in g.ops:
+            op.swap = ops.swap_layer(op.name, effects.swap_modules)
     if last:
         ops.head_ops(g, d, m, x, variants)
     else:
@@ -165,6 +172,8 @@ def rank_memory(spec: RunSpec, effects, pp_rank: int) -> RankMemory:
         activation_per_microbatch=[r.held for r in replays], activation_per_layer=per_layer,
         in_flight=top_count, activation_peak=top, step_peak=step_peak,
         peak=max(base + top, step_peak), activation_terms=terms, swapped_optimizer=swapped,
+        swapped_per_microbatch=max((sum(r.swapped.values()) for r in replays), default=0),
+        swapped_per_layer=max((v for r in replays for v in r.swapped.values()), default=0),
     )
 
 

@@ -31,6 +31,25 @@ VARIANTS = {
     "norm_output": ("keep", "recompute"),
     "head": ("unfused", "chunked"),
 }
+#: --swap-modules name -> the parts of layer_ops' op names ("l{i}.<part>...") its module runs
+SWAP_PARTS = {
+    "input_norm": ("n1",),
+    "self_attention": ("qkv", "split", "rope_q", "rope_k", "expand", "ctx", "proj"),
+    "core_attention": ("ctx",),
+    "post_attention_norm": ("n2",),
+    "mlp": ("fc1", "fc1b", "glu", "act", "fc2"),  # a MoE layer's ops are named l{i}.fc2.*
+}
+
+
+def swap_layer(op_name: str, modules) -> int:
+    """The layer index of a layer op run inside one of the swapped `modules`, else -1."""
+    head, _, rest = op_name.partition(".")
+    if not head.startswith("l") or not head[1:].isdigit():
+        return -1
+    part = rest.split(".", 1)[0]  # (a module's bias/dropout/add is named for its output, x1/out)
+    return int(head[1:]) if any(part in SWAP_PARTS[m] for m in modules) else -1
+
+
 #: settings a PlanEffect may give with its variants (PlanEffect.options)
 OPTIONS = ("cp_ulysses", "cp_ring", "moe_ep", "moe_etp", "moe_grouped", "moe_chunks")
 

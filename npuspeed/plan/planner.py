@@ -53,6 +53,12 @@ class PlannedDevice:
     def has_mc2(self) -> bool:
         return self.name == "npu"
 
+    def host_is_device(self) -> bool:
+        return False
+
+    def has_pinned_memory(self) -> bool:
+        return True
+
 
 def _device(argv: list[str]):
     from npuspeed.accelerator import get_accelerator

@@ -68,6 +68,10 @@ def text(p) -> str:
     terms = max(p.ranks, key=lambda r: r.peak).activation_terms
     lines.append("activations of one micro-batch by kind (largest stage): " +
                  ", ".join(f"{k} {_mib(v)}" for k, v in sorted(terms.items(), key=lambda kv: -kv[1])))
+    swapped = max(p.ranks, key=lambda r: r.peak)
+    if swapped.swapped_per_microbatch:
+        lines.append(f"swapped to host memory (--swap-attention): {_mib(swapped.swapped_per_microbatch)} a micro-batch, "
+                     f"{_mib(swapped.swapped_per_layer)} a layer (not in the figures above)")
     if p.effects.summaries:
         lines.append("")
         lines.append("features:")

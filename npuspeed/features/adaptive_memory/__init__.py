@@ -28,12 +28,16 @@ class AdaptiveMemoryFeature(Feature):
     def add_arguments(self, group) -> None:
         group.add_argument(MAIN, type=float, default=None, metavar="MB",
                            help="Device memory budget per rank in MiB: choose per layer keep / norm recompute / "
-                                "activation recompute / full recompute to fit it at the least predicted step time.")
+                                "activation recompute / full recompute (and, with "
+                                f"{OPT} on a device backend, attention swap) to fit it at the least predicted "
+                                "step time.")
         group.add_argument(OPT, action="store_true",
                            help=f"With {MAIN}: also consider swapping attention activations to host memory "
                                 "where the backend gains from it (not on CPU, where the host is the device).")
         group.add_argument("--adaptive-policy", type=str, default=None, help="(set by npuspeed: the chosen policy)",
                            dest="adaptive_policy")
+        group.add_argument("--adaptive-swap", action="store_true",
+                           help="(set by npuspeed with --swap-attention: the policy chose the swap)")
 
     def enabled(self, args) -> bool:
         return getattr(args, "adaptive_recompute_device_size", None) is not None or bool(
@@ -46,7 +50,7 @@ class AdaptiveMemoryFeature(Feature):
             raise FeatureError(f"{OPT} is given without {MAIN}; add {MAIN} MB (the device budget per rank)")
         if size <= 0:
             raise FeatureError(f"{MAIN} must be a positive number of MiB, got {size:g}")
-        if getattr(args, "swap_attention", False):
+        if getattr(args, "swap_attention", False) and not getattr(args, "adaptive_swap", False):
             raise FeatureError(f"--swap-attention with {MAIN}: the adaptive policy chooses swap itself (MindSpeed "
                                "refuses the pair too); drop --swap-attention")
         if not getattr(args, "adaptive_policy", None):

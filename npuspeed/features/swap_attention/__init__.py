@@ -51,7 +51,8 @@ class SwapAttentionFeature(Feature):
         if "mlp" in names and getattr(args, "recompute_activation_function", False):
             raise FeatureError(f"{MODS} mlp with --recompute-activation-function: the recompute frees the "
                                "activation the swap would copy; drop one of them")
-        if getattr(args, "adaptive_recompute_device_size", None) is not None:
+        if getattr(args, "adaptive_recompute_device_size", None) is not None and not getattr(args, "adaptive_swap",
+                                                                                                False):
             raise FeatureError(f"{MAIN} with --adaptive-recompute-device-size: the adaptive policy chooses swap "
                                f"itself (MindSpeed refuses the pair too); drop {MAIN}")
         acc = ctx.accelerator
@@ -73,10 +74,14 @@ class SwapAttentionFeature(Feature):
     def plan_effect(self, model, ctx):
         from npuspeed.features.base import PlanEffect
 
-        where = ("the host is the device here: nothing leaves it" if ctx.accelerator.host_is_device() else
-                 "not modeled yet: the plan counts the swapped activations as held (an upper bound)")
-        return PlanEffect(summary=f"{MAIN}: saved activations of {', '.join(parse_modules(ctx.args.swap_modules))} "
-                                  f"copied to host memory; {where}")
+        names = parse_modules(ctx.args.swap_modules)
+        if ctx.accelerator.host_is_device():
+            return PlanEffect(summary=f"{MAIN}: saved activations of {', '.join(names)} copied to host memory; the "
+                                      "host is the device here: nothing leaves it")
+        return PlanEffect(swap_modules=tuple(names),
+                          summary=f"{MAIN}: saved activations of {', '.join(names)} kept in host memory between "
+                                  "forward and backward; on the device: the layer in backward and the one fetched "
+                                  "ahead")
 
     def path(self, ctx) -> str:
         args = ctx.args
