@@ -192,9 +192,10 @@ class LinearCrossEntropy(torch.autograd.Function):
         dh32 = torch.zeros(h.shape, dtype=torch.float32, device=h.device) if need_h else None
         one_block = block >= n
         nonneg = bool((g >= 0).all())
-        # one token block: each weight chunk's gradient is written once, in the weight's dtype
-        # from an fp32 product where the device has one; several: accumulated in fp32
-        dw = (torch.empty_like(weight) if one_block and weight.dtype == torch.float32 else
+        # one token block: each weight chunk's gradient is one matmul over all tokens, written
+        # once in the weight's dtype (as Megatron's one weight-gradient matmul rounds it); several
+        # blocks: accumulated in fp32
+        dw = (torch.empty_like(weight) if one_block and weight.dtype == h.dtype else
               torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)) if need_w else None
         buf = torch.empty(block * width, dtype=h.dtype, device=h.device)
         buf32 = buf if h.dtype == torch.float32 else torch.empty(block * width, dtype=torch.float32, device=h.device)
