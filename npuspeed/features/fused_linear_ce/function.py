@@ -89,13 +89,15 @@ LOG2E = 1.4426950408889634
 
 
 def _exp_(x: torch.Tensor) -> torch.Tensor:
-    """exp in place, as exp2 of x * log2(e): on the README's CPU (torch 2.13, AVX512) torch.exp
-    costs about 0.9 ms per million fp32 values and the scale + exp2 about 0.45 ms (measured
-    per million at -100 to 0; exp itself 30x slower where its results are subnormal). The exp
-    of every logit, twice per call, is the largest elementwise cost here. The extra rounding of
-    the scaled exponent is within 1e-6 of exp relative to the result for |x| <= 20 (the terms
-    that matter in a sum of exps)."""
-    return x.mul_(LOG2E).exp2_()
+    """exp in place. On CPU as exp2 of x * log2(e): on the README's CPU (torch 2.13, AVX512)
+    torch.exp costs about 0.9 ms per million fp32 values and the scale + exp2 about 0.45 ms
+    (inputs -100 to 0; exp is 30x slower still where its results are subnormal), and the exp
+    of every logit, twice per call, is the largest elementwise cost of the tiles. The extra
+    rounding of the scaled exponent keeps it within about 1e-6 of exp, relative to the result,
+    for |x| <= 20 (the terms that matter in a sum of exps). Elsewhere torch.exp (not measured)."""
+    if x.device.type == "cpu":
+        return x.mul_(LOG2E).exp2_()
+    return x.exp_()
 
 
 def _in_tile(tgt: torch.Tensor, own: torch.Tensor, v0: int, v1: int) -> tuple[torch.Tensor, torch.Tensor]:
