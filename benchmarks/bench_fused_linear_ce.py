@@ -2,6 +2,7 @@
 backward) as Megatron runs it vs --use-fused-linear-cross-entropy's tiles.
 
     python benchmarks/bench_fused_linear_ce.py [--cases 1024x64x65536 1024x512x32768] [--dtypes fp32 bf16]
+    python benchmarks/bench_fused_linear_ce.py --e2e [--layouts tp1 tp2 tp2sp] [--rounds 3] [--iters 12]
 
 Case TOKENSxHIDDENxVOCAB on a 1-rank gloo group. Baseline: `matmul(h, W^T)` then Megatron's
 `vocab_parallel_cross_entropy`, backward with a per-token gradient; feature: the chunked
@@ -9,6 +10,14 @@ function with the default tile. Besides the harness's wall-time median and step 
 median of the process CPU time is reported (`cpu_speedup`): on a shared CPU host the wall time
 moves with other load. `auto_picks` is the path --fused-linear-cross-entropy-fallback auto
 takes at that shape (its own once-per-shape trial).
+
+`--e2e`: the issue's acceptance case, whole training steps of examples/pretrain_gpt.py with a 64k
+vocabulary (fused_linear_ce_steps.py), flag off and on alternating for --rounds rounds per layout (TP1, TP2,
+TP2 + sequence parallel) and dtype. The speed figure is tokens per CPU-second of the step: the
+sum over ranks of each rank's median step CPU time (`median_step_cpu_ms_per_rank`, first
+iteration left out). Taking the process CPU time of whole runs instead (long run minus short
+run) leaves each run's start-up in the difference: on this host that moved identical runs by
+up to 25%.
 """
 from __future__ import annotations
 
@@ -62,7 +71,17 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--cases", nargs="+", default=["1024x64x65536", "1024x512x32768"])
     parser.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=sorted(DTYPES))
+    parser.add_argument("--e2e", action="store_true", help="whole training steps of the example (fused_linear_ce_steps.py)")
+    parser.add_argument("--layouts", nargs="+", default=["tp1", "tp2", "tp2sp"])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--iters", type=int, default=12)
+    parser.add_argument("--fallback", choices=["never", "auto"], default="never")
     args = parser.parse_args()
+    if args.e2e:
+        from fused_linear_ce_steps import run_layouts
+
+        run_layouts(args)
+        return
     state = init_single_rank_megatron(["--use-fused-linear-cross-entropy"])
     from npuspeed.features.fused_linear_ce.choice import PathChooser
 

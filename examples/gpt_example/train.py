@@ -234,12 +234,12 @@ def _max_over_ranks(value: float) -> float:
     return float(t.item())
 
 
-def _per_rank(value: float) -> list[int]:
+def _per_rank(value: float, cast=int) -> list:
     """Every rank's value, in rank order (for comparing each rank with `npuspeed plan`)."""
     t = torch.zeros(torch.distributed.get_world_size(), dtype=torch.float64, device=_collective_device())
     t[torch.distributed.get_rank()] = value
     torch.distributed.all_reduce(t)
-    return [int(x) for x in t.tolist()]
+    return [cast(x) for x in t.tolist()]
 
 
 def log_line(it, args, step_ms, lr, loss, grad_norm, peak, tokens_per_s, skipped) -> str:
@@ -367,6 +367,10 @@ def _train(args, progress) -> dict:
         # shared host's other work moves least: benchmarks and slow tests compare these)
         "step_cpu_ms": cpu_times,
         "median_step_cpu_ms": statistics.median(cpu_times[1:] or cpu_times) if cpu_times else 0.0,
+        # every rank's median process CPU time per step (first iteration left out), rank order:
+        # their sum is the step's CPU cost on a host whose other load makes wall time noisy
+        "median_step_cpu_ms_per_rank": _per_rank(
+            statistics.median(cpu_times[1:] or cpu_times) if cpu_times else 0.0, float),
         "tokens_per_s": tokens_per_iter / (mean_ms / 1000.0) if mean_ms else 0.0,
         "peak_mem_bytes": int(_max_over_ranks(max(run_peak, acc.max_memory_allocated()))),
         # the optimizer step's own peak (largest over iterations and ranks): what masters,

@@ -22,6 +22,8 @@ def test_readme_example_trains(tmp_path):
     assert run["world_size"] == 2 and run["peak_mem_bytes"] > 0
     assert run["tokens_per_s"] > 0 and run["mean_step_ms"] > 0
     assert len(run["step_ms"]) == 10 and min(run["step_ms"][1:]) <= run["median_step_ms"] <= max(run["step_ms"][1:])
+    cpu = run["median_step_cpu_ms_per_rank"]  # every rank's median step CPU time, in rank order
+    assert len(cpu) == 2 and all(x > 0 for x in cpu)
     assert "elapsed time per iteration (ms)" in run["log"] and "lm loss" in run["log"]
     # TFLOP/s per rank: Megatron-LM's count (vocabulary 258 padded to 128 x TP) over the mean step and 2 ranks
     from megatron_flops_by_hand import megatron_args, megatron_by_hand

@@ -2,8 +2,8 @@
 
 The chunked path computes the logits twice (forward, and again in backward) where Megatron
 computes them once and keeps them. Where the logits matmul is cheap next to the memory
-traffic of [tokens, V] fp32 tensors (a small hidden size) the two are about even on CPU (0.9x
-to 1.1x measured, README); where the matmul dominates (a large hidden size on CPU) the extra
+traffic of [tokens, V] fp32 tensors (a small hidden size) the tiles win on CPU (about 1.1x to
+1.3x at hidden 64, README); where the matmul dominates (a large hidden size on CPU) the extra
 matmul can cost up to a third of the head's time. So, as fused attention does for its
 fallback, both run forward + backward once per (device, dtype, tokens, hidden, V/TP) on local
 random inputs of at most TRIAL_TOKENS tokens (no collectives: the same bounded trial on every
