@@ -251,6 +251,29 @@ def test_auto_keeps_the_tiles_while_at_least_095x(megatron_mp, with_features, mo
         assert any("measured faster" in n and "chunked 1200.0 ms, Megatron 1000.0 ms" in n for n in ctx.notes), ctx.notes
 
 
+def test_deterministic_mode_takes_the_tiles_without_timing(monkeypatch):
+    """--deterministic-mode: no trial decides (two runs could pick paths that round differently)."""
+    from npuspeed.features.fused_linear_ce import choice
+
+    def no_trial(*_a):
+        raise AssertionError("timed under --deterministic-mode")
+
+    monkeypatch.setattr(choice, "_trial", no_trial)
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        chooser = choice.PathChooser("auto")
+        path = chooser.choose(64, torch.zeros(64, 1, 8), torch.zeros(32, 8), None, _Acc())
+    finally:
+        torch.use_deterministic_algorithms(was)
+    assert path == choice.CHUNKED
+    assert "deterministic" in next(iter(chooser.choices.values()))["why"]
+
+
+class _Acc:
+    name = "cpu"
+
+
 def test_the_planner_drops_the_logits():
     """`npuspeed plan` with the flag: the head's [tokens, V] logits, fp32 softmax and gradient go."""
     from npuspeed.plan.planner import plan

@@ -90,6 +90,10 @@ class PathChooser:
         if key not in self.choices:
             if self.fallback == "never":
                 record = {"path": CHUNKED, "why": "--fused-linear-cross-entropy-fallback never"}
+            elif torch.are_deterministic_algorithms_enabled():
+                # the two paths round differently and a timing differs run to run (and rank
+                # to rank): the flag's own tiles, every run
+                record = {"path": CHUNKED, "why": "--deterministic-mode: not measured, the tiles run"}
             else:
                 record = self._measure(key, hidden, weight, group, acc)
             record["key"] = key
