@@ -56,5 +56,8 @@ def _worker(rank: int, port: int) -> None:
 
 
 @pytest.mark.skipif(not has_op("rms_norm"), reason="C++ op library not built")
+# CI time: the agreement hook itself is unit-tested (test_fused_choice.py); this 2-rank run of it
+# goes with `make bench`
+@pytest.mark.slow
 def test_tp_ranks_take_one_rmsnorm_kernel():
     mp.spawn(_worker, args=(free_port(),), nprocs=WORLD, join=True)
