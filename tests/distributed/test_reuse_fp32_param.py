@@ -23,10 +23,10 @@ LAYOUTS = {
 }
 
 
-# CI keeps the suite short: TP1 (TP2 runs the same code per rank), PP2 and the distributed
-# optimizer without overlap run with `make bench` (-m slow); the overlapped distributed
-# optimizer covers its code path in CI.
-SLOW = ("tp1", "pp2", "dp2-distopt")
+# CI keeps the suite short: TP1, TP2 (the same code per rank; all features on at TP2 + SP in
+# test_feature_combinations include it), PP2 and the distributed optimizer without overlap run
+# with `make bench` (-m slow); the overlapped distributed optimizer covers its code path in CI.
+SLOW = ("tp1", "tp2", "pp2", "dp2-distopt")
 
 
 @pytest.mark.parametrize("layout", [pytest.param(name, marks=pytest.mark.slow if name in SLOW else ())

@@ -44,6 +44,7 @@ def test_losses_bitwise_equal_to_the_run_without_it(layout, tmp_path):
     assert swap["losses"] == base["losses"]
 
 
+@pytest.mark.slow  # CI time: tests/unit/test_swap_optimizer.py round-trips the state dict bitwise in CI
 def test_checkpoint_with_flag_resumes_without_it(tmp_path):
     """DP2, distributed optimizer, bf16: a run with the flag saves at 4; a run without it resumes
     there and its iterations 5-8 are the flagged run's, bit for bit (so the checkpoint held the

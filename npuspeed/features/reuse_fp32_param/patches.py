@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 
 from npuspeed.features.base import FeatureError
+from npuspeed.features.optimizer_state_access import MASTER_ACCESS, register_materializing
 from npuspeed.features.reuse_fp32_param.shared_masters import SharedMasters
 
 _OPT = "megatron.core.optimizer"
@@ -60,19 +61,6 @@ def fp32_init(init):
     return __init__
 
 
-def materialized(method):
-    """Wrapper: the method sees exact fp32 masters (they stay until the next step releases)."""
-
-    @functools.wraps(method)
-    def wrapped(self, *args, **kwargs):
-        shared = getattr(self, ATTR, None)
-        if shared is not None:
-            shared.materialize()
-        return method(self, *args, **kwargs)
-
-    return wrapped
-
-
 def stepped(method):
     """Wrapper for step_with_ready_grads: materialize, step, release."""
 
@@ -89,24 +77,6 @@ def stepped(method):
     return wrapped
 
 
-# Methods that read or write main parameters, per class (checkpointing, reloads).
-_MATERIALIZING = {
-    "optimizer.Float16OptimizerWithFloat16Params": [
-        "state_dict", "sharded_state_dict", "load_state_dict", "_copy_model_params_to_main_params",
-    ],
-    "distrib_optimizer.DistributedOptimizer": [
-        "state_dict", "sharded_state_dict", "load_state_dict", "_copy_model_params_to_main_params",
-        "get_parameter_state_dp_zero", "get_parameter_state_dp_reshardable",
-        "load_parameter_state_from_dp_zero", "load_parameter_state_from_dp_reshardable",
-        "load_parameter_state_from_fs_model_space", "load_parameter_state_from_fully_reshardable",
-    ],
-}
-# Present only in newer megatron-core.
-_SINCE = {"get_parameter_state_dp_reshardable": ">=0.15", "load_parameter_state_from_dp_reshardable": ">=0.15",
-          "load_parameter_state_from_fully_reshardable": ">=0.15",
-          "load_parameter_state_from_fs_model_space": ">=0.12"}
-
-
 def register(registry, feature: str) -> None:
     registry.register(f"{_OPT}.optimizer.Float16OptimizerWithFloat16Params.__init__",
                       wrapper=float16_init, feature=feature)
@@ -115,7 +85,4 @@ def register(registry, feature: str) -> None:
     registry.register(f"{_OPT}.optimizer.FP32Optimizer.__init__", wrapper=fp32_init, feature=feature)
     registry.register(f"{_OPT}.optimizer.MixedPrecisionOptimizer.step_with_ready_grads",
                       wrapper=stepped, feature=feature)
-    for cls, methods in _MATERIALIZING.items():
-        for name in methods:
-            registry.register(f"{_OPT}.{cls}.{name}", wrapper=materialized, feature=feature,
-                              megatron=_SINCE.get(name, ">=0.12"))
+    register_materializing(registry, feature, ATTR, MASTER_ACCESS)

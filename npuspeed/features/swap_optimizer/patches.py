@@ -14,6 +14,7 @@ import contextlib
 import functools
 
 from npuspeed.features.base import FeatureError
+from npuspeed.features.optimizer_state_access import MASTER_ACCESS, STATE_ONLY_ACCESS, register_materializing
 from npuspeed.features.swap_optimizer.swapper import PREFIX, OptimizerSwap
 
 _OPT = "megatron.core.optimizer"
@@ -152,37 +153,6 @@ def copying(method):
     return wrapped
 
 
-def materialized(method):
-    """Wrapper: the method sees every master and state on the device."""
-
-    @functools.wraps(method)
-    def wrapped(self, *args, **kwargs):
-        swap = getattr(self, ATTR, None)
-        if swap is not None:
-            swap.materialize()
-        return method(self, *args, **kwargs)
-
-    return wrapped
-
-
-# Methods that read or write masters or states outside the step, per class.
-_MATERIALIZING = {
-    "optimizer.Float16OptimizerWithFloat16Params": [
-        "state_dict", "sharded_state_dict", "load_state_dict", "_copy_model_params_to_main_params",
-    ],
-    "optimizer.FP32Optimizer": ["state_dict", "sharded_state_dict", "load_state_dict"],
-    "distrib_optimizer.DistributedOptimizer": [
-        "state_dict", "sharded_state_dict", "load_state_dict", "_copy_model_params_to_main_params",
-        "get_parameter_state_dp_zero", "get_parameter_state_dp_reshardable",
-        "load_parameter_state_from_dp_zero", "load_parameter_state_from_dp_reshardable",
-        "load_parameter_state_from_fs_model_space", "load_parameter_state_from_fully_reshardable",
-    ],
-}
-_SINCE = {"get_parameter_state_dp_reshardable": ">=0.15", "load_parameter_state_from_dp_reshardable": ">=0.15",
-          "load_parameter_state_from_fully_reshardable": ">=0.15",
-          "load_parameter_state_from_fs_model_space": ">=0.12"}
-
-
 def register(registry, feature: str, accelerator, chunk_bytes: int, swap_masters: bool) -> None:
     init = built(accelerator, chunk_bytes, swap_masters)
     for cls in ("optimizer.Float16OptimizerWithFloat16Params", "optimizer.FP32Optimizer",
@@ -192,7 +162,4 @@ def register(registry, feature: str, accelerator, chunk_bytes: int, swap_masters
         registry.register(f"{_OPT}.{cls}.step_with_ready_grads", wrapper=stepping, feature=feature)
     for cls in ("optimizer.Float16OptimizerWithFloat16Params", "distrib_optimizer.DistributedOptimizer"):
         registry.register(f"{_OPT}.{cls}._copy_main_params_to_model_params", wrapper=copying, feature=feature)
-    for cls, methods in _MATERIALIZING.items():
-        for name in methods:
-            registry.register(f"{_OPT}.{cls}.{name}", wrapper=materialized, feature=feature,
-                              megatron=_SINCE.get(name, ">=0.12"))
+    register_materializing(registry, feature, ATTR, {**MASTER_ACCESS, **STATE_ONLY_ACCESS})
