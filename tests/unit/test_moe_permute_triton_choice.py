@@ -8,17 +8,11 @@ TRITON_INTERPRET=1 (set before triton is imported) and lets CPU tensors take the
 """
 from __future__ import annotations
 
-import importlib.util
-import json
-import os
-import pathlib
-import subprocess
-import sys
-
 import pytest
 import torch
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+from script_run import run_triton_script
+
 
 _SCRIPT = r"""
 import os, json, sys
@@ -71,14 +65,7 @@ print(json.dumps(result))
 @pytest.fixture(scope="module")
 def runs() -> dict:
     """Both modes (measured, forced) in one interpreter process (megatron's import is the cost)."""
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("triton is not installed here (pip install -e .[test] on Linux x86_64)")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
-           "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_triton_script(_SCRIPT)
 
 
 def test_triton_pair_is_measured_wins_and_matches_megatron(runs):

@@ -10,16 +10,10 @@ On a real CPU run the pair path is not taken (last test: the one-tensor rule run
 """
 from __future__ import annotations
 
-import importlib.util
-import json
-import os
-import pathlib
-import subprocess
-import sys
-
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+from script_run import ROOT, run_triton_script
+
 
 _SCRIPT = r"""
 import os, sys, json
@@ -93,14 +87,7 @@ print(json.dumps(result))
 @pytest.fixture(scope="module")
 def runs() -> dict:
     """Measured and forced runs in one interpreter process (megatron's import is the cost)."""
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("triton is not installed here (pip install -e .[test] on Linux x86_64)")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
-           "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT, str(ROOT)], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_triton_script(_SCRIPT, str(ROOT))
 
 
 def test_pair_kernel_is_measured_wins_and_matches_megatron(runs):
