@@ -7,6 +7,7 @@ A feature never imports the runtime or the argument parser.
 from __future__ import annotations
 
 import argparse
+import functools
 from dataclasses import dataclass, field
 
 
@@ -98,7 +99,6 @@ class Feature:
 def after_init(apply, *args):
     """A registry wrapper for a module's `__init__` (TransformerBlock's): once the module is
     built, run `apply(module, *args)` (the features that pick layers of a built block)."""
-    import functools
 
     def wrap(init):
         @functools.wraps(init)

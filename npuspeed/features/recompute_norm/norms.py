@@ -38,10 +38,11 @@ SELECTED = PREFIX + "selected"
 ATTR = "_npuspeed_recompute_norm"
 
 
-#: storage address -> weakref to a norm output this feature frees after its consumer ran (between
-#: the norm's forward and that consumer's forward hook); read by --swap-attention, which must not
-#: copy to the host what is freed and recomputed here anyway (see `frees`)
-_PENDING: dict[int, weakref.ref] = {}
+#: storage address -> a norm output this feature frees after its consumer ran (between the norm's
+#: forward and that consumer's forward hook; held weakly: a dead output drops out by itself); read
+#: by --swap-attention, which must not copy to the host what is freed and recomputed here anyway
+#: (see `frees`)
+_PENDING: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
 def frees(t: torch.Tensor) -> bool:
@@ -50,8 +51,7 @@ def frees(t: torch.Tensor) -> bool:
     if not _PENDING:
         return False
     storage = t.untyped_storage()
-    ref = _PENDING.get(storage.data_ptr())
-    out = ref() if ref is not None else None
+    out = _PENDING.get(storage.data_ptr())
     return out is not None and out.untyped_storage().data_ptr() == storage.data_ptr() and storage.nbytes() > 0
 
 
@@ -70,10 +70,7 @@ def _checkpointed(norm):
         out = checkpoint.checkpoint(functools.partial(_norm_forward, norm), x)
         setattr(norm, ATTR, checkpoint)
         if isinstance(out, torch.Tensor):
-            if len(_PENDING) > 64:  # a consumer that never ran: drop the dead entries
-                for key in [k for k, r in _PENDING.items() if r() is None]:
-                    del _PENDING[key]
-            _PENDING[out.untyped_storage().data_ptr()] = weakref.ref(out)
+            _PENDING[out.untyped_storage().data_ptr()] = out
         return out
 
     return forward

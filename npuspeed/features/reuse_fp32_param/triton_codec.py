@@ -19,6 +19,8 @@ import sys
 
 import torch
 
+from npuspeed.ops.triton._runtime import interpreting  # TRITON_INTERPRET as triton reads it
+
 #: elements per block (a multiple of 8: a block owns whole bytes of tie bits)
 BLOCK = 4096
 #: the grid is capped (Ascend launches about one program per core); programs loop beyond it
@@ -49,13 +51,6 @@ def available(device_type: str) -> bool:
     except Exception:
         return False
     return any(name in backends for name in _BACKENDS[device_type])
-
-
-def interpreting() -> bool:
-    """TRITON_INTERPRET as triton reads it (one reading for every npuspeed Triton path)."""
-    from npuspeed.ops.triton._runtime import interpreting as triton_interpreting
-
-    return triton_interpreting()
 
 
 def _kernels():

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 
 import torch
+
 from npuspeed.features.base import after_init
 
 TARGET = "megatron.core.transformer.transformer_block.TransformerBlock.__init__"
