@@ -62,7 +62,7 @@ setup(
     python_requires=">=3.11",
     install_requires=[
         "torch>=2.4",
-        "megatron-core>=0.12,<0.17",
+        "megatron-core>=0.12,<0.20",  # an installed supported release is never replaced
         "numpy",
         "packaging",
         "einops",

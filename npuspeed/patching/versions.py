@@ -21,7 +21,7 @@ from packaging.version import Version
 
 from npuspeed.errors import UserError
 
-SUPPORTED_MEGATRON = ">=0.12,<0.17"
+SUPPORTED_MEGATRON = ">=0.12,<0.20"
 
 
 class UnsupportedMegatronError(UserError, RuntimeError):
@@ -79,7 +79,7 @@ def check_supported(version: Version | None = None) -> Version:
     if Version(version.base_version) not in SpecifierSet(SUPPORTED_MEGATRON):
         raise UnsupportedMegatronError(
             f"megatron-core {version} is not supported: npuspeed supports megatron-core "
-            f"{SUPPORTED_MEGATRON} (0.12 through 0.16). Install one with "
+            f"{SUPPORTED_MEGATRON} (0.12 through 0.19; 0.17 and later need Python 3.12). Install one with "
             f"`pip install 'megatron-core{SUPPORTED_MEGATRON}'`."
         )
     return version

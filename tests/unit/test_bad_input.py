@@ -50,7 +50,7 @@ def test_megatron_outside_supported_range():
     proc = _run(code)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "npuspeed: error: megatron-core 0.11.0 is not supported" in proc.stderr
-    assert ">=0.12,<0.17" in proc.stderr and "0.12 through 0.16" in proc.stderr
+    assert ">=0.12,<0.20" in proc.stderr and "0.12 through 0.19" in proc.stderr
 
 
 def _fake_apex(root, nvidia: bool):

@@ -38,17 +38,17 @@ def test_in_range_without_megatron_is_false(monkeypatch):
     assert in_range(None) is True
 
 
-@pytest.mark.parametrize("version", ["0.11.0", "0.17.0", "0.11.9", "1.0.0"])
+@pytest.mark.parametrize("version", ["0.11.0", "0.20.0", "0.11.9", "1.0.0"])
 def test_check_supported_rejects_outside_range(version):
     with pytest.raises(UnsupportedMegatronError) as err:
         check_supported(Version(version))
     message = str(err.value)
     assert version in message
-    assert ">=0.12,<0.17" in message and "0.12 through 0.16" in message
+    assert ">=0.12,<0.20" in message and "0.12 through 0.19" in message
     assert "pip install" in message
 
 
-@pytest.mark.parametrize("version", ["0.12.0", "0.13.1", "0.16.1", "0.16.0rc0"])
+@pytest.mark.parametrize("version", ["0.12.0", "0.13.1", "0.16.1", "0.16.0rc0", "0.17.0rc0", "0.19.2"])
 def test_check_supported_accepts_in_range(version):
     assert check_supported(Version(version)) == Version(version)
 
