@@ -12,7 +12,8 @@ the EoD belongs to the document it ends; the next one starts after it). With
   Megatron-LM's `get_ltor_masks_and_position_ids` builds it (the reference path).
 
 `cp_split` cuts the batch with Megatron's own `get_batch_on_this_cp_rank` (chunks i and
-2N-1-i of the sequence).
+2N-1-i of the sequence; from megatron-core 0.18 it takes `is_hybrid_cp`, Megatron's own
+dynamic-length hybrid CP, not npuspeed's hybrid_cp_algo: False here, and needs the CP group).
 """
 from __future__ import annotations
 
@@ -83,6 +84,13 @@ def document_mask(tokens: torch.Tensor, eod: int) -> torch.Tensor:
 
 def cp_split(batch: dict) -> dict:
     """This CP rank's part of every [b, s] tensor (and of a [b, 1, s, s] mask's rows)."""
+    import inspect
+
+    from megatron.core import parallel_state
     from megatron.core.utils import get_batch_on_this_cp_rank
 
-    return get_batch_on_this_cp_rank(batch)
+    params = inspect.signature(get_batch_on_this_cp_rank).parameters
+    kwargs = {"is_hybrid_cp": False} if "is_hybrid_cp" in params else {}
+    if "cp_group" in params:  # 0.18+ would cut over the whole world without it
+        kwargs["cp_group"] = parallel_state.get_context_parallel_group()
+    return get_batch_on_this_cp_rank(batch, **kwargs)

@@ -153,6 +153,39 @@ def test_build_module_refuses_a_foreign_linear_spec(megatron_mp, with_features):
     spec_utils.build_module(ModuleSpec(module=TERowParallelLinear))  # patch undone
 
 
+def test_a_built_block_with_a_foreign_linear_is_refused(megatron_mp):  # noqa: F811
+    """From megatron-core 0.17 MLP and attention call their spec's linear class directly (no
+    build_module): the check of the built block (check_built) still finds a foreign one."""
+    from megatron.core.transformer.mlp import MLP, MLPSubmodules
+    from megatron.core.tensor_parallel.layers import RowParallelLinear
+    from megatron.core.transformer import TransformerConfig
+
+    from npuspeed.features.coc_overlap import CocFeature
+
+    class TEColumnParallelLinear(torch.nn.Module):  # what a Transformer Engine spec would build
+        def __init__(self, *args, **kwargs):
+            super().__init__()
+
+    config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, use_cpu_initialization=True)
+    mlp = MLP(config, MLPSubmodules(linear_fc1=TEColumnParallelLinear, linear_fc2=RowParallelLinear))
+    problem = CocFeature().check_built(torch.nn.ModuleList([mlp]), None)
+    assert problem and "TEColumnParallelLinear" in problem and "--use-coc" in problem, problem
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+
+    local = MLP(config, MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear))
+    assert CocFeature().check_built(torch.nn.ModuleList([local]), None) is None
+
+
+def test_gtp_sharded_weights_are_refused():
+    layer = types.SimpleNamespace(tp_group=types.SimpleNamespace(size=lambda: 2), explicit_expert_comm=False,
+                                  gtp_remat_size=2, config=types.SimpleNamespace(defer_embedding_wgrad_compute=False))
+    init = layers.init_wrapper("RowParallelLinear")(lambda self: None)
+    with pytest.raises(FeatureError, match="--use-coc cannot chunk a RowParallelLinear .*GTP"):
+        init(layer)
+    layer.gtp_remat_size = 1
+    init(layer)
+
+
 # -- MC2 helpers and the report -----------------------------------------------------------------
 
 def test_hccl_comm_name_asks_the_group_backend_for_the_global_rank(monkeypatch):

@@ -170,6 +170,43 @@ def test_rope_multi_latent_attention_goes_to_megatron(megatron_mp, with_features
     assert _dispatch.calls().get(("rotary_pos_emb", "cpp"), 0) == 0
 
 
+def _mla_keywords():
+    import inspect
+
+    from megatron.core.models.common.embeddings import rope_utils
+
+    return [k for k in ("mla_rotary_interleaved", "multi_latent_attention")
+            if k in inspect.signature(rope_utils._apply_rotary_pos_emb_bshd).parameters]
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_rope_mla_keyword_of_each_release(megatron_mp, with_features):
+    """0.19 renamed the MLA reorder to mla_rotary_interleaved (multi_latent_attention: a deprecated
+    alias): False under either name runs the fused op, True Megatron's; nothing else falls back."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    t, freqs = torch.randn(5, 1, 2, 8), _freqs(5, 8)
+    for name in _mla_keywords():
+        for mla in (False, True):
+            expected = rope_utils._apply_rotary_pos_emb_bshd(t, freqs, **{name: mla})
+            _dispatch.reset_calls()
+            with with_features(["--use-fused-rotary-pos-emb"]):
+                got = rope_utils._apply_rotary_pos_emb_bshd(t, freqs, **{name: mla})
+            assert torch.equal(got, expected), (name, mla)
+            assert _dispatch.calls().get(("rotary_pos_emb", "cpp"), 0) == (0 if mla else 1), (name, mla)
+
+
+def test_rope_refuses_a_release_with_an_unknown_keyword():
+    from npuspeed.features.base import FeatureError
+    from npuspeed.features.fused_ops import rope
+
+    def newer(t, freqs, rotary_interleaved=False, mla_rotary_interleaved=False, mscale=1.0, yarn_mode=None):
+        return t
+
+    with pytest.raises(FeatureError, match="--use-fused-rotary-pos-emb: megatron-core .* takes yarn_mode"):
+        rope.fused_bshd(newer)
+
+
 # -- all three in a Llama-style GPT ------------------------------------------------------------
 def _gpt(config):
     from megatron.core.models.gpt import GPTModel

@@ -150,6 +150,7 @@ def test_pairing_is_by_identity_and_falls_back_to_megatron(monkeypatch):
     monkeypatch.setattr(rope, "fused_rotary_pos_emb_qk",
                         lambda q, k, *a: pairs.append(1) or (q + 100, k + 200))
     monkeypatch.setitem(rope_qk._ORIGINAL, "bshd", lambda t, *a, **kw: t)
+    monkeypatch.setitem(rope_qk._ORIGINAL, "mla", "mla_rotary_interleaved")
 
     def megatron_apply(t, freqs, config, cu_seqlens=None, mscale=1.0):
         return t - 1

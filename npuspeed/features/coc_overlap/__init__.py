@@ -17,11 +17,14 @@ from __future__ import annotations
 
 from npuspeed.features.base import Feature, FeatureError
 from npuspeed.features.coc_overlap.layers import (
-    Settings, build_module_wrapper, column_forward_wrapper, init_wrapper, row_forward_wrapper, use_mc2,
+    Settings, build_module_wrapper, check_linear_class, column_forward_wrapper, init_wrapper, row_forward_wrapper,
+    use_mc2,
 )
 
 LAYERS = "megatron.core.tensor_parallel.layers"
-MEGATRON_RANGE = ">=0.12,<0.17"  # forward(input_, weight, runtime_gather_output) / forward(input_)
+#: forward(input_, weight, runtime_gather_output) / forward(input_) in all of them; 0.18 adds the
+#: inference all-gather, 0.19 GTP weight sharding (gtp_remat_size; refused at build)
+MEGATRON_RANGE = ">=0.12,<0.20"
 
 
 class CocFeature(Feature):
@@ -75,7 +78,17 @@ class CocFeature(Feature):
         registry.register(f"{LAYERS}.RowParallelLinear.forward", wrapper=row_forward_wrapper(settings), **kw)
         registry.register(f"{LAYERS}.ColumnParallelLinear.__init__", wrapper=init_wrapper("ColumnParallelLinear", ctx.note), **kw)
         registry.register(f"{LAYERS}.RowParallelLinear.__init__", wrapper=init_wrapper("RowParallelLinear", ctx.note), **kw)
+        # up to 0.16 MLP/attention build their linears through build_module (refused there, early);
+        # from 0.17 they call the spec's class directly: check_built looks at what was built
         registry.register("megatron.core.transformer.spec_utils.build_module", wrapper=build_module_wrapper, **kw)
+
+    def check_built(self, block, ctx) -> str | None:
+        for module in block.modules():
+            try:
+                check_linear_class(type(module))
+            except FeatureError as exc:
+                return str(exc)
+        return None
 
     def plan_effect(self, model, ctx):
         from npuspeed.features.base import PlanEffect

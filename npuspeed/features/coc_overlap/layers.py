@@ -96,7 +96,13 @@ def column_forward_wrapper(settings: Settings):
             out2d = ColumnLinear.apply(input_.reshape(-1, input_.shape[-1]), weight, bias, spec)
             output = out2d.view(-1, *input_.shape[1:-1], out2d.shape[-1])
             gather = self.gather_output if runtime_gather_output is None else runtime_gather_output
-            if gather:
+            if gather and getattr(self, "use_inference_optimized_all_gather", False) and not self.training:
+                from megatron.core.tensor_parallel.inference_layers import (  # 0.18+
+                    inference_all_gather_from_tensor_model_parallel_region as inference_gather,
+                )
+
+                output = inference_gather(output, group, self.config)
+            elif gather:
                 from megatron.core.tensor_parallel import mappings
 
                 output = _call_mapping(mappings.gather_from_tensor_model_parallel_region, output, group)
@@ -149,6 +155,11 @@ def init_wrapper(kind: str, note=None):
                     f"{FLAG} overlaps tensor-parallel communication, but this {kind} has "
                     "tensor-model-parallel size 1 (nothing to overlap); run with "
                     "--tensor-model-parallel-size > 1 or drop --use-coc --coc-parallel-num")
+            if getattr(self, "gtp_remat_size", 1) > 1:  # megatron-core 0.19
+                raise FeatureError(
+                    f"{FLAG} cannot chunk a {kind} whose weight is sharded for GTP rematerialisation "
+                    f"(gtp_remat_size {self.gtp_remat_size}, megatron-core 0.19's "
+                    "--tensor-parallel-num-weight-shards); drop one of the two")
             if getattr(self.config, "defer_embedding_wgrad_compute", False) and kind == "ColumnParallelLinear":
                 raise FeatureError(
                     f"{FLAG} cannot replace a ColumnParallelLinear whose weight gradient is deferred "

@@ -20,7 +20,9 @@ from npuspeed.features.context_parallel.attention import ATTR
 from npuspeed.features.context_parallel.layout import ALGOS, CPLayout
 from npuspeed.ops import flash_attention as cpu_flash
 
-MEGATRON_RANGE = ">=0.12,<0.17"
+#: DotProductAttention.__init__, get_pos_emb_on_this_cp_rank unchanged 0.12-0.19;
+#: initialize_model_parallel keeps hierarchical_context_parallel_sizes (0.19 adds GTP sizes)
+MEGATRON_RANGE = ">=0.12,<0.20"
 
 
 class ContextParallelFeature(Feature):

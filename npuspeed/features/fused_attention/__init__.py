@@ -18,8 +18,10 @@ from npuspeed.features.fused_attention.plan import BandOptions
 from npuspeed.ops import flash_attention as cpu_flash
 
 TARGET = "megatron.core.transformer.dot_product_attention.DotProductAttention"
-MEGATRON_RANGE = ">=0.12,<0.17"  # forward(query, key, value, attention_mask, attn_mask_type,
-# attention_bias, packed_seq_params) is the same in all of them; window_size exists from 0.15
+MEGATRON_RANGE = ">=0.12,<0.20"  # forward(query, key, value, attention_mask, attn_mask_type,
+# attention_bias, packed_seq_params) is the same in all of them; window_size exists from 0.15;
+# dot_product_attention.py is byte-identical 0.16.1 -> 0.19.2 (0.19's extra core-attention
+# kwargs go only to custom modules, e.g. DSA's)
 
 
 class FusedAttentionFeature(Feature):

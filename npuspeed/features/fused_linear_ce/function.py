@@ -23,6 +23,10 @@ the target's logit from the shard owning it (all-reduce SUM, others give 0),
 loss = log(sum) - (target - max); gradient (softmax - 1[target]) times the per-token upstream
 gradient, cast to the activation dtype before the linear's backward as Megatron's `.float()`
 does. The TP collectives run once per call over [tokens] vectors, not per tile.
+
+`scale` is MuP's output multiplier (megatron-core 0.17+ `_scale_logits`: logits * m in the
+activation dtype after the output layer): each tile's logits are multiplied by it in place as
+Megatron multiplies the whole tensor, and the logits' gradient by it again in backward.
 """
 from __future__ import annotations
 
@@ -135,7 +139,7 @@ class LinearCrossEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, group, sequence_parallel, chunk):
+    def forward(ctx, hidden, weight, labels, group, sequence_parallel, chunk, scale=None):
         world, rank = _world(group)
         full = _gather_tokens(hidden, group, world) if sequence_parallel else hidden
         s, b = labels.shape
@@ -162,6 +166,8 @@ class LinearCrossEntropy(torch.autograd.Function):
                 shape = (t1 - t0, v1 - v0)
                 out, logits = buf[:shape[0] * shape[1]].view(shape), buf32[:shape[0] * shape[1]].view(shape)
                 torch.mm(hb, weight[v0:v1].t(), out=out)
+                if scale is not None:
+                    out.mul_(scale)
                 # the target's logit where this tile holds it (0 elsewhere; no host sync); the
                 # max and the target read the tile in the activation dtype (upcast exactly)
                 idx, inside = _in_tile(tgt, own, v0, v1)
@@ -189,7 +195,7 @@ class LinearCrossEntropy(torch.autograd.Function):
         log_sum = torch.log(sum_exp)
         loss = log_sum - predicted
         ctx.save_for_backward(hidden, weight, local_target, owned, log_sum.add_(gmax))
-        ctx.group, ctx.sp, ctx.tile, ctx.world = group, sequence_parallel, (block, width), world
+        ctx.group, ctx.sp, ctx.tile, ctx.world, ctx.scale = group, sequence_parallel, (block, width), world, scale
         telemetry.count(CALLS)
         telemetry.count(CHUNKS, issued)
         return loss.view(s, b)
@@ -225,6 +231,8 @@ class LinearCrossEntropy(torch.autograd.Function):
                 out, p = buf[:shape[0] * shape[1]].view(shape), buf32[:shape[0] * shape[1]].view(shape)
                 w = weight[v0:v1]
                 torch.mm(hb, w.t(), out=out)
+                if ctx.scale is not None:
+                    out.mul_(ctx.scale)
                 # the subtraction writes the fp32 tile from the activation-dtype one (no copy pass)
                 if shift is not None:  # exp(logit - lse + log g) = softmax * g, in two passes
                     _exp_(torch.sub(out, shift, out=p))
@@ -234,6 +242,8 @@ class LinearCrossEntropy(torch.autograd.Function):
                 p.scatter_add_(1, idx, torch.where(inside, -gb[:, 0], 0.0)[:, None])  # (softmax - 1[target]) * g
                 if p is not out:
                     out.copy_(p)  # the gradient reaches the matmul in the activation dtype, as in Megatron
+                if ctx.scale is not None:
+                    out.mul_(ctx.scale)  # through logits * m (in the activation dtype)
                 if need_h:
                     _add_mm(dh32[t0:t1], out, w)
                 if need_w:
@@ -253,10 +263,12 @@ class LinearCrossEntropy(torch.autograd.Function):
                     dist.all_reduce(dh, group=group)
                 dhidden = dh
         dweight = dw.to(weight.dtype) if need_w else None
-        return dhidden, dweight, None, None, None, None
+        return dhidden, dweight, None, None, None, None, None
 
 
-def linear_cross_entropy(hidden, weight, labels, group=None, sequence_parallel=False, chunk=None):
+def linear_cross_entropy(hidden, weight, labels, group=None, sequence_parallel=False, chunk=None, scale=None):
     """Per-token loss [s, b] of `hidden` [s(/TP under SP), b, h] projected by `weight`
-    [V/TP, h] against `labels` [s, b] (ids in the full vocabulary)."""
-    return LinearCrossEntropy.apply(hidden, weight, labels, group, bool(sequence_parallel), chunk)
+    [V/TP, h] (the logits times `scale` where given: MuP) against `labels` [s, b] (ids in the
+    full vocabulary)."""
+    scale = None if scale is None or float(scale) == 1.0 else float(scale)
+    return LinearCrossEntropy.apply(hidden, weight, labels, group, bool(sequence_parallel), chunk, scale)

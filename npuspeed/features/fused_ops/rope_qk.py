@@ -1,6 +1,6 @@
 """--use-fused-rotary-pos-emb on q and k in one launch, where npuspeed's Triton kernel runs.
 
-Megatron's `Attention.forward` (megatron-core 0.12-0.16) calls `apply_rotary_pos_emb` on the
+Megatron's `Attention.forward` (megatron-core 0.12-0.19) calls `apply_rotary_pos_emb` on the
 query, then on the key, with the same angles in self-attention. Rewriting that forward to make
 one call would copy a 250-line method per release; instead three small wrappers pair the calls:
 
@@ -29,11 +29,13 @@ FORWARD = f"{ATTENTION}.Attention.forward"
 QKV = f"{ATTENTION}.SelfAttention.get_query_key_value_tensors"
 APPLY = "megatron.core.models.common.embeddings.rope_utils.apply_rotary_pos_emb"
 #: Attention.forward's RoPE calls (query then key, `apply_rotary_pos_emb(t, freqs, config,
-#: cu_seqlens, [mscale, cp_group])`) are checked against these releases
-MEGATRON_RANGE = ">=0.12,<0.17"
+#: cu_seqlens, [mscale, cp_group])`) are checked against these releases (0.19 adds
+#: `apply_rotary_pos_emb(..., mla_rotary_interleaved=False)` and Attention.forward's
+#: `rotary_pos_cos_sin`; the calls themselves are unchanged)
+MEGATRON_RANGE = ">=0.12,<0.20"
 
 _LOCAL = threading.local()  # .scope: the _Scope of the Attention.forward running on this thread
-_ORIGINAL: dict = {}  # "bshd": Megatron's _apply_rotary_pos_emb_bshd (set by fused_ops.rope)
+_ORIGINAL: dict = {}  # "bshd": Megatron's _apply_rotary_pos_emb_bshd, "mla": its MLA keyword (fused_ops.rope)
 
 
 class _Scope:
@@ -53,7 +55,8 @@ def _shared_freqs(module, bound: dict):
     if emb is None or emb.device.type not in fused_choice.TRITON_DEVICES:
         return None
     if any(bound.get(name) is not None for name in ("key_value_states", "inference_context", "inference_params",
-                                                    "packed_seq_params", "rotary_pos_cos", "rotary_pos_sin")):
+                                                    "packed_seq_params", "rotary_pos_cos", "rotary_pos_sin",
+                                                    "rotary_pos_cos_sin")):
         return None
     if any(getattr(config, name, False) for name in ("flash_decode", "apply_rope_fusion", "multi_latent_attention",
                                                      "fused_single_qkv_rope")):
@@ -111,16 +114,17 @@ def apply_wrapper(original):
                 return out
             return original(*args, **kwargs)
         query, key, scope.query = scope.query, scope.key, None
-        if t is not query or freqs is not scope.freqs or key is None or a.get("cu_seqlens") is not None:
+        if (t is not query or freqs is not scope.freqs or key is None or a.get("cu_seqlens") is not None
+                or a.get("mla_rotary_interleaved")):
             return original(*args, **kwargs)
         config = a["config"]
         interleaved = bool(getattr(config, "rotary_interleaved", False))
-        bshd = _ORIGINAL.get("bshd")
-        if bshd is None:
+        bshd, mla = _ORIGINAL.get("bshd"), _ORIGINAL.get("mla")
+        if bshd is None or mla is None:
             return original(*args, **kwargs)
         pair = rope.fused_rotary_pos_emb_qk(
             t, key, freqs, interleaved, mscale,
-            lambda x: bshd(x, freqs, rotary_interleaved=interleaved, multi_latent_attention=False, mscale=mscale))
+            lambda x: bshd(x, freqs, rotary_interleaved=interleaved, mscale=mscale, **{mla: False}))
         if pair is None:
             return original(*args, **kwargs)
         scope.key, scope.key_out, scope.key_version, scope.mscale = key, pair[1], key._version, mscale
