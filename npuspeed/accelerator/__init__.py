@@ -17,14 +17,13 @@ log = logging.getLogger("npuspeed")
 
 DEVICES = ("npu", "cuda", "cpu")
 _ACCELERATOR: Accelerator | None = None
-# torch's own answer, kept before the device feature's CPU shim replaces torch.cuda's
-# (the shim says True); the registry never rebinds npuspeed's references.
-_torch_cuda_is_available = torch.cuda.is_available
 
 
 def _cuda_present() -> bool:
-    return bool(_torch_cuda_is_available())
-
+    """torch's own answer, never the CPU shim's (which says True to Megatron): the shim
+    keeps torch's function as `_npuspeed_torch_original`, so detection never feeds back."""
+    is_available = torch.cuda.is_available
+    return bool(getattr(is_available, "_npuspeed_torch_original", is_available)())
 
 
 def _npu_present() -> bool:

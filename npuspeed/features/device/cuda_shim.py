@@ -7,10 +7,19 @@ statistics, `synchronize`. On a CPU build these raise or, worse, silently queue 
 Every shim is its own function object: aliasing a `torch.cpu` function breaks dynamo,
 which registers one handler per function object. On CUDA nothing here is installed; on
 NPU torch_npu's transfer_to_npu does the same job.
+
+The questions that gate real CUDA work (`is_available`, `is_initialized`, `device_count`)
+get two answers: Megatron and launch scripts hear the accelerator's ("a device is there"),
+torch's own modules hear torch's. On a CUDA build of torch without a GPU, torch's code
+that sees "available" goes on to the driver (`torch.accelerator.current_stream()` in every
+`torch.optim` step, `torch.accelerator.is_available()`, pinned memory): it must see the truth.
 """
 from __future__ import annotations
 
+import sys
 from typing import Callable
+
+import torch
 
 from npuspeed.accelerator.base import Accelerator
 
@@ -50,6 +59,32 @@ _SHIMS: dict[str, Callable[[Accelerator], Callable]] = {
 }
 
 
+# Shims whose callers inside torch get torch's own answer (see the module docstring).
+TRUTHFUL_TO_TORCH = ("is_available", "is_initialized", "device_count")
+
+
+def _called_from_torch(depth: int = 2) -> bool:
+    name = sys._getframe(depth).f_globals.get("__name__", "")
+    return name == "torch" or name.startswith("torch.")
+
+
+def torch_original(fn):
+    """torch's own function behind a shim (the function itself when it is not one)."""
+    return getattr(fn, "_npuspeed_torch_original", fn)
+
+
+def _two_faced(name: str, shim: Callable) -> Callable:
+    original = torch_original(getattr(torch.cuda, name))
+
+    def answer(*args, **kwargs):
+        if _called_from_torch():
+            return original(*args, **kwargs)
+        return shim(*args, **kwargs)
+
+    answer._npuspeed_torch_original = original
+    return answer
+
+
 def _no_device_properties(device=None):
     raise RuntimeError("torch.cuda.get_device_properties: no CUDA device (npuspeed runs on the CPU)")
 
@@ -61,6 +96,8 @@ def shim_names() -> list[str]:
 def register(registry, accelerator: Accelerator, feature: str) -> None:
     for name, build in _SHIMS.items():
         shim = build(accelerator)
+        if name in TRUTHFUL_TO_TORCH:
+            shim = _two_faced(name, shim)
         if not isinstance(shim, type):
             shim.__name__ = name.rsplit(".", 1)[-1]
             shim.__qualname__ = f"npuspeed_cuda_shim.{name}"

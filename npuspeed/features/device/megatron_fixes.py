@@ -22,6 +22,7 @@ DEVICE_REDIRECTS = [
     "optimizer.optimizer.MixedPrecisionOptimizer.__init__",
     "optimizer.optimizer.Float16OptimizerWithFloat16Params.__init__",
     "optimizer.optimizer.FP32Optimizer.__init__",
+    "optimizer.optimizer.MegatronOptimizer.has_grad_norm_group",
     "optimizer.clip_grads.get_grad_norm_fp32",
     "optimizer.clip_grads.clip_grad_by_total_norm_fp32",
     "optimizer.clip_grads.count_zeros_fp32",
@@ -48,6 +49,8 @@ MEGATRON_RANGES = {
     "transformer.utils.get_sliding_window_causal_mask": ">=0.15",
     "rerun_state_machine.RerunStateMachine._reduce_any": ">=0.16",
     "rerun_state_machine.RerunStateMachine.should_run_forward_backward": "<0.16",
+    # 0.19: a cached all-reduce flag on 'cuda' before the first clipped step.
+    "optimizer.optimizer.MegatronOptimizer.has_grad_norm_group": ">=0.19",
 }
 
 # The schedules run in the device RNG scope; the `total_num_tokens` tensor they make on
