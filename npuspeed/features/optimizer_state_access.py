@@ -20,6 +20,8 @@ MASTER_ACCESS = {
         "get_parameter_state_dp_zero", "get_parameter_state_dp_reshardable",
         "load_parameter_state_from_dp_zero", "load_parameter_state_from_dp_reshardable",
         "load_parameter_state_from_fs_model_space", "load_parameter_state_from_fully_reshardable",
+        # 0.19: copies the fp32 master shards into the param buffer before an explicit param sync
+        "prepare_model_params_for_param_sync",
     ],
 }
 #: fp32 runs: states, no masters
@@ -27,7 +29,8 @@ STATE_ONLY_ACCESS = {"optimizer.FP32Optimizer": ["state_dict", "sharded_state_di
 #: methods present only in newer megatron-core
 SINCE = {"get_parameter_state_dp_reshardable": ">=0.15", "load_parameter_state_from_dp_reshardable": ">=0.15",
          "load_parameter_state_from_fully_reshardable": ">=0.15",
-         "load_parameter_state_from_fs_model_space": ">=0.12"}
+         "load_parameter_state_from_fs_model_space": ">=0.12",
+         "prepare_model_params_for_param_sync": ">=0.19"}
 
 
 def materializing(attr: str):

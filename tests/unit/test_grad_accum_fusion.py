@@ -316,3 +316,29 @@ def test_a_model_built_without_the_config_setting_is_refused(npuspeed_runtime):
     assert feature.check_built(on, ctx) is None
     assert feature.check_built(off, ctx).startswith(f"{FLAG}: this model's TransformerConfig has "
                                                     "gradient_accumulation_fusion=False")
+
+
+def test_gtp_remat_backward_is_left_to_megatron():
+    """megatron-core 0.17+: under GTP weight rematerialisation (`gtp_remat_size > 1`) Megatron
+    turns the fusion off inside the backward (the weight is a shard whose gradient it
+    reduce-scatters): the wrapper neither asks the chooser nor hides grad_added_to_main_grad."""
+    import types
+
+    from npuspeed.features.grad_accum_fusion import placeholder
+
+    class NoChoice:
+        def choose_shape(self, *args):
+            raise AssertionError("the chooser was asked about a GTP backward")
+
+    weight = torch.zeros(4, 3)
+    weight.grad_added_to_main_grad = False
+    seen = []
+
+    def backward(ctx, grad_output):
+        seen.append(hasattr(weight, "grad_added_to_main_grad"))
+        return (None, torch.ones(4, 3), None) + (None,) * 7  # the 0.17+ 10-tuple
+
+    ctx = types.SimpleNamespace(saved_tensors=(torch.zeros(2, 3), weight), gradient_accumulation_fusion=True,
+                                main_grad=torch.zeros(4, 3), gtp_remat_size=2)
+    grads = placeholder.layer_backward(NoChoice())(backward)(ctx, torch.zeros(2, 4))
+    assert seen == [True] and len(grads) == 10 and torch.equal(grads[1], torch.ones(4, 3))

@@ -208,6 +208,40 @@ def test_storage_freed_between_forward_and_backward_and_back_for_fc2(megatron_mp
     assert seen["equal_at_fc2_backward"]
 
 
+def test_recomputed_activation_is_one_live_copy_when_fc2_reads_it(megatron_mp, with_features):
+    """0.12-0.16 copy the recomputed activation into the released storage (the recomputed copy
+    is then released); 0.17+ re-point that storage at the recomputed data, so there is no
+    second copy to release: releasing it there would free what fc2's backward reads (memory
+    that the next allocations reuse, filled with NaN here)."""
+    from npuspeed import telemetry
+    from npuspeed.features.recompute_activation.checkpoint import PREFIX
+    from npuspeed.features.recompute_activation.mlp import ATTR
+    from npuspeed.patching.versions import in_range
+
+    mlp = _mlp(_config(**MLP_CASES["gelu+bias"]))
+    x = torch.randn(5, 2, 32)
+    with torch.no_grad():
+        fc1_out, fc1_bias = mlp.linear_fc1(x)
+        reference = F.gelu(fc1_out + fc1_bias)
+    seen = {}
+    mlp.linear_fc2.register_forward_pre_hook(lambda _m, inputs: seen.update(act=inputs[0]))
+
+    def unpack(t):
+        if t is seen.get("act"):
+            seen["fillers"] = [torch.full_like(t, float("nan")) for _ in range(8)]
+            seen["equal"] = torch.equal(t, reference)
+        return t
+
+    with with_features([FLAG]):
+        setattr(mlp, ATTR, True)
+        before = telemetry.get(PREFIX + "shared")
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, unpack):
+            out, _ = mlp(x.clone().requires_grad_())
+        out.sum().backward()
+    assert seen["equal"]
+    assert telemetry.get(PREFIX + "shared") - before == (1 if in_range(">=0.17") else 0)
+
+
 # -- which layers ------------------------------------------------------------------------------
 def _fake_block(num_layers, per_block, pp=1, vpp=None, vp_stage=None, **config):
     from megatron.core.transformer.mlp import MLP

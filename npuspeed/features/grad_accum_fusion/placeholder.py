@@ -43,8 +43,11 @@ def storage_view(main_grad: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | 
 
 
 def _fused(ctx, weight) -> bool:
-    """Megatron is about to accumulate this weight's gradient into main_grad."""
+    """Megatron is about to accumulate this weight's gradient into main_grad. megatron-core
+    0.17+ turns the fusion off inside this backward under GTP weight rematerialisation
+    (`gtp_remat_size > 1`: the weight is a shard, its gradient reduce-scattered): not fused."""
     return (bool(getattr(ctx, "gradient_accumulation_fusion", False))
+            and getattr(ctx, "gtp_remat_size", 1) <= 1
             and getattr(ctx, "main_grad", None) is not None and not hasattr(weight, "__fsdp_param__"))
 
 

@@ -10,6 +10,10 @@ same storage. What we add:
   (no fp8 there); 0.12 has no such argument.
 * Only an output that owns its storage alone is released (a function returning a view of its
   input would otherwise free the input); a shared one is kept and recomputed harmlessly.
+* 0.12-0.16 copy the recomputed tensor into the released storage; 0.17+ re-point that storage
+  at the recomputed data (a C++ extension Megatron compiles on first use: it needs a C++
+  compiler on the host). Whether a recomputed copy exists is read off the storages after each
+  recompute: releasing it where the storage is shared would free what fc2's backward reads.
 * Megatron keeps the recomputed tensor until the checkpoint's backward has run, and the
   checkpoint's input (fc1's output) as long; with the copy that is up to three activations at
   once in the layer being backpropagated, more than the baseline ever holds there. Whatever
@@ -28,7 +32,8 @@ from megatron.core.tensor_parallel.random import CheckpointWithoutOutput
 from npuspeed import telemetry
 
 #: counter prefix of what ran (the tests' proof that the storages were really freed/recomputed):
-#: recompute.freed, .freed_bytes, .kept_shared, .recomputed, .inputs_released
+#: recompute.freed, .freed_bytes, .kept_shared, .recomputed, .inputs_released, .shared (0.17+:
+#: the released storage re-pointed at the recomputed data, no copy)
 PREFIX = "recompute."
 
 
@@ -122,11 +127,20 @@ class ActivationCheckpoint(CheckpointWithoutOutput):
             from megatron.core.tensor_parallel.random import _get_all_rng_states
 
             self.rng_states = _get_all_rng_states()
+        originals = self.outputs or ()
         super()._recompute(grad)
         if ctx is None or self.ctx is not None:
             return  # nothing was recomputed (done already, or a cuda-graph warm-up)
         telemetry.count(self._prefix + "recomputed")
         outputs = ctx.outputs if isinstance(ctx.outputs, tuple) else (ctx.outputs,)
-        for out in outputs:
-            if isinstance(out, torch.Tensor) and _ptr(out) not in self._needed and self._sole(out):
+        for original, out in zip(originals, outputs):
+            if not isinstance(out, torch.Tensor):
+                continue
+            if _ptr(original) == _ptr(out):
+                # megatron-core 0.17+: the original's storage was re-pointed at the recomputed
+                # data (no copy): one activation, which fc2's backward reads; nothing to release.
+                telemetry.count(self._prefix + "shared")
+                continue
+            # 0.12-0.16: the recomputed data was copied into the original; this copy goes.
+            if _ptr(out) not in self._needed and self._sole(out):
                 out.untyped_storage().resize_(0)

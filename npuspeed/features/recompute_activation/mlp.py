@@ -21,13 +21,25 @@ TARGET = "megatron.core.transformer.mlp.MLP.forward"
 ATTR = "_npuspeed_recompute_activation"
 
 
+class _Returns(torch.nn.Module):
+    """A module whose forward returns what it was given: megatron-core 0.17+ calls fc1/fc2
+    through `apply_module`, which refuses anything that is not an nn.Module."""
+
+    def __init__(self, fn):
+        super().__init__()
+        self._fn = fn
+
+    def forward(self, value):
+        return self._fn(value)
+
+
 class _ActivationOnly:
     """Stands in for an MLP so that its forward runs only the activation of (x, bias)."""
 
     def __init__(self, mlp, x, bias):
         self._mlp = mlp
-        self.linear_fc1 = lambda _hidden: (x, bias)
-        self.linear_fc2 = lambda act: (act, None)
+        self.linear_fc1 = _Returns(lambda _hidden: (x, bias))
+        self.linear_fc2 = _Returns(lambda act: (act, None))
 
     def __getattr__(self, name):
         return getattr(self._mlp, name)
