@@ -47,7 +47,9 @@ def fused_permute(on: bool):
     """The dispatcher's permute/unpermute as --use-fused-moe-token-permute-and-unpermute sets them."""
     import importlib
 
-    from npuspeed.features.moe.permute import permute_wrapper, unpermute_wrapper
+    from npuspeed.features.moe.permute import wrappers
+
+    permute_wrapper, unpermute_wrapper = wrappers()
 
     td = importlib.import_module(TD)
     saved = td.permute, td.unpermute

@@ -148,7 +148,8 @@ class Chooser:
         self.sync = sync or (lambda: None)
         self._injected = trial
         self.clock = time.perf_counter
-        self.trial = trial or (lambda name, run: _time_once(run, self.sync, self.clock))
+        self._timed = lambda name, run: _time_once(run, self.sync, self.clock)
+        self.trial = trial or self._timed
         self.guard = guard or Guard()
         self.choices: dict[tuple, Choice] = {}
         self.notify: Callable[[str], None] | None = None
@@ -217,10 +218,16 @@ class Chooser:
         runs, dropped, reference = {}, {}, None
         with self.guard(), _dispatch.quiet(), torch.enable_grad() if grads else contextlib.nullcontext():
             order = [MEGATRON] + [n for n in candidates if n != MEGATRON]
+            first = {}  # the warm-up's own time per candidate (see below)
             for name in order:  # warm-up round: compiles, registers, checks agreement
                 run = _make_run(candidates[name], inputs, grads)
                 try:
+                    run.prepare()
+                    self.sync()
+                    start = self.clock()
                     out = run()
+                    self.sync()
+                    first[name] = self.clock() - start
                 except Exception as exc:  # noqa: BLE001 - a candidate that cannot run is dropped
                     if name == MEGATRON:
                         raise
@@ -234,6 +241,12 @@ class Chooser:
                 runs[name] = run
             best = {name: float("inf") for name in runs}
             spent, rounds = 0.0, 0
+            if self.trial is self._timed and sum(first[n] for n in runs) > self.budget_s:
+                # an expensive op (seconds per fwd+bwd on a slow backend, e.g. bf16 GEMMs on a
+                # CPU without bf16 units): the warm-up is the sample; repeating it would cost
+                # more than any difference it can find, and the step that meets the shape pays
+                best = {name: first[name] for name in runs}
+                spent, rounds = sum(best.values()), self.repeats  # no timed rounds
             # at least `repeats` rounds; more (up to 4x) while cheap, as a busy host's stalls
             # dwarf a sub-millisecond op and the minimum needs a few clean samples
             while rounds < self.repeats or (rounds < 4 * self.repeats and spent < self.budget_s):

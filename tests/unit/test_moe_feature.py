@@ -75,7 +75,11 @@ def test_flags_listed_and_reported(npuspeed_runtime):
                    "--moe-alltoall-overlap-comm", "--moe-alltoall-chunks", "3", "--moe-tp-extend-ep",
                    "--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "2"])
     paths = {f.name: f.path(ctx) for f in all_features() if f.name.startswith("moe_")}
-    assert "GroupedMLP with torch._grouped_mm" in paths["moe_grouped_gemm"]
+    from npuspeed.features.moe import grouped_mlp
+    from npuspeed.patching.versions import in_range
+
+    module = "Megatron's GroupedMLP" if in_range(grouped_mlp.MEGATRON_RANGE) else "npuspeed's GroupedSequentialMLP"
+    assert paths["moe_grouped_gemm"].startswith(module) and "with torch._grouped_mm" in paths["moe_grouped_gemm"]
     assert "SwiGLU x router prob: cpp" in paths["moe_grouped_gemm"]
     assert paths["moe_fused_permute"].startswith("npuspeed::moe_permute / moe_unpermute (C++")
     assert "3 chunks, async work handles on gloo" in paths["moe_alltoall_overlap"]

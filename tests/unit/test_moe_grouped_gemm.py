@@ -9,6 +9,10 @@ import torch.nn.functional as F
 
 from npuspeed import telemetry
 from npuspeed.features.moe.grouped_gemm import backend_for, grouped_mm
+from npuspeed.features.moe.grouped_mlp import MEGATRON_RANGE
+from npuspeed.patching.versions import in_range
+
+GROUPED_MLP = in_range(MEGATRON_RANGE)  # megatron-core's GroupedMLP (0.13-0.16), else npuspeed's module
 
 
 def _per_expert(x, w, counts):
@@ -58,7 +62,7 @@ def _mlp_pair(dtype, swiglu: bool):
     """SequentialMLP and (patched) GroupedMLP of 4 experts holding the same weights."""
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.mlp import MLPSubmodules
-    from megatron.core.transformer.moe.experts import GroupedMLP, SequentialMLP
+    from megatron.core.transformer.moe.experts import SequentialMLP
     from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
@@ -70,6 +74,15 @@ def _mlp_pair(dtype, swiglu: bool):
     pg = get_default_pg_collection()
     seq = SequentialMLP(4, config, MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
                         pg_collection=pg)
+    if not GROUPED_MLP:  # 0.17+: the local spec's experts, which --moe-grouped-gemm makes npuspeed's module
+        from megatron.core.models.backends import LocalSpecProvider
+
+        grouped = LocalSpecProvider().grouped_mlp_modules(True)(4, config, pg_collection=pg)
+        assert getattr(grouped, "npuspeed_grouped", False), type(grouped)
+        grouped.load_state_dict(seq.state_dict())  # SequentialMLP's layout
+        return seq, grouped
+    from megatron.core.transformer.moe.experts import GroupedMLP
+
     grouped = GroupedMLP(4, config, pg_collection=pg)
     with torch.no_grad():
         w1 = grouped.weight1.view(4, 16, -1)
@@ -78,6 +91,15 @@ def _mlp_pair(dtype, swiglu: bool):
             w1[e].copy_(expert.linear_fc1.weight.t())
             w2[e].copy_(expert.linear_fc2.weight.t())
     return seq, grouped
+
+
+def _weight_grads(grouped):
+    """Per expert (fc1, fc2) weight gradients input-major, [4, H, F1] and [4, F, H]."""
+    if GROUPED_MLP:
+        return grouped.weight1.grad.view(4, 16, -1), grouped.weight2.grad.view(4, -1, 16)
+    experts = grouped.local_experts
+    return (torch.stack([e.linear_fc1.weight.grad.t() for e in experts]),
+            torch.stack([e.linear_fc2.weight.grad.t() for e in experts]))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -101,8 +123,7 @@ def test_grouped_mlp_matches_sequential_mlp(megatron_mp, with_features, dtype, s
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=6e-2, rtol=3e-2)
     for a, b in zip(*results):
         torch.testing.assert_close(a.float(), b.float(), **tol)
-    w1_grad = grouped.weight1.grad.view(4, 16, -1)
-    w2_grad = grouped.weight2.grad.view(4, -1, 16)
+    w1_grad, w2_grad = _weight_grads(grouped)
     for e, expert in enumerate(seq.local_experts):
         torch.testing.assert_close(w1_grad[e].t().float(), expert.linear_fc1.weight.grad.float(), **tol)
         torch.testing.assert_close(w2_grad[e].t().float(), expert.linear_fc2.weight.grad.float(), **tol)
@@ -116,7 +137,8 @@ def test_grouped_mlp_with_no_tokens_keeps_gradients(megatron_mp, with_features):
         out, _ = grouped(x, torch.zeros(4, dtype=torch.long), torch.zeros(0, requires_grad=True))
         out.sum().backward()
     assert out.shape == (0, 16)
-    assert grouped.weight1.grad is not None and torch.count_nonzero(grouped.weight1.grad) == 0
+    w1_grad, _ = _weight_grads(grouped)
+    assert torch.count_nonzero(w1_grad) == 0
 
 
 @pytest.mark.parametrize("backend", ["torch", "loop"])

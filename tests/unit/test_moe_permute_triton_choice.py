@@ -28,8 +28,8 @@ class Times:  # injected timings: triton fastest, so the rule's decision is dete
         run()
         return {"megatron": 3.0, "cpp": 2.0, "triton": 1.0}[name]
 
-permute = feature.permute_wrapper(moe_utils.permute)
-unpermute = feature.unpermute_wrapper(moe_utils.unpermute)
+permute = feature.wrappers()[0](moe_utils.permute)
+unpermute = feature.wrappers()[1](moe_utils.unpermute)
 gen = torch.Generator().manual_seed(0)
 tokens, experts, hidden = 12, 5, 24
 scores = torch.rand(tokens, experts, generator=gen)
@@ -40,7 +40,7 @@ x0 = torch.randn(tokens, hidden, generator=gen)
 
 def round_trip(perm, unperm):
     x, p = x0.clone().requires_grad_(), probs0.clone().requires_grad_()
-    out, out_probs, order = perm(x, rmap, probs=p, num_out_tokens=int(rmap.sum()))
+    out, out_probs, order = perm(x, rmap, probs=p, num_out_tokens=int(rmap.sum()))[:3]
     a = unperm(out * out_probs.unsqueeze(-1), order, x.shape, routing_map=rmap)  # probs applied by the caller
     b = unperm(out * 2, order, x.shape, probs=p, routing_map=rmap)  # probs applied by unpermute
     ((a * torch.arange(hidden)).sum() + (b ** 2).sum()).backward()

@@ -13,7 +13,7 @@ w [G, K, N] one weight per group. Backends, chosen once per (device type, dtype)
   and backward (benchmarks/bench_moe.py measures it against the others).
 
 `--moe-grouped-gemm` does not take the grouped backend blindly: per (device, dtype, group
-count, weight shape, rows rounded up to a power of two) the grouped backend and the
+count, weight shape, rows to the nearest power of two) the grouped backend and the
 per-expert loop (the matmuls Megatron's SequentialMLP runs with the flag off) are timed once,
 forward + backward, by npuspeed.ops.fused_choice, and the faster one runs (`choose_backend`);
 NPUSPEED_FUSED_OP_PATH=megatron forces the loop, any other forced value the grouped kernel.
@@ -81,7 +81,7 @@ def choose_backend(x: torch.Tensor, w: torch.Tensor, counts: list[int]) -> str:
     force = fused_choice.forced()
     if force is not None:
         return "loop" if force == fused_choice.MEGATRON else capable
-    rows = 1 << max(0, x.shape[0] - 1).bit_length()
+    rows = row_bucket(x.shape[0])
     grads = x.requires_grad or w.requires_grad  # not grad mode: a recompute reruns with the same choice
     key = ("grouped_mm", x.device.type, x.dtype, tuple(w.shape), rows, grads)
     choice = fused_choice.CHOOSER.choices.get(key)
@@ -92,6 +92,16 @@ def choose_backend(x: torch.Tensor, w: torch.Tensor, counts: list[int]) -> str:
                       capable: lambda x, w: grouped_mm(x, w, counts, backend=capable)}
         choice = fused_choice.CHOOSER.pick("grouped_mm", key, label, candidates, (x, w))
     return "loop" if choice.impl == fused_choice.MEGATRON else choice.impl
+
+
+def row_bucket(rows: int) -> int:
+    """The power of two nearest `rows` (log scale): the rows an all-to-all delivers wobble
+    around their mean step to step (EP2, 2048 tokens top-2: 4096 +- a few dozen), and rounding
+    up split them over two keys (4096, 8192), so a second trial ran in a later, timed step."""
+    if rows <= 1:
+        return 1
+    low = 1 << (rows.bit_length() - 1)
+    return low if rows * rows < 2 * low * low else 2 * low
 
 
 def _counts(counts) -> list[int]:

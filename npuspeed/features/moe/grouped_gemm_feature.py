@@ -3,8 +3,17 @@ a model that built SequentialMLP experts anyway; reports which grouped matmul ru
 from __future__ import annotations
 
 from npuspeed.features.base import Feature, FeatureError
-from npuspeed.features.moe import grouped_mlp
+from npuspeed.features.moe import grouped_experts, grouped_mlp
 from npuspeed.features.moe.layout import Layout, layers_of, needs_experts, needs_release
+from npuspeed.patching.versions import in_range
+
+
+RANGE = ">=0.13,<0.20"
+
+
+def _grouped(experts) -> bool:
+    """GroupedMLP (0.13-0.16) or npuspeed's grouped experts (0.17+)."""
+    return hasattr(experts, "weight1") or getattr(experts, "npuspeed_grouped", False)
 
 
 class GroupedGemmFeature(Feature):
@@ -20,7 +29,8 @@ class GroupedGemmFeature(Feature):
         return bool(getattr(args, "moe_grouped_gemm", False))
 
     def validate(self, ctx) -> None:
-        needs_release("--moe-grouped-gemm", grouped_mlp.MEGATRON_RANGE, "GroupedMLP takes the router probabilities")
+        needs_release("--moe-grouped-gemm", RANGE, "GroupedMLP takes the router probabilities (0.13-0.16); "
+                      "npuspeed's grouped experts replace the local spec's SequentialMLP (0.17-0.19)")
         lay = Layout.from_ctx(ctx)
         if lay.experts is not None and not lay.bias_disabled:
             raise FeatureError("--moe-grouped-gemm: the grouped expert MLP has no bias; add --disable-bias-linear "
@@ -38,17 +48,19 @@ class GroupedGemmFeature(Feature):
         from npuspeed.features.fused_ops.measure import configure
 
         configure(ctx)
-        grouped_mlp.register(registry, self.name)
+        grouped_mlp.register(registry, self.name)  # GroupedMLP, 0.13-0.16
+        grouped_experts.register(registry, self.name)  # npuspeed's own module, 0.17-0.19
 
     def check_built(self, block, ctx) -> str | None:
-        from megatron.core.transformer.moe.experts import GroupedMLP, SequentialMLP
+        from megatron.core.transformer.moe.experts import SequentialMLP
 
         problem = needs_experts("--moe-grouped-gemm", block)
         if problem:
             return problem
         kinds = {type(layer.experts).__name__ for layer in layers_of(block)}
-        if any(isinstance(layer.experts, SequentialMLP) for layer in layers_of(block)) and not any(
-                isinstance(layer.experts, GroupedMLP) for layer in layers_of(block)):
+        grouped = [_grouped(layer.experts) for layer in layers_of(block)]
+        if any(isinstance(layer.experts, SequentialMLP) and not g for layer, g in zip(layers_of(block), grouped)) \
+                and not any(grouped):
             return ("--moe-grouped-gemm: the MoE layers were built with SequentialMLP: build the layer spec with "
                     f"moe_grouped_gemm=True (get_gpt_layer_local_spec); found {sorted(kinds)}")
         return None
@@ -82,7 +94,9 @@ class GroupedGemmFeature(Feature):
 
         from npuspeed.features.fused_ops.measure import choice_lines
 
-        return (f"Megatron's GroupedMLP with {kernel}; the grouped kernel only where it beats one mm per expert "
+        module = ("Megatron's GroupedMLP" if in_range(grouped_mlp.MEGATRON_RANGE) else
+                  "npuspeed's GroupedSequentialMLP (SequentialMLP's parameters and checkpoint layout)")
+        return (f"{module} with {kernel}; the grouped kernel only where it beats one mm per expert "
                 f"(Megatron's SequentialMLP matmuls, `megatron` below), measured once per shape fwd+bwd; "
                 f"SwiGLU x router prob: {describe(OP) if acc.name == 'cpu' else acc.name}"
                 f"; GroupedMLPs built: {ctx.counters.get('moe.grouped_mlp.built')}{choice_lines('grouped_mm')}")

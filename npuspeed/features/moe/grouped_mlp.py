@@ -54,22 +54,28 @@ def _activation_with_probs(config, h: torch.Tensor, probs: torch.Tensor) -> torc
 
 def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
     """GroupedMLP.forward on any backend and dtype (upstream's asserts bf16 and needs CUDA)."""
+    w1 = self.weight1.view(self.num_local_experts, self.config.hidden_size, -1)
+    w2 = self.weight2.view(self.num_local_experts, -1, self.config.hidden_size)
+    return grouped_forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs, w1, w2)
+
+
+def grouped_forward(self, x, tokens_per_expert, probs, w1, w2):
+    """Experts as two grouped matmuls: w1 [G, H, F1] and w2 [G, F, H] (local experts' weights,
+    input-major), SwiGLU x probability fused; `self.activation_recompute` keeps Megatron's
+    `moe_act` recompute. Shared by GroupedMLP (<0.17) and npuspeed's grouped experts (0.17+)."""
     from megatron.core import tensor_parallel
 
     config = self.config
-    x, probs = permuted_local_hidden_states, permuted_probs
     if config.moe_apply_probs_on_input:
         assert config.moe_router_topk == 1, "`moe_apply_probs_on_input` only works with `moe_router_topk`=1."
         x = (probs.unsqueeze(-1) * x).to(x.dtype)
         probs = torch.ones_like(probs)
     counts = tokens_per_expert.tolist() if torch.is_tensor(tokens_per_expert) else list(tokens_per_expert)
     # Experts with no tokens get zero weight gradients from the grouped mm itself.
-    w1 = self.weight1.view(self.num_local_experts, config.hidden_size, -1)
-    w2 = self.weight2.view(self.num_local_experts, -1, config.hidden_size)
     sink1, sink2 = getattr(self, "npuspeed_grad_sinks", (None, None))
     fc1 = grouped_mm(x, w1, counts, sink=sink1)
     act = functools.partial(_activation_with_probs, config)
-    if self.activation_recompute:
+    if getattr(self, "activation_recompute", False):
         self.activation_checkpoint = tensor_parallel.CheckpointWithoutOutput()
         inter = self.activation_checkpoint.checkpoint(act, fc1, probs)
         out = grouped_mm(inter, w2, counts, sink=sink2)
@@ -82,7 +88,7 @@ def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_prob
 def share_weight_grads(experts, calls: int):
     """Before `calls` forward calls of one GroupedMLP in a step (chunks): their weight
     gradients are summed in place (GradSink); returns the undo. Other experts: nothing to do."""
-    if calls < 2 or not hasattr(experts, "weight1"):
+    if calls < 2 or not (hasattr(experts, "weight1") or getattr(experts, "npuspeed_grouped", False)):
         return lambda: None
     experts.npuspeed_grad_sinks = (GradSink(calls), GradSink(calls))
 

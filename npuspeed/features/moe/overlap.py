@@ -17,7 +17,11 @@ from npuspeed import telemetry
 from npuspeed.features.moe import pipeline
 
 MOE_LAYER = "megatron.core.transformer.moe.moe_layer"
-MEGATRON_RANGE = ">=0.16,<0.17"  # route / preprocess / combine_postprocess as separate steps
+MEGATRON_RANGE = ">=0.16,<0.20"  # route / preprocess / combine_postprocess as separate steps
+#: 0.17+: forward computes the shared experts first and calls modules through apply_module, and
+#: adds modes this path bypasses (checked in `unsupported`): the dispatch-backward / expert-wgrad
+#: overlap, the inference dispatcher, zero-copy expert buffers (those only with the flex/NCCL-EP ones)
+RANGES = (">=0.16,<0.17", ">=0.17,<0.20")
 
 
 def unsupported(layer, intermediate_tensors) -> str | None:
@@ -42,6 +46,10 @@ def unsupported(layer, intermediate_tensors) -> str | None:
         return "Megatron's own --moe-shared-expert-overlap"
     if layer.config.moe_router_padding_for_quantization:
         return "router padding for quantization"
+    if getattr(layer.config, "overlap_dispatch_backward_with_experts_wgrad", False):
+        return "Megatron's --overlap-dispatch-backward-with-experts-wgrad"
+    if getattr(layer, "_inference_token_dispatcher", None) is not None:
+        return "the inference-optimized dispatcher"
     return None
 
 
@@ -113,5 +121,6 @@ def _shared_experts(layer, hidden_states):
 
 
 def register(registry, feature: str, chunks: int, note) -> None:
-    registry.register(f"{MOE_LAYER}.MoELayer.forward", wrapper=forward_wrapper(chunks, note), feature=feature,
-                      megatron=MEGATRON_RANGE)
+    for spec in RANGES:  # one wrapper: the steps it calls kept their contracts 0.16-0.19
+        registry.register(f"{MOE_LAYER}.MoELayer.forward", wrapper=forward_wrapper(chunks, note), feature=feature,
+                          megatron=spec)

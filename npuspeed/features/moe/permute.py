@@ -79,7 +79,7 @@ def _choose(tokens, routing_map, probs, num_out_tokens, drop_and_pad) -> str:
 
         def megatron(tok):
             out, _, order = _ORIGINAL["permute"](tok, rm, probs=p, num_out_tokens=n, fused=False,
-                                                 drop_and_pad=drop_and_pad)
+                                                 drop_and_pad=drop_and_pad)[:3]
             return _ORIGINAL["unpermute"](out, order, tok.shape, probs=None, routing_map=rm, fused=False,
                                           drop_and_pad=drop_and_pad)
 
@@ -104,7 +104,11 @@ def _paired(sorted_indices) -> str | None:
 
 
 MOE_UTILS = "megatron.core.transformer.moe.moe_utils"
-MEGATRON_RANGE = ">=0.13,<0.17"  # permute returns (tokens, probs, sorted_indices) since 0.13
+MEGATRON_RANGE = ">=0.13,<0.20"  # permute returns (tokens, probs, sorted_indices) since 0.13
+#: 0.17 added padding for fp8/fp4 (tokens_per_expert, align_size in; pad_offsets and padded
+#: tokens_per_expert out: a 5-tuple); only TE's fused kernels pad, the unfused pair passes through
+PADDED_RANGE = ">=0.17,<0.20"
+TRIPLE_RANGE = ">=0.13,<0.17"
 
 
 def permute_wrapper(original):
@@ -132,6 +136,41 @@ def permute_wrapper(original):
     return permute
 
 
+def permute_padded_wrapper(original):
+    """0.17+: the same choice inside upstream's 5-tuple contract. The unfused path never pads
+    (upstream returns pad_offsets None and the given tokens_per_expert), so neither does this."""
+    triple = permute_wrapper(lambda *a, **kw: original(*a, **kw)[:3])
+    _ORIGINAL["permute"] = original
+
+    @functools.wraps(original)
+    def permute(tokens, routing_map, probs=None, num_out_tokens=None, fused=False, drop_and_pad=False,
+                tokens_per_expert=None, align_size=None):
+        if fused:  # TE's kernels (--moe-permute-fusion), padding included; upstream's own default
+            pad = {} if align_size is None else {"align_size": align_size}
+            return original(tokens, routing_map, probs=probs, num_out_tokens=num_out_tokens, fused=fused,
+                            drop_and_pad=drop_and_pad, tokens_per_expert=tokens_per_expert, **pad)
+        return (*triple(tokens, routing_map, probs, num_out_tokens, False, drop_and_pad), None, tokens_per_expert)
+
+    return permute
+
+
+def unpermute_padded_wrapper(original):
+    """0.17+: pad_offsets only come from TE's fused permute (upstream's unfused unpermute
+    ignores them); a call that passes them keeps upstream's function."""
+    plain = unpermute_wrapper(original)
+
+    @functools.wraps(original)
+    def unpermute(permuted_tokens, sorted_indices, restore_shape, probs=None, routing_map=None, fused=False,
+                  drop_and_pad=False, pad_offsets=None):
+        if pad_offsets is not None:
+            return original(permuted_tokens, sorted_indices, restore_shape, probs=probs, routing_map=routing_map,
+                            fused=fused, drop_and_pad=drop_and_pad, pad_offsets=pad_offsets)
+        return plain(permuted_tokens, sorted_indices, restore_shape, probs=probs, routing_map=routing_map,
+                     fused=fused, drop_and_pad=drop_and_pad)
+
+    return unpermute
+
+
 def unpermute_wrapper(original):
     _ORIGINAL["unpermute"] = original
 
@@ -154,7 +193,18 @@ def unpermute_wrapper(original):
     return unpermute
 
 
+def wrappers():
+    """(permute wrapper, unpermute wrapper) for the running megatron-core (benchmarks, tests)."""
+    from npuspeed.patching.versions import in_range
+
+    if in_range(PADDED_RANGE):
+        return permute_padded_wrapper, unpermute_padded_wrapper
+    return permute_wrapper, unpermute_wrapper
+
+
 def register(registry, feature: str) -> None:
-    kw = dict(feature=feature, megatron=MEGATRON_RANGE)
-    registry.register(f"{MOE_UTILS}.permute", wrapper=permute_wrapper, **kw)
-    registry.register(f"{MOE_UTILS}.unpermute", wrapper=unpermute_wrapper, **kw)
+    for spec, perm, unperm in ((TRIPLE_RANGE, permute_wrapper, unpermute_wrapper),
+                               (PADDED_RANGE, permute_padded_wrapper, unpermute_padded_wrapper)):
+        kw = dict(feature=feature, megatron=spec)
+        registry.register(f"{MOE_UTILS}.permute", wrapper=perm, **kw)
+        registry.register(f"{MOE_UTILS}.unpermute", wrapper=unperm, **kw)

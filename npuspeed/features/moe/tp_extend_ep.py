@@ -56,7 +56,32 @@ def config_wrapper(post_init):
     return __post_init__
 
 
+def early_config_wrapper(post_init):
+    """0.17+: Megatron-LM core_v0.19's pretrain_gpt builds the TransformerConfig before
+    initialize_model_parallel, so the groups cannot be read yet: the config then takes the
+    layout the flag asks for from its own sizes (experts over EP x TP, expert-TP 1), once (a
+    config already extended has expert-TP 1 and is left alone). After the groups exist, as
+    before: the groups' sizes."""
+    after_init = config_wrapper(post_init)
+
+    @functools.wraps(post_init)
+    def __post_init__(self):
+        from megatron.core import parallel_state
+
+        tp = self.tensor_model_parallel_size or 1
+        if (getattr(self, "num_moe_experts", None) and not parallel_state.model_parallel_is_initialized()
+                and tp > 1 and self.expert_tensor_parallel_size in (None, tp)):
+            self.expert_model_parallel_size = (self.expert_model_parallel_size or 1) * tp
+            self.expert_tensor_parallel_size = 1
+            telemetry.count("moe.tp_extend_ep.early_configs")
+        after_init(self)
+
+    return __post_init__
+
+
 def register(registry, feature: str) -> None:
-    kw = dict(feature=feature, megatron=">=0.12,<0.17")
-    registry.register(f"{PARALLEL_STATE}.initialize_model_parallel", wrapper=init_wrapper, **kw)
-    registry.register(f"{CONFIG}.__post_init__", wrapper=config_wrapper, **kw)
+    registry.register(f"{PARALLEL_STATE}.initialize_model_parallel", wrapper=init_wrapper, feature=feature,
+                      megatron=">=0.12,<0.20")  # same keywords 0.12-0.19 (0.19 adds gtp/rank_offset ones)
+    registry.register(f"{CONFIG}.__post_init__", wrapper=config_wrapper, feature=feature, megatron=">=0.12,<0.17")
+    registry.register(f"{CONFIG}.__post_init__", wrapper=early_config_wrapper, feature=feature,
+                      megatron=">=0.17,<0.20")
