@@ -42,6 +42,21 @@ FLAGS: dict[str, tuple[str, dict]] = {
     "cp_comm_type": ("--cp-comm-type", {"type": str, "nargs": "+"}),
     "hierarchical_context_parallel_sizes": ("--hierarchical-context-parallel-sizes", {"type": int, "nargs": "+"}),
     "reset_attention_mask": ("--reset-attention-mask", {"action": "store_const", "const": True}),
+    # Megatron's own features that overlap npuspeed's (npuspeed/features/upstream_flags.py);
+    # some exist only in newer releases: read here whatever the installed one knows
+    "recompute_granularity": ("--recompute-granularity", {"type": str}),
+    "recompute_modules": ("--recompute-modules", {"type": str, "nargs": "*"}),
+    "overlap_moe_expert_parallel_comm": ("--overlap-moe-expert-parallel-comm",
+                                         {"action": "store_const", "const": True}),
+    "fine_grained_activation_offloading": ("--fine-grained-activation-offloading",
+                                           {"action": "store_const", "const": True}),
+    "optimizer": ("--optimizer", {"type": str}),
+    "pipeline_model_parallel_layout": ("--pipeline-model-parallel-layout", {"type": str}),
+    "enable_cuda_graph": ("--enable-cuda-graph", {"action": "store_const", "const": True}),
+    "external_cuda_graph": ("--external-cuda-graph", {"action": "store_const", "const": True}),
+    "cuda_graph_impl": ("--cuda-graph-impl", {"type": str}),
+    "tensor_parallel_num_weight_shards": ("--tensor-parallel-num-weight-shards", {"type": int}),
+    "expert_tensor_parallel_num_weight_shards": ("--expert-tensor-parallel-num-weight-shards", {"type": int}),
     # reproducible runs (npuspeed/features/device/determinism.py)
     "deterministic_mode": ("--deterministic-mode", {"action": "store_const", "const": True}),
 }

@@ -48,7 +48,7 @@ def initialize(argv: list[str] | None = None) -> RuntimeState:
     _setup_logging()
     from npuspeed import arguments
     from npuspeed.accelerator import get_accelerator
-    from npuspeed.features import all_features
+    from npuspeed.features import all_features, upstream_flags
     from npuspeed.patching import registry
     from npuspeed.patching.versions import check_supported
 
@@ -72,6 +72,7 @@ def initialize(argv: list[str] | None = None) -> RuntimeState:
     ctx = make_context(every, argv, accelerator)
     features = [(f, f.enabled(args)) for f in every]
     active = [f for f, on in features if on]
+    upstream_flags.refuse(active, ctx)  # a pair with Megatron's own feature first: one line naming both
     for feature in active:
         feature.validate(ctx)
     state = RuntimeState(args, accelerator, features, late, ctx, ctx.notes)
@@ -100,14 +101,16 @@ def make_context(features, argv: list[str], accelerator):
 
 def activate(features, ctx) -> None:
     """Register and apply the patches of `features` (enabled, validated, prepared), and the
-    model-build check of those that can be idle in a built model."""
+    model-build check of those that can be idle in a built model; a feature left with no
+    applied patch on this release is refused (patching/coverage.py)."""
     from npuspeed.features import build_check
-    from npuspeed.patching import registry
+    from npuspeed.patching import coverage, registry
 
     for feature in features:
         feature.register_patches(registry, ctx)
     build_check.register(registry, features, ctx)
     registry.apply()
+    coverage.refuse_idle(features, registry, ctx)
 
 
 def reset() -> None:

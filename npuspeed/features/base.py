@@ -80,6 +80,12 @@ class Feature:
     def register_patches(self, registry, ctx) -> None:
         """Record this feature's patches in the registry (nothing is installed here)."""
 
+    def idle_reason(self, ctx) -> str | None:
+        """Why this feature, enabled, registers no patch in this run (it acts some other way), or
+        None. A feature that registers none and gives no reason is refused at start-up
+        (npuspeed/patching/coverage.py): a flag never silently does nothing."""
+        return None
+
     def check_built(self, block, ctx) -> str | None:
         """After Megatron built a TransformerBlock with layers: why this feature does nothing
         in it (the error to raise, naming the flag and what it needs), or None when it acts."""

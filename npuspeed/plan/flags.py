@@ -106,9 +106,16 @@ def _vocab(ns) -> int:
                          "planner knows the embedding and logits size")
 
 
+#: Megatron's explicit per-stage layer layout (0.14+), which the planner does not model
+LAYOUT = "--pipeline-model-parallel-layout"
+
+
 def parse(argv: list[str]) -> tuple[RunSpec, argparse.Namespace, list[str]]:
     """(RunSpec, the planner's own namespace, the feature argv) from a run's flags."""
     ns, rest = build_parser().parse_known_args(list(argv))
+    if any(a.split("=", 1)[0] == LAYOUT for a in rest):  # Megatron 0.14+: never silently ignored
+        raise PlanInputError(f"{LAYOUT}: the planner models --num-layers / --pipeline-model-parallel-size layers "
+                             "on every stage, not an explicit per-stage layout; drop the layout to plan the run")
     _required(ns, ["num_layers", "hidden_size", "num_attention_heads", "seq_length"])
     if ns.bf16 and ns.fp16:
         raise PlanInputError("--bf16 and --fp16 are exclusive; pick one")

@@ -57,6 +57,11 @@ class AdaptiveMemoryFeature(Feature):
             raise FeatureError(f"{MAIN} needs the policy chosen before the run: import npuspeed.megatron_adaptor "
                                "(it plans it) rather than enabling features by hand")
 
+    def idle_reason(self, ctx) -> str | None:
+        """It patches nothing itself: the chosen policy is explicit flags of other features (each
+        refused on its own where its patches do not apply here) and Megatron's own recompute."""
+        return "the policy acts through the flags it sets (--recompute-norm, ...), checked as those features"
+
     def path(self, ctx) -> str:
         args = ctx.args
         if not self.enabled(args):

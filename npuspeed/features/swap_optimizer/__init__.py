@@ -125,6 +125,15 @@ class SwapOptimizerFeature(Feature):
             raise FeatureError(f"{FLAG} needs page-locked host memory for overlapped copies, which the {acc.name} "
                                f"backend does not offer here; drop {FLAG}")
 
+    def idle_reason(self, ctx) -> str | None:
+        """No patch where Megatron's own offload runs or the host is the device (both noted at
+        validation); otherwise the swap's patches must apply."""
+        if not self.swapping(ctx.args):
+            return f"{OFFLOAD} is Megatron-Core's own optimizer: npuspeed leaves it alone"
+        if not moves(ctx.accelerator):
+            return f"{FLAG}: the host is the device, the states stay in place (noted)"
+        return None
+
     def chunk_bytes(self, args) -> int:
         return int(float(getattr(args, "swap_optimizer_chunk_mb", 128.0)) * 2**20)
 
