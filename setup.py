@@ -24,7 +24,10 @@ EXTRAS = {
     # What megatron.training (Megatron-LM core_v0.16) imports at load, plus pybind11 for the
     # dataset helper it builds at start-up. Not triton: a GPU compiler that npuspeed stands in
     # for where absent (megatron_lm/load_stubs.py). Tokenizer packages (sentencepiece,
-    # tiktoken) only as the chosen --tokenizer-type needs them.
+    # tiktoken) only as the chosen --tokenizer-type needs them. core_v0.19.0's pretrain_gpt.py
+    # path imports no third-party package at load beyond torch and numpy (regex, pydantic,
+    # ... are imported lazily there), so nothing is added for 0.17-0.19; megatron-core 0.19
+    # itself imports triton at load (schedules -> moe/ops/paged_stash.py).
     "megatron-lm": ["regex", "pydantic", "six", "pyyaml", "psutil", "pybind11"],
 }
 

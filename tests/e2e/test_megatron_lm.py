@@ -1,9 +1,12 @@
 """Megatron-LM's own pretrain_gpt.py with the one added import line (CPU, gloo, 2 ranks).
 
-megatron.training is not on PyPI, so this runs only where NPUSPEED_MEGATRON_LM points at a
-Megatron-LM checkout (tag core_v0.16.1 or core_v0.16.0). The checkout is not modified:
-the entry script is copied next to the test with the import line inserted by
-`patch-source`'s own function, and the checkout is put on PYTHONPATH. A small runner
+Runs only where NPUSPEED_MEGATRON_LM points at a Megatron-LM checkout at a tag npuspeed knows
+(core_v0.16.1 ... core_v0.19.0; `git archive TAG | tar -x -C DIR`). The checkout is not
+modified: the entry script is copied next to the test with the import line inserted by
+`patch-source`'s own function. Where the installed megatron-core is the checkout's release
+(0.19.2's wheel ships megatron.training too) the run uses the installed megatron.core with
+the checkout's megatron.training and top-level modules (gpt_builders.py, model_provider.py);
+otherwise the whole checkout goes on PYTHONPATH. A small runner
 executes it unchanged and then writes npuspeed's report of each rank (features, the C++
 op tally, call counts of the patched attention and CoC functions).
 """
@@ -18,14 +21,16 @@ import subprocess
 import sys
 
 import pytest
+from packaging.version import Version
 
 from launch import free_port
 from npuspeed.features.megatron_lm.source_patch import insert_import, known_tag, read_version
+from npuspeed.patching.versions import megatron_version
 
 CHECKOUT = os.environ.get("NPUSPEED_MEGATRON_LM", "")
 pytestmark = pytest.mark.skipif(
     not (CHECKOUT and (pathlib.Path(CHECKOUT) / "pretrain_gpt.py").is_file()),
-    reason="set NPUSPEED_MEGATRON_LM to a Megatron-LM checkout at tag core_v0.16.1 (e.g. "
+    reason="set NPUSPEED_MEGATRON_LM to a Megatron-LM checkout at tag core_v0.16.1 or core_v0.19.0 (e.g. "
            "`git archive core_v0.16.1 | tar -x -C DIR`) to run Megatron-LM's own pretrain_gpt.py")
 
 TINY = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 "
@@ -56,6 +61,15 @@ PROBES["attention_patched"] = int(bool(getattr(probe(DotProductAttention, "forwa
                                                "__npuspeed_patch__", None)))
 probe(ColumnLinear, "forward", "coc_column")
 probe(RowLinear, "forward", "coc_row")
+# Megatron's own features (0.17+): what ran, per rank
+from megatron.core.pipeline_parallel import schedules
+from megatron.core.tensor_parallel.random import CheckpointWithoutOutput
+from megatron.core.transformer.transformer_layer import TransformerLayer
+probe(CheckpointWithoutOutput, "checkpoint", "checkpoint_without_output")
+probe(TransformerLayer, "forward", "transformer_layer")
+for name in ("combined_1f1b_schedule_for_no_pipelining", "combined_1f1b_schedule_for_interleaved_pipelining"):
+    if name in schedules.__dict__:
+        probe(schedules, name, "combined_1f1b")
 script = os.path.abspath(sys.argv[1])
 sys.argv = [script] + sys.argv[2:]
 try:
@@ -86,11 +100,34 @@ def workdir(tmp_path_factory):
     root = pathlib.Path(CHECKOUT).resolve()
     known_tag(read_version(root), root)  # an unknown version fails here, with the reason
     work = tmp_path_factory.mktemp("megatron_lm")
+    (work / "path").mkdir()
+    if _installed_matches(root):  # the installed megatron.core, the checkout's training and scripts
+        (work / "path" / "megatron").mkdir()
+        for package in (root / "megatron").iterdir():
+            if package.name != "core" and package.is_dir():
+                (work / "path" / "megatron" / package.name).symlink_to(package)
+        for module in root.glob("*.py"):
+            (work / "path" / module.name).symlink_to(module)
+    else:
+        (work / "path" / "checkout").symlink_to(root)
     text, what = insert_import((root / "pretrain_gpt.py").read_text())
     assert what in ("patched", "already patched")
     (work / "pretrain_gpt.py").write_text(text)
     (work / "runner.py").write_text(RUNNER)
     return work
+
+
+def _installed_matches(root: pathlib.Path) -> bool:
+    """Whether the megatron.core that imports without the checkout is the checkout's release."""
+
+    installed = megatron_version()
+    checkout = Version(read_version(root))
+    return installed is not None and installed.release[:2] == checkout.release[:2] and \
+        pathlib.Path(CHECKOUT).resolve() not in [pathlib.Path(p).resolve() for p in sys.path if p]
+
+
+def checkout_version() -> tuple[int, int]:
+    return Version(read_version(pathlib.Path(CHECKOUT).resolve())).release[:2]
 
 
 def underlying_losses(log: str) -> dict[int, float]:
@@ -102,8 +139,9 @@ def underlying_losses(log: str) -> dict[int, float]:
 
 
 def run(workdir, name: str, args: list[str]) -> dict:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(pathlib.Path(CHECKOUT).resolve()),
-                                                       os.environ.get("PYTHONPATH", "")]),
+    path = workdir / "path" / "checkout"
+    path = path.resolve() if path.exists() else workdir / "path"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(path), os.environ.get("PYTHONPATH", "")]),
                OMP_NUM_THREADS="1", REPORT=str(workdir / f"{name}.json"))
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                "--master-port", str(free_port()), str(workdir / "runner.py"),
@@ -161,3 +199,57 @@ def test_save_load_round_trip_dp2_distributed_optimizer(workdir):
     assert sorted(resumed["losses"]) == [6, 7, 8, 9, 10]
     for it, value in resumed["losses"].items():
         assert abs(value - full["losses"][it]) < 1e-5, (it, value, full["losses"][it])
+
+
+# -- Megatron's own newer features under npuspeed (CPU, no Transformer Engine) ---------------------
+def _at_least(release: tuple[int, int]) -> bool:
+    try:
+        return checkout_version() >= release
+    except Exception:  # no checkout: the module is skipped anyway
+        return False
+
+
+NEWER = pytest.mark.skipif(not _at_least((0, 18)), reason="Megatron-LM core_v0.18+ flags")
+MOE = "--num-experts 4 --moe-router-topk 2 --moe-token-dispatcher-type alltoall".split()
+
+
+def _short(args: list[str], iters: int = 4) -> list[str]:
+    return args + ["--train-iters", str(iters)]  # argparse: the last --train-iters wins
+
+
+def _trains(result: dict, iters: int) -> None:
+    losses = result["losses"]
+    assert sorted(losses) == list(range(1, iters + 1)) and all(math.isfinite(v) for v in losses.values())
+    assert losses[iters] < losses[1], losses
+
+
+@NEWER
+def test_recompute_modules_layernorm(workdir):
+    """--recompute-modules layernorm: Megatron's CheckpointWithoutOutput around both norms of every
+    layer (without TE it needed the device feature's FP8 fix: megatron_compat.py)."""
+    result = run(workdir, "recompute_layernorm", _short(
+        ["--recompute-granularity", "selective", "--recompute-modules", "layernorm"]))
+    _trains(result, 4)
+    for report in result["reports"]:  # 2 layers x 2 norms x 2 micro-batches x 4 steps, per rank
+        assert report["probes"]["checkpoint_without_output"] >= 2 * 2 * 2 * 4
+
+
+@NEWER
+@pytest.mark.slow
+def test_pipeline_model_parallel_layout(workdir):
+    """--pipeline-model-parallel-layout "Et|tttL": 1 layer on the first stage, 3 on the last."""
+    result = run(workdir, "pp_layout", _short(["--pipeline-model-parallel-size", "2", "--num-layers", "4",
+                                               "--pipeline-model-parallel-layout", "Et|tttL"]))
+    _trains(result, 4)
+    first, last = (r["probes"]["transformer_layer"] for r in result["reports"])
+    assert first > 0 and last == 3 * first, (first, last)
+
+
+@NEWER
+@pytest.mark.slow
+def test_overlap_moe_expert_parallel_comm(workdir):
+    """--overlap-moe-expert-parallel-comm at EP2 (alltoall, bf16): the combined 1F1B schedule runs."""
+    result = run(workdir, "ep_overlap", _short(MOE + ["--expert-model-parallel-size", "2", "--bf16",
+                                                      "--overlap-moe-expert-parallel-comm"]))
+    _trains(result, 4)
+    assert all(r["probes"]["combined_1f1b"] > 0 for r in result["reports"])

@@ -207,6 +207,18 @@ def test_helper_builds_for_this_python_whatever_python3_on_path_is(tmp_path, mon
     assert module.answer() == 42
 
 
+def test_installed_wheel_without_makefile_uses_its_prebuilt_helper(tmp_path, monkeypatch):
+    """megatron-core wheels ship helpers_cpp built and no Makefile (upstream's `make` fails
+    there): the prebuilt module for this Python is used; without it, one error and exit 1."""
+    ran = []
+    monkeypatch.setattr(build_helpers.subprocess, "run", lambda *a, **k: ran.append(a))
+    with pytest.raises(SystemExit):
+        build_helpers.build_in(str(tmp_path))
+    (tmp_path / f"helpers_cpp{sysconfig.get_config_var('EXT_SUFFIX')}").write_bytes(b"")
+    build_helpers.build_in(str(tmp_path))
+    assert ran == []  # make never ran
+
+
 # -- DistributedOptimizer fixes ---------------------------------------------------------------
 def _adam(n=3):
     params = [torch.nn.Parameter(torch.ones(2)) for _ in range(n)]
@@ -338,25 +350,64 @@ def _registered(accelerator_name: str) -> dict:
 
 
 def test_registered_patches_per_backend():
-    from npuspeed.features.megatron_lm import MEGATRON_LM_RANGE
+    from npuspeed.features.megatron_lm import MEGATRON_LM_RANGE, targets
 
     cpu, npu, cuda = _registered("cpu"), _registered("npu"), _registered("cuda")
     common = {"megatron.training.arguments.parse_args", "megatron.training.arguments.validate_args",
               "megatron.core.datasets.utils.compile_helpers"}
     assert common <= set(cuda) and common <= set(npu) and common <= set(cpu)
-    off_cuda = {"megatron.training.utils.get_device_arch_version", "megatron.legacy.fused_kernels.load"}
+    off_cuda = {"megatron.training.utils.get_device_arch_version", "megatron.legacy.fused_kernels.load",
+                "megatron.training.utils.common_utils.get_device_arch_version"}
     assert not off_cuda & set(cuda) and off_cuda <= set(npu) and off_cuda <= set(cpu)
     cpu_only = {"megatron.training.training.torch", "megatron.training.utils.get_batch_on_this_tp_rank",
-                "megatron.training.training.get_model"}
+                "megatron.training.training.get_model", "megatron.training.utils.common_utils.torch",
+                "megatron.training.training.pretrain"}
     assert cpu_only <= set(cpu) and not cpu_only & set(npu)
     # The distributed-optimizer fixes and the get_device_properties answer belong to the device
     # feature (megatron.core alone meets them), so this feature must not register them twice.
     device_owned = {"torch.cuda.get_device_properties",
                     "megatron.core.optimizer.distrib_optimizer.DistributedOptimizer.state_dict"}
     assert not device_owned & (set(cpu) | set(npu) | set(cuda))
-    # Megatron-LM's targets are versioned by the range they were checked against.
-    assert all(rng == MEGATRON_LM_RANGE for t, (kind, rng) in cpu.items()
-               if t.startswith("megatron.") and not t.endswith("parse_args"))
+    # Megatron-LM's targets are versioned by the range each was checked against, where upstream
+    # put it: the moved ones (utils.py -> utils/common_utils.py at 0.18) per range.
+    assert all(rng is not None for t, (kind, rng) in cpu.items() if t.startswith("megatron.")
+               and not t.endswith("parse_args"))
+    assert cpu["megatron.training.utils.get_device_arch_version"][1] == targets.R16_17
+    assert cpu["megatron.training.utils.common_utils.get_device_arch_version"][1] == targets.R18_19
+    assert cpu["megatron.legacy.fused_kernels.load"][1] == ">=0.16,<0.17"
+    assert cpu["megatron.training.training.pretrain"] == ("wrap", targets.R18_19)
+    assert cpu["megatron.training.utils.get_batch_on_this_tp_rank"][1] == targets.R16_17
+    assert MEGATRON_LM_RANGE == ">=0.16,<0.20"
+
+
+@pytest.mark.parametrize("version,present", [
+    ("0.16.1", {"utils.torch", "utils.get_batch_on_this_tp_rank", "training.get_model"}),
+    ("0.17.1", {"utils.torch", "utils.get_batch_on_this_tp_rank", "training.get_model"}),
+    ("0.19.2", {"utils.common_utils.torch", "utils.common_utils.get_device_arch_version",
+                "training.pretrain"}),
+])
+def test_every_target_resolves_on_its_release(version, present):
+    """Each Megatron-LM target registered for a release names something in that release's source
+    (read from the tag's files, not imported): the per-range table follows upstream's moves."""
+    from packaging.version import Version
+
+    from npuspeed.features.megatron_lm import targets
+    from npuspeed.patching.versions import in_range
+
+    tag = {"0.16.1": "core_v0.16.1", "0.17.1": "core_v0.17.0", "0.19.2": "core_v0.19.0"}[version]
+    root = pathlib.Path(os.environ.get("NPUSPEED_MLM_TAGS", "/work/mlm")) / tag / "megatron" / "training"
+    if not root.is_dir():
+        pytest.skip(f"no Megatron-LM {tag} sources at {root}")
+    tables = (targets.DEVICE_ARCH, {f"{m}.torch": r for m, r in targets.TORCH_MODULES.items()},
+              targets.CUDA_CALLS)
+    wanted = {t for table in tables for t, rng in table.items() if in_range(rng, Version(version))}
+    assert present <= wanted
+    for target in wanted:
+        module, name = target.rsplit(".", 1)
+        path = root / (module.replace(".", "/") + ".py")
+        assert path.is_file(), (version, target)
+        text = path.read_text()
+        assert (f"def {name}(" in text) if name != "torch" else ("\nimport torch\n" in text), (version, target)
 
 
 def test_the_cuda_names_megatron_training_calls_are_shimmed_on_cpu():

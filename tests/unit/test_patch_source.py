@@ -7,6 +7,7 @@ import textwrap
 
 import pytest
 from packaging.specifiers import SpecifierSet
+from packaging.version import Version
 
 from npuspeed import cli
 from npuspeed.features.megatron_lm import MEGATRON_LM_RANGE
@@ -97,13 +98,15 @@ def test_dry_run_changes_nothing(tmp_path):
     assert (root / "pretrain_gpt.py").read_text() == GPT
 
 
-@pytest.mark.parametrize("version, shown", [((0, 15, 0, ""), "0.15.0"), ((0, 17, 0, "rc0"), "0.17.0rc0")])
+@pytest.mark.parametrize("version, shown", [((0, 15, 0, ""), "0.15.0"), ((0, 20, 0, "rc0"), "0.20.0rc0"),
+                                            ((0, 19, 0, ""), "0.19.0")])
 def test_refuses_an_unknown_version(tmp_path, version, shown):
     root = make_checkout(tmp_path / "mlm", version)
     with pytest.raises(PatchSourceError) as err:
         patch_source(root)
     message = str(err.value)
     assert f"Megatron-LM {shown}" in message and "core_v0.16.1" in message and "checkout" in message
+    assert "core_v0.19.0" in message  # the newest known tag is the one suggested
     assert (root / "pretrain_gpt.py").read_text() == GPT  # nothing touched
 
 
@@ -169,7 +172,18 @@ def test_cli_prints_what_it_did(tmp_path, capsys):
     assert "no source patches needed for core_v0.16.1" in out  # the repo's patches/ has none
 
 
+@pytest.mark.parametrize("version, tag", [((0, 17, 0, "rc0"), "core_v0.17.0"), ((0, 18, 0, ""), "core_v0.18.0"),
+                                          ((0, 19, 1, ""), "core_v0.19.0")])
+def test_newer_tags_are_known_by_the_strings_they_carry(tmp_path, version, tag):
+    """The tags' package_info strings are irregular (core_v0.17.0 says 0.17.0rc0, core_v0.19.0
+    says 0.19.1); each maps to its tag and gets the import line."""
+    root = make_checkout(tmp_path / "mlm", version)
+    result = patch_source(root)
+    assert result.tag == tag and result.scripts["pretrain_gpt.py"] == "patched"
+
+
 def test_known_versions_are_the_ones_the_runtime_patches_cover():
-    assert all(v in SpecifierSet(MEGATRON_LM_RANGE) for v in KNOWN_VERSIONS)
+    assert all(Version(v).base_version in SpecifierSet(MEGATRON_LM_RANGE) for v in KNOWN_VERSIONS)
+    assert {"core_v0.16.1", "core_v0.17.0", "core_v0.18.0", "core_v0.19.0"} <= set(KNOWN_VERSIONS.values())
     assert (default_patches_dir() / "README.md").is_file()
     assert not list(default_patches_dir().glob("*/*.patch")), "a patch was added: update the README"

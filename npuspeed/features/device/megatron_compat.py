@@ -9,6 +9,11 @@ own code untouched (see `npuspeed report`):
 - 0.12's async checkpoint writer calls torch's private `_write_item` without the
   `serialization_format` argument that newer torch requires; 0.13 passes TORCH_SAVE
   when the signature asks for it, as here.
+- every release's `CheckpointWithoutOutput.__init__(fp8=False)` sets `self.fp8 = fp8 is not
+  None`, i.e. True for its own default, and its forward then calls Transformer Engine's
+  `FP8GlobalStateManager`: without TE, `--recompute-modules layernorm` / `moe_act` (which
+  build it with no argument) fail with a NameError. Without TE there is no FP8 to honour, so
+  the flag is cleared after upstream's __init__ (with TE, upstream runs untouched).
 """
 from __future__ import annotations
 
@@ -48,7 +53,30 @@ def write_item_with_format(fn):
     return _write_item
 
 
+def checkpoint_without_fp8(init):
+    """CheckpointWithoutOutput.__init__ where Transformer Engine is absent: never FP8."""
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.fp8 = False
+
+    return __init__
+
+
+def _have_te() -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("transformer_engine") is not None
+    except (ImportError, ValueError):
+        return False
+
+
 def register(registry, feature: str) -> None:
+    if not _have_te():
+        registry.register(f"{_MC}.tensor_parallel.random.CheckpointWithoutOutput.__init__",
+                          wrapper=checkpoint_without_fp8, feature=feature, megatron=">=0.12")
     registry.register(f"{_MC}.fp8_utils.quantize_param_shard",
                       wrapper=quantize_param_shard_without_fp8, feature=feature, megatron="<0.13")
     registry.register(f"{_MC}.dist_checkpointing.strategies.filesystem_async._write_item",

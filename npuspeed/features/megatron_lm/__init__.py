@@ -12,8 +12,9 @@ scripts (`pretrain_gpt.py` ...) run unchanged on CPU (gloo) and NPU:
 - three upstream DistributedOptimizer bugs on the path without apex/TE, which `--load`
   meets, are fixed by the device feature (device/distopt_fixes.py), since megatron.core
   alone meets them too.
-The training patches are verified against Megatron-LM core_v0.16.x; for another
-checkout they are skipped and the report says so (MEGATRON_LM_RANGE).
+The training patches are verified against Megatron-LM core_v0.16.x to core_v0.19.x, each
+where upstream put it in that release (targets.py); for another release they are skipped and
+the report says so (MEGATRON_LM_RANGE).
 """
 from __future__ import annotations
 
@@ -21,12 +22,12 @@ import importlib.util
 
 from npuspeed.features.base import Feature, FeatureError
 from npuspeed.features.device.module_proxy import DeviceMappedTorch
-from npuspeed.features.megatron_lm import build_helpers, device_fixes, load_stubs, parser, validate
+from npuspeed.features.megatron_lm import build_helpers, device_fixes, load_stubs, parser, targets, validate
 from npuspeed.features.device.redirect import cuda_calls_on_device
 
 #: Megatron-LM versions (read from the checkout's megatron/core/package_info.py) whose
 #: megatron.training these patches were checked against.
-MEGATRON_LM_RANGE = ">=0.16,<0.17"
+MEGATRON_LM_RANGE = targets.ALL
 MLT = "megatron.training"
 #: Modules megatron.training imports at load (import name -> pip name): the megatron-lm extra.
 LOAD_TIME_IMPORTS = {"regex": "regex", "pydantic": "pydantic", "six": "six", "yaml": "pyyaml"}
@@ -66,25 +67,23 @@ class MegatronLMFeature(Feature):
         load_stubs.install()
 
     def register_patches(self, registry, ctx) -> None:
-        reg, accelerator = registry.register, ctx.accelerator
-        name, rng = self.name, MEGATRON_LM_RANGE
+        reg, accelerator, name = registry.register, ctx.accelerator, self.name
         reg(f"{MLT}.arguments.parse_args", wrapper=parser.parse_args_wrapper(ctx.extend_parser), feature=name)
         reg(f"{MLT}.arguments.validate_args", wrapper=validate.validate_args_wrapper(accelerator.name, ctx.note),
-            feature=name, megatron=rng)
+            feature=name, megatron=MEGATRON_LM_RANGE)
         reg("megatron.core.datasets.utils.compile_helpers", build_helpers.compile_helpers,
-            feature=name, megatron=rng)
+            feature=name, megatron=MEGATRON_LM_RANGE)
         if accelerator.name == "cuda":
             return
-        reg(f"{MLT}.utils.get_device_arch_version", validate.device_arch_version, feature=name,
-            megatron=rng)
-        reg("megatron.legacy.fused_kernels.load", device_fixes.fused_kernels_skipper(ctx.note), feature=name,
-            megatron=rng)
+        reg("megatron.legacy.fused_kernels.load", device_fixes.fused_kernels_skipper(ctx.note),
+            feature=name, megatron=targets.FUSED_KERNELS)
+        for target, rng in targets.DEVICE_ARCH.items():  # moved between releases (targets.py)
+            reg(f"{MLT}.{target}", validate.device_arch_version, feature=name, megatron=rng)
         if accelerator.name != "cpu":
             return  # NPU: transfer_to_npu maps factories and Tensor.cuda itself
-        for module in device_fixes.TORCH_PROXY_MODULES:
-            reg(f"{MLT}.{module}.torch", DeviceMappedTorch(accelerator.device), feature=name,
-                megatron=rng)
-        for target in device_fixes.CUDA_CALLS:
+        for module, rng in targets.TORCH_MODULES.items():
+            reg(f"{MLT}.{module}.torch", DeviceMappedTorch(accelerator.device), feature=name, megatron=rng)
+        for target, rng in targets.CUDA_CALLS.items():
             reg(f"{MLT}.{target}", wrapper=cuda_calls_on_device(accelerator.device), feature=name,
                 megatron=rng)
 

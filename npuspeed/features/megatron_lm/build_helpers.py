@@ -9,6 +9,11 @@ core_v0.16.1) picks another interpreter than the venv's, the build fails or prod
 module the running Python cannot import, and training exits. The replacement runs the
 same Makefile with both answers taken from the running interpreter (`make` variables
 given on the command line override the Makefile's). Backend-independent.
+
+The megatron-core wheels (0.19.x ship `megatron/training` too, so Megatron-LM's scripts run
+against them) carry a prebuilt `helpers_cpp` and no Makefile: upstream's `make` then fails
+("No targets specified") and training exits. There the build is skipped when the prebuilt
+module matches the running Python, and refused with the reason when it does not.
 """
 from __future__ import annotations
 
@@ -47,8 +52,21 @@ def compile_helpers() -> None:
     build_in(os.path.abspath(os.path.dirname(utils.__file__)))
 
 
+def prebuilt(directory: str) -> str | None:
+    """The helpers_cpp extension in `directory` built for this interpreter, if there is one."""
+    path = os.path.join(directory, "helpers_cpp" + (sysconfig.get_config_var("EXT_SUFFIX") or ".so"))
+    return path if os.path.isfile(path) else None
+
+
 def build_in(directory: str) -> None:
     """Run the Makefile in `directory` for this interpreter; exit like upstream on failure."""
+    if not os.path.isfile(os.path.join(directory, "Makefile")):
+        if prebuilt(directory):
+            return  # an installed megatron-core wheel: its helper is already built
+        log.error("npuspeed: %s has neither Megatron's dataset helper built for %s nor the Makefile "
+                  "to build it: reinstall megatron-core for this Python, or put a Megatron-LM "
+                  "checkout first on PYTHONPATH", directory, sys.executable)
+        sys.exit(1)
     try:
         command = make_command(directory)
     except HelperBuildError as exc:

@@ -3,8 +3,11 @@
 It (1) inserts `import npuspeed.megatron_adaptor` after `import torch` in the checkout's
 entry scripts (top-level `pretrain_*.py` / `train_*.py` with a `__main__` block), and
 (2) applies the source patches that monkey-patching cannot reach, from
-`patches/<tag>/*.patch` (none are needed for core_v0.16.x: everything there is reached by
-the megatron_lm feature's runtime patches). Both steps are idempotent: a script that has
+`patches/<tag>/*.patch` (none are needed for core_v0.16.x to core_v0.19.0: everything there
+is reached by the megatron_lm feature's runtime patches). Entry scripts differ per tag
+(0.17: pretrain_bert/t5; 0.18+: pretrain_hybrid; all: pretrain_gpt/mamba/vlm, train_rl);
+0.18+'s `gpt_builders.py` / `model_provider.py` are modules the scripts import, not entry
+scripts, and are left alone. Both steps are idempotent: a script that has
 the line, or a patch already applied, is left alone. A checkout whose version (read from
 its `megatron/core/package_info.py`, without running it) is not one npuspeed knows is
 refused: the runtime patches were checked against those versions only.
@@ -19,7 +22,10 @@ import subprocess
 from dataclasses import dataclass, field
 
 #: Megatron-LM versions (package_info.py) -> git tag, checked against the runtime patches.
-KNOWN_VERSIONS = {"0.16.0": "core_v0.16.0", "0.16.1": "core_v0.16.1"}
+#: The tags' strings are irregular: core_v0.17.0 says 0.17.0rc0, core_v0.19.0 says 0.19.1.
+KNOWN_VERSIONS = {"0.16.0": "core_v0.16.0", "0.16.1": "core_v0.16.1", "0.17.0rc0": "core_v0.17.0",
+                  "0.17.1": "core_v0.17.1", "0.18.0": "core_v0.18.0", "0.18.2": "core_v0.18.2",
+                  "0.19.1": "core_v0.19.0"}
 IMPORT_LINE = "import npuspeed.megatron_adaptor"
 _TORCH = re.compile(r"^import torch\s*(#.*)?$")
 _MEGATRON = re.compile(r"^(from megatron[.\s]|import megatron\b)")
