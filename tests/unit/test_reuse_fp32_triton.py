@@ -17,6 +17,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_reuse_fp32_codec import SPECIAL
+from triton_masks import boolean_masks_only
 
 from npuspeed import telemetry
 from npuspeed.features.reuse_fp32_param import codec, triton_codec
@@ -48,7 +49,7 @@ def _against_chunked(bits: list[int], block: int = 64, max_programs: int = 3) ->
     x = _floats(bits)
     bf16 = x.to(torch.bfloat16)
     res, want_res = torch.empty(x.numel(), dtype=torch.int16), torch.empty(x.numel(), dtype=torch.int16)
-    with _env(TRITON_INTERPRET="1"):
+    with _env(TRITON_INTERPRET="1"), boolean_masks_only():
         mask = triton_codec.split(x, res, block=block, max_programs=max_programs)
         want = codec.split_device(x, want_res)
         assert torch.equal(res, want_res)
