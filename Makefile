@@ -1,30 +1,79 @@
-# Two entry points a newcomer needs: `make example` and `make test`.
-# Both create .venv (unless VENV points elsewhere), install a CPU build of torch when none is
-# importable (never a multi-GB CUDA build just to run on CPU), then npuspeed with its C++ ops.
-PYTHON ?= python3
-VENV ?= .venv
-PY := $(VENV)/bin/python
-TORCH_VERSION ?= 2.13.0
-CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+# Entry points: `make example` and `make test` (what CI runs, through .ci/run).
+#
+# Both Pythons are first-class, each in its own venv:
+#   3.11 -> .venv     a CPU build of torch, megatron-core 0.16.1 (the newest release for 3.11), triton 3.6.0
+#   3.12 -> .venv312  the index's torch (a CUDA build on Linux, run on CPU without a GPU),
+#                     megatron-core 0.19.2, the triton that torch requires
+# `make test` runs the whole suite on each, the Triton kernel tests under the newest triton as
+# well, and scripts/megatron_versions.sh (every supported megatron-core release on its Python).
+# `make example` and `make install` use 3.11; `make example PY=3.12` the other.
+# Torch and megatron-core are installed only where none is importable, and npuspeed's own
+# install (megatron-core>=0.12,<0.20) keeps whatever supported release is there.
+PY ?= 3.11
 NPROC ?= 2
+VENV311 ?= .venv
+VENV312 ?= .venv312
+# The interpreters the venvs are made from; scripts/find_python.sh finds them when left empty.
+BASE_PYTHON311 ?=
+BASE_PYTHON312 ?=
+TORCH311 ?= torch==2.13.0+cpu
+TORCH312 ?= torch==2.14.1
+MCORE311 ?= 0.16.1
+MCORE312 ?= 0.19.2
+TRITON311 ?= 3.6.0
+TRITON_NEWEST ?= 3.9.0
+CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 
-.PHONY: torch install install-test example test test-device bench clean
+PY311 := $(VENV311)/bin/python
+PY312 := $(VENV312)/bin/python
+ifeq ($(PY),3.12)
+VENV ?= $(VENV312)
+else ifeq ($(PY),3.11)
+VENV ?= $(VENV311)
+else
+$(error PY=$(PY): the supported Pythons are 3.11 and 3.12)
+endif
+VPY := $(VENV)/bin/python
+TRITON_SITE := .triton-$(TRITON_NEWEST)
+TRITON_TESTS := tests/unit/test_triton_kernels.py tests/unit/test_reuse_fp32_triton.py \
+                tests/unit/test_moe_permute_triton_choice.py tests/unit/test_rope_qk_triton_wiring.py
 
-$(PY):
-	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip setuptools wheel
+.PHONY: deps311 deps312 install install-test install-test-311 install-test-312 example \
+        test test-311 test-312 test-triton versions test-device bench clean
 
-torch: $(PY)
-	@$(PY) -c "import torch" 2>/dev/null || \
-	  $(PY) -m pip install -q "torch==$(TORCH_VERSION)+cpu" || \
-	  $(PY) -m pip install -q "torch==$(TORCH_VERSION)+cpu" --extra-index-url $(CPU_INDEX)
+# A venv per Python, from the interpreter found (or named), with current packaging tools.
+$(PY311):
+	base="$(BASE_PYTHON311)"; [ -n "$$base" ] || base=$$(scripts/find_python.sh 3.11) && "$$base" -m venv $(VENV311)
+	$(PY311) -m pip install -q --upgrade pip setuptools wheel
+
+$(PY312):
+	base="$(BASE_PYTHON312)"; [ -n "$$base" ] || base=$$(scripts/find_python.sh 3.12) && "$$base" -m venv $(VENV312)
+	$(PY312) -m pip install -q --upgrade pip setuptools wheel
+
+# torch, megatron-core (and on 3.11 triton) where none is importable: an installed one is kept.
+deps311: $(PY311)
+	@$(PY311) -c "import torch" 2>/dev/null || $(PY311) -m pip install -q "$(TORCH311)" || \
+	  $(PY311) -m pip install -q "$(TORCH311)" --extra-index-url $(CPU_INDEX)
+	@$(PY311) -c "import megatron.core" 2>/dev/null || $(PY311) -m pip install -q "megatron-core==$(MCORE311)"
+	@$(PY311) -c "import triton" 2>/dev/null || [ "$$(uname -sm)" != "Linux x86_64" ] || \
+	  $(PY311) -m pip install -q "triton==$(TRITON311)"
+
+deps312: $(PY312)
+	@$(PY312) -c "import torch" 2>/dev/null || $(PY312) -m pip install -q "$(TORCH312)"
+	@$(PY312) -c "import megatron.core" 2>/dev/null || $(PY312) -m pip install -q "megatron-core==$(MCORE312)"
 
 # One pip install each (it compiles csrc/ every time it runs).
-install: torch
-	$(PY) -m pip install -q --no-build-isolation -e .
+install: deps$(subst .,,$(PY))
+	$(VPY) -m pip install -q --no-build-isolation -e .
 
-install-test: torch
-	$(PY) -m pip install -q --no-build-isolation -e ".[test,bench]"
+install-test: deps$(subst .,,$(PY))
+	$(VPY) -m pip install -q --no-build-isolation -e ".[test,bench]"
+
+install-test-311: deps311
+	$(PY311) -m pip install -q --no-build-isolation -e ".[test,bench]"
+
+install-test-312: deps312
+	$(PY312) -m pip install -q --no-build-isolation -e ".[test,bench]"
 
 example: install
 	mkdir -p runs
@@ -33,17 +82,37 @@ example: install
 	  --train-iters 30 --lr 3e-3 --summary-json runs/example_summary.json
 	$(VENV)/bin/npuspeed report
 
-test: install-test
-	$(PY) -m pytest -q tests
+# CI: both Pythons' suites, the Triton kernels under the newest triton, every release.
+test: test-311 test-312 test-triton versions
+
+test-311: install-test-311
+	$(PY311) -m pytest -q tests
+
+test-312: install-test-312
+	$(PY312) -m pytest -q tests
+
+# The Triton test files again under triton $(TRITON_NEWEST), unpacked beside the checkout
+# (pip --target, no dependencies) and put first on PYTHONPATH, which the tests' subprocesses inherit.
+$(TRITON_SITE)/triton/__init__.py: | $(PY311)
+	$(PY311) -m pip install -q --no-deps --target $(TRITON_SITE) "triton==$(TRITON_NEWEST)"
+
+test-triton: install-test-311 $(TRITON_SITE)/triton/__init__.py
+	PYTHONPATH=$(CURDIR)/$(TRITON_SITE) $(PY311) -c \
+	  "import triton; assert triton.__version__ == '$(TRITON_NEWEST)', triton.__file__"
+	PYTHONPATH=$(CURDIR)/$(TRITON_SITE) $(PY311) -m pytest -q $(TRITON_TESTS)
+
+# Every supported megatron-core release, each on a Python it installs on (0.17+ need 3.12).
+versions: install-test-311 install-test-312
+	PYTHON=$(CURDIR)/$(PY311) PYTHON311=$(CURDIR)/$(PY311) PYTHON312=$(CURDIR)/$(PY312) scripts/megatron_versions.sh
 
 # The device tier: every single-rank feature trained on the accelerator present (CUDA or NPU,
 # as npuspeed detects it); on a host without one each test is skipped with the reason (exit 0).
 test-device: install-test
-	NPUSPEED_DEVICE= $(PY) -m pytest -q -m device tests/device
+	NPUSPEED_DEVICE= $(VPY) -m pytest -q -m device tests/device
 
 bench: install-test
-	$(PY) -m pytest -q -m slow tests
-	for b in benchmarks/bench_*.py; do $(PY) $$b || exit 1; done
+	$(VPY) -m pytest -q -m slow tests
+	for b in benchmarks/bench_*.py; do $(VPY) $$b || exit 1; done
 
 clean:
-	rm -rf build *.egg-info npuspeed/_C*.so runs
+	rm -rf build *.egg-info npuspeed/_C*.so runs .triton-*

@@ -9,6 +9,11 @@ the interpreter needs TRITON_INTERPRET set before that import: `kernels()` says 
 Loops in the kernels have constexpr trip counts only: triton 3.6's interpreter cannot take a
 runtime loop bound with numpy >= 2.4 (triton-lang/triton#9171), and fixed trip counts suit
 triton-ascend's compiler as well.
+Masks are built from block comparisons only: triton 3.9's interpreter refuses a mask that is
+not boolean ("mask has unsupported dtype"), and a scalar comparison joined to a block mask
+(`cols < N & row < M`) is broadcast there as an integer block (the interpreter keeps the
+operands' integer dtype on a comparison), which 3.6-3.8 read as truthy. A row's liveness
+enters as the bound instead: `cols < tl.where(row < M, N, 0)`.
 """
 from __future__ import annotations
 

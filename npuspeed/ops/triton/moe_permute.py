@@ -63,7 +63,7 @@ def _reduce(SRC, ORDER, STARTS, COUNTS, W, DST, ssrc, sdst, H,
     for j in range(MAX_K):
         live = j < count
         row = tl.load(ORDER + start + j, mask=live, other=0).to(tl.int64)
-        x = tl.load(SRC + row * ssrc + cols, mask=mask & live, other=0.0).to(tl.float32)
+        x = tl.load(SRC + row * ssrc + cols, mask=cols < tl.where(live, H, 0), other=0.0).to(tl.float32)
         if HAS_W:
             x = x * tl.load(W + row, mask=live, other=0.0).to(tl.float32)
         acc += x

@@ -51,7 +51,7 @@ def _bwd(DY, X, W, RSTD, DH, DX, DWP, sdy, sx, sdh, sdx, M, N,
     for i in range(ROWS):
         row = pid * ROWS + i
         live = row < M
-        m = mask & live
+        m = cols < tl.where(live, N, 0)  # a block comparison: see _runtime's note on masks
         x = tl.load(X + row * sx + cols, mask=m, other=0.0).to(tl.float32)
         dy = tl.load(DY + row * sdy + cols, mask=m, other=0.0).to(tl.float32)
         rstd = tl.load(RSTD + row, mask=live, other=0.0)
