@@ -52,7 +52,9 @@ def _extensions():
     sources = flags.source_files("csrc")  # csrc/cpu everywhere, csrc/x86 on x86_64 only
     ext = CppExtension("npuspeed._C", sources, extra_compile_args=flags.compile_args(),
                        extra_link_args=flags.link_args(), depends=flags.header_files("csrc"))
-    return [ext], {"build_ext": BuildExtension.with_options(no_python_abi_suffix=True)}
+    # The file carries the interpreter's ABI suffix (_C.cpython-311-...so): a 3.11 and a 3.12 venv
+    # installing from one checkout keep one library each (npuspeed/ops/_extension.py picks).
+    return [ext], {"build_ext": BuildExtension}
 
 
 ext_modules, cmdclass = _extensions()

@@ -1,7 +1,9 @@
 """Finding or building the `npuspeed::` C++ op library.
 
-Order: the library built by `pip install` (npuspeed/_C*.so), else a JIT build of csrc/
-into a cache directory, else nothing, and every caller runs its pure-PyTorch reference.
+Order: the library `pip install` built for this interpreter (npuspeed/_C.<ABI suffix>.so:
+one checkout can serve a Python 3.11 and a 3.12 venv, each with its own torch), else (none, or
+it does not load against this torch) a JIT build of csrc/ into a cache directory keyed by the
+torch version, else nothing, and every caller runs its pure-PyTorch reference.
 What happened is kept in `status()` for `npuspeed report`, and the fallback is logged once.
 `NPUSPEED_DISABLE_CPP=1` stands in for a machine without a compiler; `NPUSPEED_JIT=1` skips
 the pip-built library and JIT-builds csrc/ (with NPUSPEED_NO_X86=1: the portable set only, as
@@ -13,8 +15,8 @@ behind, after which every later build waits forever. We serialise builds with ou
 """
 from __future__ import annotations
 
-import glob
 import hashlib
+import importlib.machinery
 import logging
 import os
 from pathlib import Path
@@ -41,8 +43,11 @@ def source_files() -> list[str]:
 def _prebuilt() -> str | None:
     if os.environ.get("NPUSPEED_JIT", "0") not in ("", "0", "false", "False"):
         return None
-    hits = sorted(glob.glob(str(_PACKAGE_DIR / "_C*.so")))
-    return hits[0] if hits else None
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:  # this interpreter's ABI first
+        path = _PACKAGE_DIR / f"_C{suffix}"
+        if suffix != ".so" and path.is_file():
+            return str(path)
+    return None
 
 
 def _cache_dir(sources: list[str]) -> Path:
@@ -91,12 +96,17 @@ def load_library() -> dict:
         path = _prebuilt()
         status["source"] = "prebuilt" if path else "jit"
         try:
+            if path is not None:
+                try:
+                    torch.ops.load_library(path)
+                except OSError as exc:  # built against another torch: build for this one
+                    log.warning("npuspeed: %s does not load with torch %s (%s); JIT-building csrc/",
+                                path, torch.__version__, str(exc).splitlines()[0][:200])
+                    status["source"], path = "jit", None
             if path is None:
                 if not source_files():
                     raise RuntimeError(f"no C++ sources under {_CSRC} and no prebuilt library")
                 path = _jit_build(source_files())
-            else:
-                torch.ops.load_library(path)
             status.update(compiled=True, path=path)
             if hasattr(torch.ops.npuspeed, "cpu_capability"):
                 status["cpu_capability"] = level = torch.ops.npuspeed.cpu_capability()
