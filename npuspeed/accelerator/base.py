@@ -25,6 +25,12 @@ class NullStream:
         self.device = device
         self.priority = priority
 
+    @staticmethod
+    def priority_range() -> tuple[int, int]:
+        """(lowest, highest) as `torch.cuda.Stream.priority_range()` answers (Megatron 0.18+
+        asks it for its EP-overlap streams); in-order work has one priority."""
+        return (0, 0)
+
     def wait_stream(self, stream) -> None:  # work is already ordered
         return None
 
@@ -46,7 +52,10 @@ class NullStream:
 class NullEvent:
     """An event of the same shape as `torch.cuda.Event`; elapsed time comes from the host clock."""
 
-    def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False):
+    def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False,
+                 external: bool = False):
+        # `external` (Megatron 0.19's activation offload, CUDA graphs): an event recorded
+        # inside a captured graph; without graphs it is an ordinary event.
         self.enable_timing = enable_timing
         self._time = None
 

@@ -430,18 +430,16 @@ print("RESULT", float(fused(torch.ones(4), torch.ones(4)).sum()))
 
 @pytest.mark.parametrize("mode", ["plain", "fixed"])
 def test_torch_compile_under_the_cuda_shim(mode, tmp_path):
-    """megatron.training compiles its jit_fuser functions at start-up; with the device shim alone
-    torch inductor fails on CPU unless the shim also answers get_device_properties as a CPU build
-    of torch does (it does)."""
-    if mode == "fixed" and (shutil.which("c++") is None and shutil.which("g++") is None):
+    """megatron.training compiles its jit_fuser functions at start-up. Inductor asks
+    torch.cuda.is_available; the shim answers torch's own modules with torch's truth, so it
+    compiles for the CPU even without the shim's get_device_properties answer (plain), and
+    with it (fixed)."""
+    if shutil.which("c++") is None and shutil.which("g++") is None:
         pytest.skip("inductor needs a C++ compiler")
     proc = subprocess.run([sys.executable, "-c", COMPILE, mode], capture_output=True, text=True,
                           timeout=600, cwd=tmp_path, env=dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path)))
-    if mode == "plain":
-        assert proc.returncode != 0 and "Expected a cuda device" in proc.stderr
-    else:
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        assert "RESULT 7.8" in proc.stdout  # 4 * gelu(2) = 7.818...
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "RESULT 7.8" in proc.stdout  # 4 * gelu(2) = 7.818...
 
 
 def test_missing_load_time_imports_name_the_extra(monkeypatch):

@@ -82,7 +82,7 @@ class DeviceFeature(Feature):
         megatron_compat.register(registry, self.name)  # older releases' own bugs (0.12)
         gloo_collectives.register(registry, self.name)  # MoE's uneven expert-TP gather on gloo
         # DistributedOptimizer with torch's Adam (no apex/TE): checkpoint save/load bugs.
-        distopt_fixes.register(registry, self.name, ">=0.16,<0.17")
+        distopt_fixes.register(registry, self.name, ">=0.16,<0.20")  # upstream bugs unchanged through 0.19
         if accelerator.name == "cuda":
             return
         registry.register(

@@ -21,7 +21,7 @@ from typing import Callable
 
 import torch
 
-from npuspeed.accelerator.base import Accelerator
+from npuspeed.accelerator.base import Accelerator, NullStream
 
 # name -> builder(accelerator) returning the shim. Only names Megatron or launchers use.
 _SHIMS: dict[str, Callable[[Accelerator], Callable]] = {
@@ -54,6 +54,8 @@ _SHIMS: dict[str, Callable[[Accelerator], Callable]] = {
     "current_stream": lambda a: (lambda device=None: a.current_stream(device)),
     "default_stream": lambda a: (lambda device=None: a.default_stream(device)),
     "stream": lambda a: (lambda stream: a.stream(stream)),
+    # Nothing is ever captured into a graph here (Megatron 0.19's MoE dispatch and router ask).
+    "is_current_stream_capturing": lambda a: (lambda: False),
     "nvtx.range_push": lambda a: (lambda msg: 0),
     "nvtx.range_pop": lambda a: (lambda: 0),
 }
@@ -93,7 +95,23 @@ def shim_names() -> list[str]:
     return list(_SHIMS)
 
 
+def record_stream_wrapper(record_stream):
+    """`tensor.record_stream(torch.cuda.current_stream())` (Megatron 0.17+'s EP overlap) hands
+    torch the accelerator's stand-in stream, which only names in-order work: nothing to record.
+    Any other stream goes to torch as before."""
+
+    def record(self, stream):
+        if isinstance(stream, NullStream):
+            return None
+        return record_stream(self, stream)
+
+    record.__qualname__ = "npuspeed_record_stream"
+    return record
+
+
 def register(registry, accelerator: Accelerator, feature: str) -> None:
+    registry.register("torch.Tensor.record_stream", wrapper=record_stream_wrapper, feature=feature,
+                      megatron=None)
     for name, build in _SHIMS.items():
         shim = build(accelerator)
         if name in TRUTHFUL_TO_TORCH:

@@ -31,4 +31,4 @@ def uneven_gather_on_gloo(original):
 
 
 def register(registry, feature: str) -> None:
-    registry.register(MAPPINGS, wrapper=uneven_gather_on_gloo, feature=feature, megatron=">=0.12,<0.17")
+    registry.register(MAPPINGS, wrapper=uneven_gather_on_gloo, feature=feature, megatron=">=0.12,<0.20")

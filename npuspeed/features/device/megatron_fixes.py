@@ -23,6 +23,7 @@ DEVICE_REDIRECTS = [
     "optimizer.optimizer.Float16OptimizerWithFloat16Params.__init__",
     "optimizer.optimizer.FP32Optimizer.__init__",
     "optimizer.optimizer.MegatronOptimizer.has_grad_norm_group",
+    "optimizer.layer_wise_optimizer.LayerWiseDistributedOptimizer.has_grad_norm_group",
     "optimizer.clip_grads.get_grad_norm_fp32",
     "optimizer.clip_grads.clip_grad_by_total_norm_fp32",
     "optimizer.clip_grads.count_zeros_fp32",
@@ -51,6 +52,7 @@ MEGATRON_RANGES = {
     "rerun_state_machine.RerunStateMachine.should_run_forward_backward": "<0.16",
     # 0.19: a cached all-reduce flag on 'cuda' before the first clipped step.
     "optimizer.optimizer.MegatronOptimizer.has_grad_norm_group": ">=0.19",
+    "optimizer.layer_wise_optimizer.LayerWiseDistributedOptimizer.has_grad_norm_group": ">=0.19",
 }
 
 # The schedules run in the device RNG scope; the `total_num_tokens` tensor they make on
