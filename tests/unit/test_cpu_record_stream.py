@@ -1,16 +1,18 @@
-"""Tensor.record_stream on the CPU backend (device/cpu_streams.py): a no-op for CPU tensors,
-as Megatron's EP-overlap schedule calls it with the shim's streams."""
+"""Tensor.record_stream on the CPU backend (device/cuda_shim.py record_stream_wrapper): Megatron
+0.19's EP-overlap schedule records inputs on the shim's streams, which torch refuses; on the CPU
+there is nothing to record, so the wrapper answers for the accelerator's stand-in streams."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from npuspeed.features.device.cpu_streams import record_stream_off_device
+from npuspeed.accelerator import NullStream
+from npuspeed.features.device.cuda_shim import record_stream_wrapper
 
 
-def test_cpu_tensor_record_stream_is_a_no_op_and_torch_refuses_it():
-    stream = torch.cpu.Stream()
+def test_stand_in_stream_record_is_a_no_op_and_torch_refuses_it():
+    stream = NullStream(device=torch.device("cpu"))
     with pytest.raises((RuntimeError, TypeError)):
         torch.ones(2).record_stream(stream)  # torch's own, on the shim's stream type
-    wrapped = record_stream_off_device(torch.Tensor.record_stream)
+    wrapped = record_stream_wrapper(torch.Tensor.record_stream)
     assert wrapped(torch.ones(2), stream) is None

@@ -11,7 +11,7 @@ import logging
 
 from npuspeed.features.base import Feature
 from npuspeed.features.device import (
-    cpu_streams, cuda_shim, determinism, dist_backend, distopt_fixes, gloo_collectives, megatron_compat, megatron_fixes, rng,
+    cuda_shim, determinism, dist_backend, distopt_fixes, gloo_collectives, megatron_compat, megatron_fixes, rng,
 )
 from npuspeed.features.device.apex_guard import guard_apex
 
@@ -92,7 +92,6 @@ class DeviceFeature(Feature):
         dist_backend.register(registry, self.name)
         if accelerator.name == "cpu":
             cuda_shim.register(registry, accelerator, self.name)
-            cpu_streams.register(registry, self.name)
             rng.register(registry, self.name)
             megatron_fixes.register(registry, accelerator, self.name)
 
