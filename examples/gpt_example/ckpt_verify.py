@@ -84,13 +84,17 @@ def verify_files(path: str, root: str, available: list[int]) -> None:
 
     others = [i for i in available if iter_dir(root, i) != path]
     hint = (f"load an earlier one with --ckpt-step {others[-1]}" if others else "restore it from a copy")
-    for name in ("common.pt", "metadata.json"):
-        if not os.path.isfile(os.path.join(path, name)):
-            raise UserError(f"checkpoint {path} is damaged: {name} is missing; {hint}")
+    if not os.path.isfile(os.path.join(path, "metadata.json")):
+        raise UserError(f"checkpoint {path} is damaged: metadata.json is missing; {hint}")
     try:
         metadata = FileSystemReader(path).read_metadata()
     except Exception as exc:  # unpicklable index: as damaged as a missing one
         raise UserError(f"checkpoint {path} is damaged: its .metadata cannot be read ({exc}); {hint}") from exc
+    # megatron-core 0.19 keeps the common state in the index ("common_state"), older releases in
+    # common.pt; a checkpoint with neither lost it
+    in_index = any(key.startswith("common_state") for key in metadata.state_dict_metadata)
+    if not in_index and not os.path.isfile(os.path.join(path, "common.pt")):
+        raise UserError(f"checkpoint {path} is damaged: common.pt is missing; {hint}")
     needed: dict[str, int] = {}
     for info in metadata.storage_data.values():
         needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
