@@ -77,6 +77,9 @@ _SIDE_EFFECT_PROBE = r"""
 import importlib, importlib.util, json, pkgutil, sys
 import torch, torch.distributed, torch.cuda.nvtx
 
+# torch's own lazy caches, filled by torch on first use whoever triggers it (torch 2.14:
+# torch.distributed._spmd_types_available, set when megatron.core imports): filled first
+getattr(torch.distributed, "_is_spmd_types_available", lambda: None)()
 watched = {m.__name__: m for m in (torch.cuda, torch.distributed, torch.cuda.nvtx)}
 def snap():
     return {name: dict(vars(m)) for name, m in watched.items()}
