@@ -461,6 +461,11 @@ def test_real_registry_revert_restores_megatron_exactly():
     assert "megatron.core.tensor_parallel.random:CudaRNGStatesTracker.fork" in during
     assert "megatron.core.transformer.torch_norm:WrappedTorchNorm.__new__" in during
     assert len(during) >= len(set(result["applied"]))
-    # ... and reset() put every one of them back, megatron.core exactly as imported
-    assert result["after"] == []
+    # ... and reset() put every one of them back, megatron.core exactly as imported, but for
+    # what Python and Megatron fill in lazily whoever calls them (megatron-core 0.19: typing
+    # gives a Protocol subclass its own __init__ at its first instantiation; get_te_version()
+    # caches `_te_version`): no patch of npuspeed's
+    lazy = {"megatron.core.models.backends:InferenceSpecProvider.__init__ (added)",
+            "megatron.core.utils._te_version"}
+    assert [name for name in result["after"] if name not in lazy] == []
     assert result["report_after"] == []
