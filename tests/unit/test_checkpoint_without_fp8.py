@@ -29,7 +29,12 @@ def test_upstream_default_needs_te_and_the_fix_runs(monkeypatch):
     # the RNG bookkeeping around the checkpoint, kept on the host (no device shim in this test)
     monkeypatch.setattr(mrandom, "_get_cuda_rng_state", lambda *a, **k: torch.get_rng_state())
     monkeypatch.setattr(mrandom, "_set_cuda_rng_state", lambda *a, **k: None)
-    Upstream = mrandom.CheckpointWithoutOutput
+    from npuspeed.patching import registry
+
+    # upstream's own __init__, also where an earlier test of the session left the fix installed
+    target = "megatron.core.tensor_parallel.random.CheckpointWithoutOutput.__init__"
+    init = registry.original(target) if registry.is_applied(target) else mrandom.CheckpointWithoutOutput.__init__
+    Upstream = type("Upstream", (mrandom.CheckpointWithoutOutput,), {"__init__": init})
     assert Upstream().fp8 is True  # the bug: fp8=False reads as FP8 on
     with pytest.raises(NameError, match="FP8GlobalStateManager"):
         _norm_checkpoint_runs(Upstream)
