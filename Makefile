@@ -89,11 +89,15 @@ example: install
 test: test-311 test-312
 
 TESTS312 ?= tests/unit/test_cpu_backend_on_cuda_torch.py tests/unit/test_accelerator.py \
-            tests/unit/test_versions.py tests/unit/test_registry.py tests/unit/test_idle_features.py \
-            tests/unit/test_upstream_flags.py tests/unit/test_cpu_record_stream.py \
-            tests/unit/test_extension_prebuilt.py tests/unit/test_optimizer_state_access.py \
-            tests/unit/test_fused_linear_ce_postprocess.py tests/unit/test_moe_feature.py \
-            tests/unit/test_moe_ops.py
+            tests/unit/test_device_feature.py tests/unit/test_determinism.py \
+            tests/unit/test_upstream_flags.py tests/unit/test_idle_features.py \
+            tests/unit/test_versions.py tests/unit/test_registry.py tests/unit/test_moe_feature.py \
+            tests/unit/test_moe_choice.py tests/unit/test_moe_grouped_gemm.py tests/unit/test_moe_ops.py \
+            tests/unit/test_fused_linear_ce_postprocess.py tests/unit/test_coc.py \
+            tests/unit/test_optimizer_state_access.py tests/unit/test_cpu_record_stream.py \
+            tests/unit/test_extension_prebuilt.py tests/unit/test_megatron_lm_feature.py \
+            tests/unit/test_patch_source.py tests/unit/test_bad_input_table.py \
+            tests/unit/test_no_direct_device_calls.py
 
 test-311: install-test-311
 	$(PY311) -m pytest -q tests
