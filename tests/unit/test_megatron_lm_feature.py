@@ -448,12 +448,40 @@ def test_missing_load_time_imports_name_the_extra(monkeypatch):
     from npuspeed.features import megatron_lm
     from npuspeed.features.base import FeatureError
 
+    from npuspeed.patching import versions
+    from packaging.version import Version
+
+    monkeypatch.setattr(versions, "megatron_version", lambda: Version("0.16.1"))
     monkeypatch.setattr(megatron_lm, "_importable", lambda module: module != "pydantic")
     with pytest.raises(FeatureError, match=r"imports pydantic at load.*npuspeed\[megatron-lm\]"):
         megatron_lm.MegatronLMFeature().validate(ctx_for([], None))
     monkeypatch.setattr(megatron_lm, "_importable", lambda module: True)
     megatron_lm.MegatronLMFeature().validate(ctx_for([], None))
-    assert set(megatron_lm.LOAD_TIME_IMPORTS.values()) <= set(_extra("megatron-lm"))
+    assert {pip for pip, _ in megatron_lm.LOAD_TIME_IMPORTS.values()} <= set(_extra("megatron-lm"))
+
+
+@pytest.mark.parametrize("release,needed", [("0.16.1", {"regex", "pydantic", "six", "pyyaml"}),
+                                            ("0.17.0", {"pyyaml"}), ("0.18.2", {"pyyaml"}),
+                                            ("0.19.2", set())])
+def test_load_time_imports_follow_the_release(monkeypatch, release, needed):
+    """megatron-core 0.19's wheel ships megatron/training with no third-party import at load:
+    asking a fresh 0.19 install for regex/pydantic/six stopped every run (CI, stop 38)."""
+    from feature_ctx import ctx_for
+    from packaging.version import Version
+
+    from npuspeed.features import megatron_lm
+    from npuspeed.features.base import FeatureError
+    from npuspeed.patching import versions
+
+    monkeypatch.setattr(versions, "megatron_version", lambda: Version(release))
+    monkeypatch.setattr(megatron_lm, "_importable", lambda module: False)
+    if not needed:
+        megatron_lm.MegatronLMFeature().validate(ctx_for([], None))
+        return
+    with pytest.raises(FeatureError) as err:
+        megatron_lm.MegatronLMFeature().validate(ctx_for([], None))
+    named = set(str(err.value).split(" imports ")[1].split(" at load")[0].split(", "))
+    assert named == needed
 
 
 def _extra(name: str) -> list[str]:

@@ -24,13 +24,14 @@ from npuspeed.features.base import Feature, FeatureError
 from npuspeed.features.device.module_proxy import DeviceMappedTorch
 from npuspeed.features.megatron_lm import build_helpers, device_fixes, load_stubs, parser, targets, validate
 from npuspeed.features.device.redirect import cuda_calls_on_device
+from npuspeed.patching.versions import in_range
 
 #: Megatron-LM versions (read from the checkout's megatron/core/package_info.py) whose
 #: megatron.training these patches were checked against.
 MEGATRON_LM_RANGE = targets.ALL
 MLT = "megatron.training"
-#: Modules megatron.training imports at load (import name -> pip name): the megatron-lm extra.
-LOAD_TIME_IMPORTS = {"regex": "regex", "pydantic": "pydantic", "six": "six", "yaml": "pyyaml"}
+#: Modules megatron.training imports at load (import name -> pip name, releases): the megatron-lm extra.
+LOAD_TIME_IMPORTS = targets.LOAD_TIME_IMPORTS
 
 
 def _importable(module: str) -> bool:
@@ -56,7 +57,8 @@ class MegatronLMFeature(Feature):
         return megatron_lm_present()
 
     def validate(self, ctx) -> None:
-        missing = [pip for module, pip in LOAD_TIME_IMPORTS.items() if not _importable(module)]
+        missing = [pip for module, (pip, releases) in LOAD_TIME_IMPORTS.items()
+                   if in_range(releases) and not _importable(module)]
         if missing:
             raise FeatureError(
                 f"megatron.training (Megatron-LM) is on the path but imports {', '.join(missing)} at "

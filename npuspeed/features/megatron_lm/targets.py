@@ -38,3 +38,12 @@ TORCH_MODULES = {"training": ALL, "checkpointing": ALL, "initialize": ALL,
 #: Functions run with Tensor.cuda() mapped (CPU).
 CUDA_CALLS = {"utils.get_batch_on_this_tp_rank": R16_17, "training.get_model": R16_17,
               "training.evaluate": R16_17, "training.pretrain": R18_19}
+
+
+#: Third-party modules megatron.training and pretrain_gpt.py import at load (import name ->
+#: (pip name, releases)), found by importing each tag with the module hidden: core_v0.16.1
+#: needs all four (tokenizer/, yaml_arguments.py); core_v0.17.0 and core_v0.18.0 only yaml
+#: (yaml_arguments.py, config/container.py); core_v0.19.0 none (all imported lazily). The
+#: megatron-lm extra installs every one.
+LOAD_TIME_IMPORTS = {"regex": ("regex", "<0.17"), "pydantic": ("pydantic", "<0.17"),
+                     "six": ("six", "<0.17"), "yaml": ("pyyaml", "<0.19")}
