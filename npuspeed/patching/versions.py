@@ -40,6 +40,15 @@ def megatron_version() -> Version | None:
         return None
 
 
+def importable(module: str) -> bool:
+    """Whether `module` is installed, without importing it (only its parent packages): the one
+    probe every feature uses for optional dependencies (transformer_engine, apex kernels, ...)."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
 def _package_info_version() -> str | None:
     loaded = sys.modules.get("megatron.core.package_info")
     if loaded is not None:

@@ -20,6 +20,8 @@ from __future__ import annotations
 import functools
 import inspect
 
+from npuspeed.patching.versions import importable
+
 _MC = "megatron.core"
 
 
@@ -65,12 +67,7 @@ def checkpoint_without_fp8(init):
 
 
 def _have_te() -> bool:
-    import importlib.util
-
-    try:
-        return importlib.util.find_spec("transformer_engine") is not None
-    except (ImportError, ValueError):
-        return False
+    return importable("transformer_engine")
 
 
 def register(registry, feature: str) -> None:

@@ -9,9 +9,8 @@ shape (chooser.py): in place, or the unfused GEMM + add where that measures fast
 """
 from __future__ import annotations
 
-import importlib.util
-
 from npuspeed.features.base import Feature, FeatureError
+from npuspeed.patching.versions import importable
 
 FLAG = "--gradient-accumulation-fusion"
 LAYERS = "megatron.core.tensor_parallel.layers"
@@ -19,10 +18,7 @@ LAYERS = "megatron.core.tensor_parallel.layers"
 
 def apex_kernel_installed() -> bool:
     """Whether apex's own CUDA extension imports (then Megatron uses it and we stay out)."""
-    try:
-        return importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None
-    except (ImportError, ValueError):
-        return False
+    return importable("fused_weight_gradient_mlp_cuda")
 
 
 class GradAccumFusionFeature(Feature):

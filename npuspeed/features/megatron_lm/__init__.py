@@ -18,13 +18,12 @@ the report says so (MEGATRON_LM_RANGE).
 """
 from __future__ import annotations
 
-import importlib.util
 
 from npuspeed.features.base import Feature, FeatureError
 from npuspeed.features.device.module_proxy import DeviceMappedTorch
 from npuspeed.features.megatron_lm import build_helpers, device_fixes, load_stubs, parser, targets, validate
 from npuspeed.features.device.redirect import cuda_calls_on_device
-from npuspeed.patching.versions import in_range
+from npuspeed.patching.versions import importable, in_range
 
 #: Megatron-LM versions (read from the checkout's megatron/core/package_info.py) whose
 #: megatron.training these patches were checked against.
@@ -34,18 +33,11 @@ MLT = "megatron.training"
 LOAD_TIME_IMPORTS = targets.LOAD_TIME_IMPORTS
 
 
-def _importable(module: str) -> bool:
-    try:
-        return importlib.util.find_spec(module) is not None
-    except (ImportError, ValueError):
-        return False
+_importable = importable  # a name of its own: tests replace it
 
 
 def megatron_lm_present() -> bool:
-    try:
-        return importlib.util.find_spec("megatron.training") is not None
-    except (ImportError, ValueError):
-        return False
+    return importable("megatron.training")
 
 
 class MegatronLMFeature(Feature):

@@ -16,17 +16,14 @@ setting the machine cannot honour is switched the same way, with the note naming
 from __future__ import annotations
 
 import functools
-import importlib.util
 import os
+
+from npuspeed.patching.versions import importable
 
 _CONNECTIONS = "CUDA_DEVICE_MAX_CONNECTIONS"
 
 
-def _have(module: str) -> bool:
-    try:
-        return importlib.util.find_spec(module) is not None
-    except (ImportError, ValueError):
-        return False
+_have = importable
 
 
 def have_transformer_engine() -> bool:

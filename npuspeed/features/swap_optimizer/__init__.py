@@ -17,10 +17,10 @@ runs the mechanics there anyway (the tests prove them on CPU that way).
 """
 from __future__ import annotations
 
-import importlib.util
 import os
 
 from npuspeed.features.base import Feature, FeatureError
+from npuspeed.patching.versions import importable
 
 FLAG, CHUNK = "--swap-optimizer", "--swap-optimizer-chunk-mb"
 OFFLOAD, FRACTION = "--optimizer-cpu-offload", "--optimizer-offload-fraction"
@@ -52,10 +52,7 @@ def moves(acc) -> bool:
 
 
 def te_installed() -> bool:
-    try:
-        return importlib.util.find_spec("transformer_engine") is not None
-    except (ImportError, ValueError):
-        return False
+    return importable("transformer_engine")
 
 
 class SwapOptimizerFeature(Feature):
