@@ -18,6 +18,8 @@ from forked import error_lines, run_rows
 from launch import ROOT, free_port
 from tiers import pinned
 
+from npuspeed.patching.versions import megatron_version
+
 W2 = {"WORLD_SIZE": "2"}
 
 
@@ -51,7 +53,7 @@ NPUSPEED_ROWS = [
     ("offload-fraction-zero", ["--optimizer-cpu-offload", "--optimizer-offload-fraction", "0"], {},
      "--optimizer-offload-fraction 0 is outside (0, 1]"),
     ("cpu-offload-without-te", ["--optimizer-cpu-offload"], {},
-     "--optimizer-cpu-offload: megatron-core 0.16.1 runs its hybrid optimizer only on the "
+     f"--optimizer-cpu-offload: megatron-core {megatron_version()} runs its hybrid optimizer only on the "
      "--use-precision-aware-optimizer path"),
     ("swap-optimizer-chunk-zero", ["--swap-optimizer", "--swap-optimizer-chunk-mb", "0"], {},
      "--swap-optimizer-chunk-mb must be a positive number of MiB"),

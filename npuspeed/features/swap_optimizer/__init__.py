@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 
 from npuspeed.features.base import Feature, FeatureError
-from npuspeed.patching.versions import importable
+from npuspeed.patching.versions import importable, megatron_version
 
 FLAG, CHUNK = "--swap-optimizer", "--swap-optimizer-chunk-mb"
 OFFLOAD, FRACTION = "--optimizer-cpu-offload", "--optimizer-offload-fraction"
@@ -93,7 +93,7 @@ class SwapOptimizerFeature(Feature):
             raise FeatureError(f"{FLAG} with {OFFLOAD}: both move optimizer state to the host; pick one "
                                f"(drop {OFFLOAD} to keep {FLAG})")
         if offload and not te_installed():
-            raise FeatureError(f"{OFFLOAD}: megatron-core 0.16.1 runs its hybrid optimizer only on the "
+            raise FeatureError(f"{OFFLOAD}: megatron-core {megatron_version()} runs its hybrid optimizer only on the "
                                f"--use-precision-aware-optimizer path (Megatron-LM asserts it), written for Transformer "
                                f"Engine, which is not installed here; the optimizer drives torch.cuda streams itself "
                                f"(on the CPU backend its step fails); use npuspeed's {FLAG} instead")
