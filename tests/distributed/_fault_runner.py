@@ -21,6 +21,7 @@ sys.path.insert(0, os.path.dirname(EXAMPLE))
 kind, *params = os.environ["NPUSPEED_TEST_FAULT"].split(":")
 params = [int(p) for p in params]
 rank = int(os.environ.get("RANK", "0"))
+RANK_PID = os.getpid()  # the rank itself: megatron-core 0.19 writes shards in this process, not a fork
 calls = 0
 
 import torch  # noqa: E402,F401
@@ -65,7 +66,8 @@ if kind == "kill-in-save":
             for arg in args:
                 if hasattr(arg, "flush"):
                     arg.flush()
-            os.kill(os.getppid(), signal.SIGKILL)  # the rank that forked this writer
+            if os.getpid() != RANK_PID:  # a writer forked by the rank (0.12-0.16): the rank first
+                os.kill(RANK_PID, signal.SIGKILL)
             os.kill(os.getpid(), signal.SIGKILL)
         return result
 
