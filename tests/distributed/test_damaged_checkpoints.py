@@ -30,14 +30,24 @@ def _truncate(ckpt):
 
 def _garble_common(ckpt):
     common = ckpt / "iter_0000004" / "common.pt"
+    if not common.exists():  # megatron-core 0.19 keeps the common state in the .metadata index
+        return None
     common.write_bytes(b"\0" * common.stat().st_size)
+    return {}
+
+
+def _remove_last_shard(ckpt):
+    """The last shard file (0.12-0.16 write two per rank, __0_0 and __0_1; 0.19 one, __0_0)."""
+    shard = sorted((ckpt / "iter_0000004").glob("*.distcp"))[-1]
+    shard.unlink()
+    return {"shard": shard.name}
 
 
 DAMAGES = {  # id: (damage, extra argv, expected line after "npuspeed: error: " with {ckpt})
     "truncated-shard": (_truncate, [], "checkpoint {ckpt}/iter_0000004 is damaged: shard __0_0.distcp is "
                                        "truncated ("),
-    "missing-shard": (lambda c: (c / "iter_0000004" / "__0_1.distcp").unlink(), [],
-                      "checkpoint {ckpt}/iter_0000004 is damaged: shard __0_1.distcp is missing; load an earlier "
+    "missing-shard": (_remove_last_shard, [],
+                      "checkpoint {ckpt}/iter_0000004 is damaged: shard {shard} is missing; load an earlier "
                       "one with --ckpt-step 2"),
     "missing-index": (lambda c: (c / "iter_0000004" / ".metadata").unlink(), [],
                       f"--load {{ckpt}}: {TRACKER} names iteration 4, whose directory is missing or incomplete "
@@ -70,8 +80,10 @@ def outcomes(source, tmp_path_factory):
     for ident, (damage, extra, _msg) in DAMAGES.items():
         ckpt = tmp / ident
         shutil.copytree(source, ckpt)
-        damage(ckpt)
-        dirs[ident] = (ckpt, _snapshot(ckpt))
+        fields = damage(ckpt)
+        if fields is None and damage is _garble_common:
+            continue  # this release writes no such file (the test says so)
+        dirs[ident] = (ckpt, _snapshot(ckpt), fields if isinstance(fields, dict) else {})
         # --save at the same place: a refused load must not let training write over it (not for an
         # empty or absent directory: --load = --save there is the auto-resume of a first run)
         save = [] if ident in ("empty-dir", "no-dir") else ["--save", str(ckpt)]
@@ -79,17 +91,20 @@ def outcomes(source, tmp_path_factory):
     fresh = tmp / "fresh"  # Megatron-LM's auto-resume: --load = --save, nothing there yet
     rows.append((TINY + ["--train-iters", "1", "--load", str(fresh), "--save", str(fresh)], {}))
     results = run_rows("initialized", rows)
-    return dict(zip(list(DAMAGES) + ["fresh"], results)), dirs, fresh
+    return dict(zip(list(dirs) + ["fresh"], results)), dirs, fresh
 
 
 @pytest.mark.parametrize("ident", list(DAMAGES))
 def test_damaged_checkpoint_is_refused_untouched(ident, outcomes):
     results, dirs, _ = outcomes
-    out, (ckpt, before) = results[ident], dirs[ident]
+    if ident not in dirs:
+        pytest.skip("this megatron-core keeps the common state in the .metadata index (0.19): no common.pt "
+                    "to garble; missing-index covers the index")
+    out, (ckpt, before, fields) = results[ident], dirs[ident]
     both = out["stdout"] + out["stderr"]
     assert out["rc"] == 2 and "Traceback" not in both, both[-3000:]
     lines = error_lines(out["stderr"])
-    assert len(lines) == 1 and DAMAGES[ident][2].format(ckpt=ckpt) in lines[0], (lines, both[-2000:])
+    assert len(lines) == 1 and DAMAGES[ident][2].format(ckpt=ckpt, **fields) in lines[0], (lines, both[-2000:])
     assert " iteration " not in out["stdout"]  # no training step ran
     assert _snapshot(ckpt) == before
 
