@@ -118,6 +118,9 @@ def test_redirect_maps_cuda_onto_the_device():
         assert x.bfloat16().type() == "torch.cuda.BFloat16Tensor"
         assert x.half().type() == "torch.cuda.HalfTensor"
         assert x.type(torch.float64).dtype == torch.float64  # a conversion, not a query
+        # 0.12-0.13 get_batch_on_this_cp_rank: a pinned host index, then .cuda()
+        index = torch.tensor([0, 3], device="cpu", pin_memory=True).cuda(non_blocking=True)
+        assert index.device == CPU and index.tolist() == [0, 3]
     assert x.type() == "torch.FloatTensor"
 
     @on_device(lambda: CPU)

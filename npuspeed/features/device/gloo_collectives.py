@@ -15,7 +15,8 @@ MAPPINGS = "megatron.core.tensor_parallel.mappings._gather_along_first_dim"
 
 def uneven_gather_on_gloo(original):
     @functools.wraps(original)
-    def _gather_along_first_dim(input_, group, output_split_sizes=None, use_global_buffer=False):
+    def _gather_along_first_dim(input_, group=None, output_split_sizes=None, use_global_buffer=False):
+        # group=None as upstream has it: 0.12.0's _ScatterToSequenceParallelRegion.backward passes none
         sizes = None if output_split_sizes is None else [int(s) for s in output_split_sizes]
         if (sizes is None or len(set(sizes)) <= 1 or group is None or group.size() == 1
                 or dist.get_backend(group) != "gloo"):

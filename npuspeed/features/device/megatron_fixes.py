@@ -41,6 +41,7 @@ DEVICE_REDIRECTS = [
     "transformer.moe.moe_utils.track_moe_metrics",
     "utils.local_multi_tensor_l2_norm",
     "utils.check_param_hashes_across_dp_replicas",
+    "utils.get_batch_on_this_cp_rank",
 ]
 
 # Targets that exist (or need the fix) only in part of the supported range; the rest: ">=0.12".
@@ -53,6 +54,8 @@ MEGATRON_RANGES = {
     # 0.19: a cached all-reduce flag on 'cuda' before the first clipped step.
     "optimizer.optimizer.MegatronOptimizer.has_grad_norm_group": ">=0.19",
     "optimizer.layer_wise_optimizer.LayerWiseDistributedOptimizer.has_grad_norm_group": ">=0.19",
+    # 0.12-0.13: the CP index is made with pin_memory=True on the host, then `.cuda()`.
+    "utils.get_batch_on_this_cp_rank": "<0.14",
 }
 
 # The schedules run in the device RNG scope; the `total_num_tokens` tensor they make on

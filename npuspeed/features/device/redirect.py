@@ -104,6 +104,10 @@ class CudaToDevice(TorchFunctionMode):
                 return f"torch.cuda.{_TYPE_SUFFIX[tensor.dtype]}"
         if "device" in kwargs and _names_cuda(kwargs["device"]):
             kwargs["device"] = self.device
+        if kwargs.get("pin_memory") and self.device.type == "cpu":
+            # the host is the device: nothing to pin for, and a CPU-only (or GPU-less) torch
+            # refuses it (0.12-0.13 get_batch_on_this_cp_rank pins an index it then moves)
+            kwargs["pin_memory"] = False
         if func is torch.Tensor.to:
             args = tuple(self.device if _names_cuda(a) else a for a in args)
         return func(*args, **kwargs)
