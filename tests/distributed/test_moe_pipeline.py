@@ -9,6 +9,8 @@ sends no token to one expert, and an expert-parallel layout with one local exper
 """
 from __future__ import annotations
 
+import functools
+
 import json
 import os
 
@@ -47,8 +49,10 @@ def _layer(c: dict):
         moe_token_dispatcher_type="alltoall", gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
         bias_activation_fusion=False, use_cpu_initialization=True, moe_aux_loss_coeff=0.0,
         moe_grouped_gemm=c["grouped"], moe_shared_expert_intermediate_size=32 if c["shared"] else None)
-    return build_module(get_moe_module_spec(use_te=False, num_experts=c["experts"], moe_grouped_gemm=c["grouped"]),
-                        config=config)
+    spec = get_moe_module_spec(use_te=False, num_experts=c["experts"], moe_grouped_gemm=c["grouped"])
+    if isinstance(spec, functools.partial):  # 0.19: a builder (MlpBuilder), not a ModuleSpec
+        return spec(config=config)
+    return build_module(spec, config=config)
 
 
 def _starve(layer, expert: int) -> None:
