@@ -19,6 +19,9 @@ class Enable:
     model: list = field(default_factory=list)  # Megatron's, in both runs
     env: dict = field(default_factory=dict)
     ranks: int = 1
+    # Megatron's argv of the parity baseline where `model` cannot run without the flags
+    # (CP on local attention exists only on npuspeed's fused path: the baseline is CP 1 there)
+    baseline: list | None = None
 
     @property
     def argv(self) -> list:
@@ -28,7 +31,7 @@ class Enable:
 FEATURES: dict[str, Enable] = {
     "fused_attention": Enable(["--use-flash-attn"]),
     "context_parallel": Enable(["--context-parallel-algo", "ulysses_cp_algo", "--use-flash-attn"],
-                               ["--context-parallel-size", "2"], ranks=2),
+                               ["--context-parallel-size", "2"], ranks=2, baseline=["--use-flash-attn"]),
     "fused_rmsnorm": Enable(["--use-fused-rmsnorm"], ["--normalization", "RMSNorm"]),
     "fused_swiglu": Enable(["--use-fused-swiglu"], ["--swiglu"]),
     "fused_rotary_pos_emb": Enable(["--use-fused-rotary-pos-emb"], ["--position-embedding-type", "rope"]),

@@ -138,8 +138,9 @@ def _parity_rows(site: str, tmp: Path):
         if enable.ranks > PARITY_RANKS:
             continue
         base = TINY + PARITY_ITERS + enable.model
+        off = TINY + PARITY_ITERS + (enable.model if enable.baseline is None else enable.baseline)
         yield name, enable, base + enable.flags + ["--summary-json", str(tmp / f"{name}-on.json")], \
-            base + ["--summary-json", str(tmp / f"{name}-off.json")]
+            off + ["--summary-json", str(tmp / f"{name}-off.json")]
 
 
 def _losses(path: Path) -> list:
