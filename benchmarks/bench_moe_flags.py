@@ -56,15 +56,14 @@ def main() -> None:
                 runs[name].append((wall, cpu, out["losses"]))
                 print(f"round {r} {name:3s}: median step {wall:9.1f} ms wall, {cpu:9.1f} ms CPU (all ranks), "
                       f"losses {[round(x, 4) for x in out['losses']]}", flush=True)
-                if r == 0 and name == "on":
-                    paths = [ln for ln in out["log"].splitlines() if "npuspeed" in ln and
-                             ("grouped" in ln or "permute" in ln)]
-                    print("\n".join(f"    {ln.strip()}" for ln in paths[:6]))
+                if r == 0 and name == "on":  # which path each op took (the per-shape choice)
+                    paths = [ln for ln in out["log"].splitlines() if "grouped" in ln.lower() or "permute" in ln.lower()]
+                    print("\n".join(f"    {ln.strip()[:200]}" for ln in paths[:8]))
     tokens = 2 * opts.seq  # global batch 2 x sequence per step
     med = {n: (statistics.median(w for w, _, _ in v), statistics.median(c for _, c, _ in v)) for n, v in runs.items()}
-    import megatron.core.package_info as info
+    from npuspeed.patching.versions import megatron_version
 
-    print(f"\nmegatron-core {info.__version__}, {opts.layers} layers, S {opts.seq}, {opts.rounds} rounds")
+    print(f"\nmegatron-core {megatron_version()}, {opts.layers} layers, S {opts.seq}, {opts.rounds} rounds")
     print("| run | tokens/s (wall) | step CPU ms (all ranks) |\n|---|---|---|")
     for n in ("off", "on"):
         print(f"| {n} | {tokens / (med[n][0] / 1000):.1f} | {med[n][1]:.0f} |")
