@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Check npuspeed against every megatron-core release it supports (0.12 - 0.19), two interpreters.
 #
-#   scripts/megatron_versions.sh                 # 0.12.0 0.13.0 0.14.0 0.15.0 0.16.1 0.17.1 0.18.2 0.19.2
+#   scripts/megatron_versions.sh                 # 0.12.0 0.13.0 0.14.0 0.15.0 0.16.1 0.17.0 0.17.1 0.18.2 0.19.2
 #   scripts/megatron_versions.sh 0.12.0 0.19.2   # just these
 #
 # 0.12-0.16 run under PYTHON311 (cp311 wheels), 0.17 and later under PYTHON312 (their wheels
@@ -28,7 +28,7 @@ PY312=${PYTHON312:-}
 CACHE=${NPUSPEED_MC_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/npuspeed/megatron-core}
 OUT=${NPUSPEED_VERSIONS_OUT:-$(mktemp -d -t npuspeed-versions.XXXXXX)}
 VERSIONS=("$@")
-[ ${#VERSIONS[@]} -gt 0 ] || VERSIONS=(0.12.0 0.13.0 0.14.0 0.15.0 0.16.1 0.17.1 0.18.2 0.19.2)
+[ ${#VERSIONS[@]} -gt 0 ] || VERSIONS=(0.12.0 0.13.0 0.14.0 0.15.0 0.16.1 0.17.0 0.17.1 0.18.2 0.19.2)
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 mkdir -p "$OUT"
 
