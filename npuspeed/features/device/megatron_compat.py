@@ -14,11 +14,15 @@ own code untouched (see `npuspeed report`):
   `FP8GlobalStateManager`: without TE, `--recompute-modules layernorm` / `moe_act` (which
   build it with no argument) fail with a NameError. Without TE there is no FP8 to honour, so
   the flag is cleared after upstream's __init__ (with TE, upstream runs untouched).
+- 0.15's `model_parallel_config.py` calls `warnings.warn` (EP > 1 with TP > 1 and no sequence
+  parallelism) without importing `warnings`: a NameError where Megatron meant a warning. The
+  module gets the name it forgot (0.16 imports it).
 """
 from __future__ import annotations
 
 import functools
 import inspect
+import warnings
 
 from npuspeed.patching.versions import importable
 
@@ -78,3 +82,5 @@ def register(registry, feature: str) -> None:
                       wrapper=quantize_param_shard_without_fp8, feature=feature, megatron="<0.13")
     registry.register(f"{_MC}.dist_checkpointing.strategies.filesystem_async._write_item",
                       wrapper=write_item_with_format, feature=feature, megatron="<0.13")
+    registry.register(f"{_MC}.model_parallel_config.warnings", warnings, feature=feature,
+                      megatron=">=0.15,<0.16", if_missing=True)
