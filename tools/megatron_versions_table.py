@@ -7,6 +7,7 @@ wrote (tests/distributed/test_megatron_versions.py, NPUSPEED_VERSIONS_OUT).
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -21,17 +22,29 @@ def _load(out: Path, kind: str) -> dict:
 
 
 def cell(outcome: dict | None, parity: dict | None) -> str:
+    """Compact: the README's table has one column per release (the refusals are listed below it)."""
     if outcome is None:
         return "not run"
     if outcome["status"] == "refused":
-        return "refused: " + outcome["reason"].replace("|", "/")
+        needs = re.search(r">=\d+\.\d+,<\d+\.\d+", outcome["reason"])
+        return f"refused (needs {needs.group(0)})" if needs else "refused*"
     if outcome["status"] != "applied":
         return f"**{outcome['status']}**: {outcome.get('reason', '')}"
-    text = f"applied ({outcome['patches']}/{outcome['of']} patches)"
+    text = f"applied {outcome['patches']}/{outcome['of']}"
     if parity is not None:
         diff = float(parity["max_abs_diff"])
-        text += f", parity {'ok' if diff <= 1e-5 else '**FAILED**'} (max loss diff {diff:.1e})"
+        text += f", parity {'ok' if diff <= 1e-5 else '**FAILED**'} ({diff:.0e})"
     return text
+
+
+def refusals(features: dict) -> list[str]:
+    """Each feature's refusal line once (the newest release's wording), for below the table."""
+    seen = {}
+    for release in sorted(features, key=Version):
+        for name, outcome in features[release]["features"].items():
+            if outcome["status"] == "refused":
+                seen[name] = (release, outcome["reason"])
+    return [f"- `{name}` on {release}: {reason}" for name, (release, reason) in sorted(seen.items())]
 
 
 def table(out: Path, skipped: dict) -> str:
@@ -47,6 +60,9 @@ def table(out: Path, skipped: dict) -> str:
                         cell(features.get(r, {}).get("features", {}).get(name), parity.get(r, {}).get(name))
                         for r in releases]
         lines.append("| " + " | ".join(row) + " |")
+    lines += ["", "Applied n/m: patches applied of those the feature registers (the rest are ranged to other",
+              "releases); parity: max |loss difference| over 3 iterations against the run without the flag.",
+              "Refusals, one line each (the run stops at start-up with it):", ""] + refusals(features)
     return "\n".join(lines)
 
 

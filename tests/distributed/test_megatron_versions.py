@@ -168,10 +168,15 @@ def test_release_parity(site, tmp_path):
                 failures.append(f"{name}: rc {out['rc']}: {(out['stdout'] + out['stderr'])[-1500:]}")
         results[name] = {"on": _losses(Path(on[-1])), "off": _losses(Path(off[-1]))}
     for name, enable, on, off in (r for r in rows if r[1].ranks > 1):
-        with_flag = run_example(on[:-2], tmp_path, nproc=enable.ranks, name=f"{name}-on", env=dict(
-            enable.env, PYTHONPATH=f"{site}:{ROOT}"))
-        without = run_example(off[:-2], tmp_path, nproc=enable.ranks, name=f"{name}-off",
-                              env={"PYTHONPATH": f"{site}:{ROOT}"})
+        try:  # a failed run is this row's failure; the other rows still run and are saved
+            with_flag = run_example(on[:-2], tmp_path, nproc=enable.ranks, name=f"{name}-on", env=dict(
+                enable.env, PYTHONPATH=f"{site}:{ROOT}"))
+            without = run_example(off[:-2], tmp_path, nproc=enable.ranks, name=f"{name}-off",
+                                  env={"PYTHONPATH": f"{site}:{ROOT}"})
+        except AssertionError as exc:
+            failures.append(f"{name}: {str(exc)[-1500:]}")
+            results[name] = {"on": [], "off": []}
+            continue
         results[name] = {"on": with_flag["losses"], "off": without["losses"]}
     for name, r in results.items():
         diff = max((abs(a - b) for a, b in zip(r["on"], r["off"])), default=math.inf)
