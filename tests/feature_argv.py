@@ -44,7 +44,7 @@ FEATURES: dict[str, Enable] = {
     "grad_accum_fusion": Enable(["--gradient-accumulation-fusion"]),
     "coc_overlap": Enable(["--use-coc", "--coc-parallel-num", "2"], ["--tensor-model-parallel-size", "2"], ranks=2),
     "adaptive_memory": Enable(["--adaptive-recompute-device-size", "500"], TINY_SHAPE),
-    "moe_tp_extend_ep": Enable(["--moe-tp-extend-ep"], MOE + ["--tensor-model-parallel-size", "2",
+    "moe_tp_extend_ep": Enable(["--moe-tp-extend-ep"], MOE + ["--tensor-model-parallel-size", "2", "--sequence-parallel",
                                                             "--moe-token-dispatcher-type", "alltoall"], ranks=2),
     "moe_grouped_gemm": Enable(["--moe-grouped-gemm"], MOE),
     "moe_fused_permute": Enable(["--use-fused-moe-token-permute-and-unpermute"],
