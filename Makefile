@@ -4,8 +4,8 @@
 #   3.11 -> .venv     a CPU build of torch, megatron-core 0.16.1 (the newest release for 3.11), triton 3.6.0
 #   3.12 -> .venv312  the index's torch (a CUDA build on Linux, run on CPU without a GPU),
 #                     megatron-core 0.19.2, the triton that torch requires
-# `make test` runs the whole suite on each, the Triton kernel tests under the newest triton as
-# well, and scripts/megatron_versions.sh (every supported megatron-core release on its Python).
+# `make test` runs the whole suite on each and the Triton kernel tests under the newest triton;
+# `make versions` runs scripts/megatron_versions.sh (every supported release on its Python).
 # `make example` and `make install` use 3.11; `make example PY=3.12` the other.
 # Torch and megatron-core are installed only where none is importable, and npuspeed's own
 # install (megatron-core>=0.12,<0.20) keeps whatever supported release is there.
@@ -39,7 +39,7 @@ TRITON_TESTS := tests/unit/test_triton_kernels.py tests/unit/test_reuse_fp32_tri
                 tests/unit/test_moe_permute_triton_choice.py tests/unit/test_rope_qk_triton_wiring.py
 
 .PHONY: deps311 deps312 install install-test install-test-311 install-test-312 example \
-        test test-311 test-312 test-312-all test-triton versions test-device bench clean
+        test test-311 test-312 test-triton versions test-device bench clean
 
 # A venv per Python, from the interpreter found (or named), with current packaging tools.
 $(PY311):
@@ -82,30 +82,15 @@ example: install
 	  --train-iters 30 --lr 3e-3 --summary-json runs/example_summary.json
 	$(VENV)/bin/npuspeed report
 
-# CI: the whole suite on Python 3.11 (megatron-core 0.16.1) and, on Python 3.12 (megatron-core
-# 0.19.2, a CUDA build of torch on a host without a GPU), the test files verified on 0.19 so far
-# (TESTS312). Issue 32 is open until the whole suite, `test-triton` and `versions` pass there and
-# join `make test`; `make test-312-all` runs the whole suite on 3.12 now.
-test: test-311 test-312
-
-TESTS312 ?= tests/unit/test_cpu_backend_on_cuda_torch.py tests/unit/test_accelerator.py \
-            tests/unit/test_device_feature.py tests/unit/test_determinism.py \
-            tests/unit/test_upstream_flags.py tests/unit/test_idle_features.py \
-            tests/unit/test_versions.py tests/unit/test_registry.py tests/unit/test_moe_feature.py \
-            tests/unit/test_moe_choice.py tests/unit/test_moe_grouped_gemm.py tests/unit/test_moe_ops.py \
-            tests/unit/test_fused_linear_ce_postprocess.py tests/unit/test_coc.py \
-            tests/unit/test_optimizer_state_access.py tests/unit/test_cpu_record_stream.py \
-            tests/unit/test_extension_prebuilt.py tests/unit/test_megatron_lm_feature.py \
-            tests/unit/test_patch_source.py tests/unit/test_bad_input_table.py \
-            tests/unit/test_no_direct_device_calls.py
+# CI (.ci/run): the whole suite on Python 3.11 (megatron-core 0.16.1, a CPU build of torch) and
+# on Python 3.12 (megatron-core 0.19.2, the index's CUDA build of torch on a host without a GPU),
+# then the Triton kernel tests under the newest triton.
+test: test-311 test-312 test-triton
 
 test-311: install-test-311
 	$(PY311) -m pytest -q tests
 
 test-312: install-test-312
-	$(PY312) -m pytest -q $(TESTS312)
-
-test-312-all: install-test-312
 	$(PY312) -m pytest -q tests
 
 # The Triton test files again under triton $(TRITON_NEWEST), unpacked beside the checkout
