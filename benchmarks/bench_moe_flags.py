@@ -55,7 +55,8 @@ def main() -> None:
                 cpu = sum(out["median_step_cpu_ms_per_rank"])
                 runs[name].append((wall, cpu, out["losses"]))
                 print(f"round {r} {name:3s}: median step {wall:9.1f} ms wall, {cpu:9.1f} ms CPU (all ranks), "
-                      f"losses {[round(x, 4) for x in out['losses']]}", flush=True)
+                      f"losses {[round(x, 4) for x in out['losses']]}, step ms {[round(x) for x in out['step_ms']]}, "
+                      f"step CPU ms (rank 0) {[round(x) for x in out['step_cpu_ms']]}", flush=True)
                 if r == 0 and name == "on":  # which path each op took (the per-shape choice)
                     paths = [ln for ln in out["log"].splitlines() if "grouped" in ln.lower() or "permute" in ln.lower()]
                     print("\n".join(f"    {ln.strip()[:200]}" for ln in paths[:8]))
