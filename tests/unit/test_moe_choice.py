@@ -63,6 +63,24 @@ def test_grouped_mm_takes_the_faster_backend(chooser, loop_s, torch_s, expected)
     torch.testing.assert_close(out, ref)
 
 
+@pytest.mark.parametrize("winner", ["megatron", "loop_fp32"])
+def test_bf16_grouped_mm_on_cpu_measures_the_fp32_loop(chooser, winner):
+    """bf16 on a CPU: the loop in fp32 is a candidate (a CPU without bf16 GEMM units runs it
+    10x faster), taken only where it measured faster; the result is the bf16 loop's to rounding."""
+    has_torch = grouped_gemm.backend_for(torch.empty(0, dtype=torch.bfloat16)) == "torch"
+    times = dict(megatron=2.0, loop_fp32=1.0 if winner == "loop_fp32" else 3.0)
+    if has_torch:
+        times["torch"] = 4.0
+    chooser.trial = FakeTimes(**times)
+    x, w, counts = _gmm_inputs(torch.bfloat16)
+    out = grouped_gemm.grouped_mm(x, w, counts)
+    out.float().sum().backward()
+    assert _grouped_counts() == {("loop" if winner == "megatron" else "loop_fp32"): 1}
+    assert set(chooser.trial.calls) == set(times)
+    ref = torch.cat([x[:5] @ w[0], x[5:] @ w[2]])
+    torch.testing.assert_close(out, ref, atol=5e-2, rtol=2e-2)
+
+
 def test_grouped_mm_forced(chooser, monkeypatch):
     if grouped_gemm.backend_for(torch.empty(0)) != "torch":
         pytest.skip("torch grouped mm does not run here")

@@ -19,7 +19,7 @@ def _per_expert(x, w, counts):
     return torch.cat([a @ b for a, b in zip(x.split(counts), w)]) if x.shape[0] else x.new_zeros(0, w.shape[2])
 
 
-@pytest.mark.parametrize("backend", ["torch", "loop"])
+@pytest.mark.parametrize("backend", ["torch", "loop", "loop_fp32"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("counts", [[5, 0, 17, 10], [0, 0, 0, 0], [3, 1, 0, 0]])
 def test_grouped_mm_forward_backward(backend, dtype, counts):
@@ -141,7 +141,7 @@ def test_grouped_mlp_with_no_tokens_keeps_gradients(megatron_mp, with_features):
     assert torch.count_nonzero(w1_grad) == 0
 
 
-@pytest.mark.parametrize("backend", ["torch", "loop"])
+@pytest.mark.parametrize("backend", ["torch", "loop", "loop_fp32"])
 def test_calls_sharing_a_grad_sink_hand_autograd_one_summed_gradient(backend):
     """Three chunks of one weight (one with no rows): the gradient autograd gets is the sum,
     handed over once, equal to that of the unchunked call."""
@@ -160,3 +160,13 @@ def test_calls_sharing_a_grad_sink_hand_autograd_one_summed_gradient(backend):
     w_ref = w.detach().clone().requires_grad_()
     sum((grouped_mm(x, w_ref, counts, backend=backend) ** 2).sum() for counts, x in chunks).backward()
     torch.testing.assert_close(w.grad, w_ref.grad, atol=1e-5, rtol=1e-5)
+
+
+def test_fp32_loop_rounds_once_like_a_bf16_gemm():
+    """loop_fp32 on bf16: fp32 products and sums, one rounding: equal to the fp32 result rounded."""
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(9, 32, generator=gen).to(torch.bfloat16)
+    w = torch.randn(2, 32, 16, generator=gen).to(torch.bfloat16)
+    y = grouped_mm(x, w, [4, 5], backend="loop_fp32")
+    ref = torch.cat([x[:4].float() @ w[0].float(), x[4:].float() @ w[1].float()]).to(torch.bfloat16)
+    assert y.dtype == torch.bfloat16 and torch.equal(y, ref)

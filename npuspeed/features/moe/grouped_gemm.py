@@ -11,6 +11,11 @@ w [G, K, N] one weight per group. Backends, chosen once per (device type, dtype)
   runs: the CPU build of torch 2.13 has it for fp32 and bf16, CUDA for bf16 on recent GPUs.
 - `loop`: one `torch.mm` per group written into its rows of a preallocated output, forward
   and backward (benchmarks/bench_moe.py measures it against the others).
+- `loop_fp32` (bf16/fp16 on CPU): the same loop on fp32 copies of each group's rows and
+  weight, rounded once to the input dtype: what a bf16 GEMM computes (fp32 accumulation,
+  one rounding), but on fp32 units. A CPU without bf16 GEMM units (AVX2 only) runs a bf16
+  1024x512x2816 matmul in 0.3-4 s by layout and the fp32 one in 0.04 s (measured here), so
+  where it is a candidate the per-shape measurement below decides.
 
 `--moe-grouped-gemm` does not take the grouped backend blindly: per (device, dtype, group
 count, weight shape, rows to the nearest power of two) the grouped backend and the
@@ -33,7 +38,8 @@ import torch
 from npuspeed import telemetry
 from npuspeed.ops import _dispatch
 
-BACKENDS = ("npu", "torch", "loop")
+BACKENDS = ("npu", "torch", "loop", "loop_fp32")
+UPCAST = "loop_fp32"
 _CHOSEN: dict[tuple[str, torch.dtype], str] = {}
 
 
@@ -71,16 +77,23 @@ def backend_for(x: torch.Tensor) -> str:
     return _CHOSEN[key]
 
 
+def upcast_is_candidate(x: torch.Tensor) -> bool:
+    """fp32 copies only pay where low-precision GEMMs may lack hardware units: the CPU."""
+    return x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16)
+
+
 def choose_backend(x: torch.Tensor, w: torch.Tensor, counts: list[int]) -> str:
-    """The grouped backend this device has, or the per-expert loop where that measured faster."""
+    """The fastest of the per-expert loop (Megatron's matmuls), the device's grouped backend and,
+    for bf16/fp16 on CPU, the loop in fp32, measured once per shape."""
     from npuspeed.ops import fused_choice
 
     capable = backend_for(x)
-    if capable == "loop":
+    upcast = upcast_is_candidate(x)
+    if capable == "loop" and not upcast:
         return "loop"
     force = fused_choice.forced()
     if force is not None:
-        return "loop" if force == fused_choice.MEGATRON else capable
+        return "loop" if force == fused_choice.MEGATRON else (capable if capable != "loop" else UPCAST)
     rows = row_bucket(x.shape[0])
     grads = x.requires_grad or w.requires_grad  # not grad mode: a recompute reruns with the same choice
     key = ("grouped_mm", x.device.type, x.dtype, tuple(w.shape), rows, grads)
@@ -88,8 +101,11 @@ def choose_backend(x: torch.Tensor, w: torch.Tensor, counts: list[int]) -> str:
     if choice is None:
         dtype = str(x.dtype).replace("torch.", "").replace("bfloat16", "bf16").replace("float", "fp")
         label = f"{w.shape[0]} experts, ~{rows}x{w.shape[1]}x{w.shape[2]} {dtype} {x.device.type}"
-        candidates = {fused_choice.MEGATRON: lambda x, w: grouped_mm(x, w, counts, backend="loop"),
-                      capable: lambda x, w: grouped_mm(x, w, counts, backend=capable)}
+        candidates = {fused_choice.MEGATRON: lambda x, w: grouped_mm(x, w, counts, backend="loop")}
+        if capable != "loop":
+            candidates[capable] = lambda x, w: grouped_mm(x, w, counts, backend=capable)
+        if upcast:
+            candidates[UPCAST] = lambda x, w: grouped_mm(x, w, counts, backend=UPCAST)
         choice = fused_choice.CHOOSER.pick("grouped_mm", key, label, candidates, (x, w))
     return "loop" if choice.impl == fused_choice.MEGATRON else choice.impl
 
@@ -168,10 +184,40 @@ class _LoopGMM(torch.autograd.Function):
         return dx, dw, None, None
 
 
-def _weight_grads(x, grad, counts, w):
+class _UpcastLoopGMM(torch.autograd.Function):
+    """The loop on fp32 copies, one rounding per output (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, x, w, counts, sink):
+        ctx.counts, ctx.sink = counts, sink
+        ctx.save_for_backward(x, w)
+        out = x.new_empty(x.shape[0], w.shape[2])
+        for xs, wg, os_ in zip(x.split(counts), w, out.split(counts)):
+            if xs.shape[0]:
+                os_.copy_(torch.mm(xs.float(), wg.float()))
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w = ctx.saved_tensors
+        grad = grad.contiguous()
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            dx = grad.new_empty(x.shape)
+            for gs, wg, ds in zip(grad.split(ctx.counts), w, dx.split(ctx.counts)):
+                if gs.shape[0]:
+                    ds.copy_(torch.mm(gs.float(), wg.float().t()))
+        if ctx.needs_input_grad[1]:
+            dw = _dw(ctx, x, grad, w, lambda: _weight_grads(x, grad, ctx.counts, w, upcast=True))
+        return dx, dw, None, None
+
+
+def _weight_grads(x, grad, counts, w, upcast: bool = False):
     dw = torch.zeros_like(w)
     for g, (xs, gs) in enumerate(zip(x.split(counts), grad.split(counts))):
-        if xs.shape[0]:
+        if xs.shape[0] and upcast:
+            dw[g].copy_(torch.mm(xs.float().t(), gs.float()))
+        elif xs.shape[0]:
             torch.mm(xs.t(), gs, out=dw[g])
     return dw
 
@@ -236,4 +282,6 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts, backend: str | None = N
         return _TorchGMM.apply(x, w, offs, counts, sink)
     if backend == "npu":
         return _NpuGMM.apply(x, w, counts, sink)
+    if backend == UPCAST:
+        return _UpcastLoopGMM.apply(x, w, counts, sink)
     return _LoopGMM.apply(x, w, counts, sink)
