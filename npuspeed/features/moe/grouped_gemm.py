@@ -158,15 +158,25 @@ def _dw(ctx, x, grad, w, fresh):
     return fresh() if sink is None else sink.take(x, grad, ctx.counts, w, fresh)
 
 
+def _mm_into(out, a, b, upcast: bool):
+    """out = a @ b: in place, or (upcast) on fp32 copies rounded once into `out`."""
+    if upcast:
+        out.copy_(torch.mm(a.float(), b.float()))
+    else:
+        torch.mm(a, b, out=out)
+
+
 class _LoopGMM(torch.autograd.Function):
+    """One mm per group; `upcast`: the loop_fp32 backend (see the module docstring)."""
+
     @staticmethod
-    def forward(ctx, x, w, counts, sink):
-        ctx.counts, ctx.sink = counts, sink
+    def forward(ctx, x, w, counts, sink, upcast=False):
+        ctx.counts, ctx.sink, ctx.upcast = counts, sink, upcast
         ctx.save_for_backward(x, w)
         out = x.new_empty(x.shape[0], w.shape[2])
         for xs, wg, os_ in zip(x.split(counts), w, out.split(counts)):
             if xs.shape[0]:
-                torch.mm(xs, wg, out=os_)
+                _mm_into(os_, xs, wg, upcast)
         return out
 
     @staticmethod
@@ -178,47 +188,17 @@ class _LoopGMM(torch.autograd.Function):
             dx = grad.new_empty(x.shape)
             for gs, wg, ds in zip(grad.split(ctx.counts), w, dx.split(ctx.counts)):
                 if gs.shape[0]:
-                    torch.mm(gs, wg.t(), out=ds)
+                    _mm_into(ds, gs, wg.t(), ctx.upcast)
         if ctx.needs_input_grad[1]:
-            dw = _dw(ctx, x, grad, w, lambda: _weight_grads(x, grad, ctx.counts, w))
-        return dx, dw, None, None
-
-
-class _UpcastLoopGMM(torch.autograd.Function):
-    """The loop on fp32 copies, one rounding per output (see the module docstring)."""
-
-    @staticmethod
-    def forward(ctx, x, w, counts, sink):
-        ctx.counts, ctx.sink = counts, sink
-        ctx.save_for_backward(x, w)
-        out = x.new_empty(x.shape[0], w.shape[2])
-        for xs, wg, os_ in zip(x.split(counts), w, out.split(counts)):
-            if xs.shape[0]:
-                os_.copy_(torch.mm(xs.float(), wg.float()))
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, w = ctx.saved_tensors
-        grad = grad.contiguous()
-        dx = dw = None
-        if ctx.needs_input_grad[0]:
-            dx = grad.new_empty(x.shape)
-            for gs, wg, ds in zip(grad.split(ctx.counts), w, dx.split(ctx.counts)):
-                if gs.shape[0]:
-                    ds.copy_(torch.mm(gs.float(), wg.float().t()))
-        if ctx.needs_input_grad[1]:
-            dw = _dw(ctx, x, grad, w, lambda: _weight_grads(x, grad, ctx.counts, w, upcast=True))
-        return dx, dw, None, None
+            dw = _dw(ctx, x, grad, w, lambda: _weight_grads(x, grad, ctx.counts, w, upcast=ctx.upcast))
+        return dx, dw, None, None, None
 
 
 def _weight_grads(x, grad, counts, w, upcast: bool = False):
     dw = torch.zeros_like(w)
     for g, (xs, gs) in enumerate(zip(x.split(counts), grad.split(counts))):
-        if xs.shape[0] and upcast:
-            dw[g].copy_(torch.mm(xs.float().t(), gs.float()))
-        elif xs.shape[0]:
-            torch.mm(xs.t(), gs, out=dw[g])
+        if xs.shape[0]:
+            _mm_into(dw[g], xs.t(), gs, upcast)
     return dw
 
 
@@ -282,6 +262,4 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts, backend: str | None = N
         return _TorchGMM.apply(x, w, offs, counts, sink)
     if backend == "npu":
         return _NpuGMM.apply(x, w, counts, sink)
-    if backend == UPCAST:
-        return _UpcastLoopGMM.apply(x, w, counts, sink)
-    return _LoopGMM.apply(x, w, counts, sink)
+    return _LoopGMM.apply(x, w, counts, sink, backend == UPCAST)
