@@ -10,7 +10,6 @@ sends no token to one expert, and an expert-parallel layout with one local exper
 from __future__ import annotations
 
 import functools
-
 import json
 import os
 

@@ -96,7 +96,7 @@ def shim_names() -> list[str]:
 
 
 def record_stream_wrapper(record_stream):
-    """`tensor.record_stream(torch.cuda.current_stream())` (Megatron 0.17+'s EP overlap) hands
+    """`tensor.record_stream(<the current CUDA stream>)` (Megatron 0.17+'s EP overlap) hands
     torch the accelerator's stand-in stream, which only names in-order work: nothing to record.
     Any other stream goes to torch as before."""
 

@@ -18,7 +18,6 @@ the report says so (MEGATRON_LM_RANGE).
 """
 from __future__ import annotations
 
-
 from npuspeed.features.base import Feature, FeatureError
 from npuspeed.features.device.module_proxy import DeviceMappedTorch
 from npuspeed.features.megatron_lm import build_helpers, device_fixes, load_stubs, parser, targets, validate

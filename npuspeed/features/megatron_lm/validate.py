@@ -23,11 +23,8 @@ from npuspeed.patching.versions import importable
 _CONNECTIONS = "CUDA_DEVICE_MAX_CONNECTIONS"
 
 
-_have = importable
-
-
 def have_transformer_engine() -> bool:
-    return _have("transformer_engine")
+    return importable("transformer_engine")
 
 
 def have_grad_accum_fusion() -> bool:
@@ -50,7 +47,7 @@ _SOFTMAX_KERNELS = ("scaled_masked_softmax_cuda", "scaled_upper_triang_masked_so
 
 def have_fused_softmax() -> bool:
     """Whether Megatron's CUDA softmax kernels import (FusedScaleMaskSoftmax needs all three)."""
-    return all(_have(name) for name in _SOFTMAX_KERNELS)
+    return all(importable(name) for name in _SOFTMAX_KERNELS)
 
 
 def have_fused_rope() -> bool:

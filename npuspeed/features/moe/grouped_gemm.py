@@ -19,9 +19,11 @@ w [G, K, N] one weight per group. Backends, chosen once per (device type, dtype)
 
 `--moe-grouped-gemm` does not take the grouped backend blindly: per (device, dtype, group
 count, weight shape, rows to the nearest power of two) the grouped backend and the
-per-expert loop (the matmuls Megatron's SequentialMLP runs with the flag off) are timed once,
-forward + backward, by npuspeed.ops.fused_choice, and the faster one runs (`choose_backend`);
-NPUSPEED_FUSED_OP_PATH=megatron forces the loop, any other forced value the grouped kernel.
+per-expert loop (Megatron's per-expert matmuls, though in GroupedMLP's [K, N] weight layout,
+not SequentialMLP's [N, K]: on a CPU without bf16 units the two differ several-fold, hence
+loop_fp32) are timed once, forward + backward, by npuspeed.ops.fused_choice, and the faster
+one runs (`choose_backend`); NPUSPEED_FUSED_OP_PATH=megatron forces the loop, any other forced
+value the grouped kernel (loop_fp32 where the device has none).
 Each call is counted (`moe.grouped_gemm.<backend>`) so tests prove which one ran.
 
 A weight used by several calls in one step (the chunks of the overlapped all-to-all) can
