@@ -50,11 +50,14 @@ def test_bitwise_losses_and_weight_bytes(layout, tmp_path):
     assert counters["reuse.codec.split.cpp"] == segments * (ITERS + 1), counters
     assert counters["reuse.codec.merge.cpp"] == segments * ITERS, counters
     # The step rebuilds the masters and frees their residuals: its peak is ordinary mixed
-    # precision's. The tracking allocator counts bytes, not time, but gloo frees the 4-byte
-    # scalars of the step's collectives (found-inf, grad norm) from its own thread, so either
-    # peak may hold one more or less of them; any residual left alive is far above that slack.
-    assert reuse["optimizer_step_peak_bytes"] <= base["optimizer_step_peak_bytes"] + SCALAR_SLACK, (
-        reuse["optimizer_step_peak_bytes"], base["optimizer_step_peak_bytes"])
+    # precision's. The tracking allocator counts bytes, not time, but gloo frees the temporaries
+    # of its collectives (the step's found-inf and grad-norm scalars, and with overlap a bucket's
+    # reduce-scatter buffers) from its own thread, so one iteration's peak may still hold some
+    # of them (CI once saw +165 kB at dp2-distopt-overlap). Each rank's median over iterations
+    # is free of that race; a residual left alive is in every iteration, so in the median too,
+    # and far above the slack.
+    key = "optimizer_step_peak_bytes_median"
+    assert reuse[key] <= base[key] + SCALAR_SLACK, (reuse[key], base[key])
     ratio = reuse["weight_bytes"] / base["weight_bytes"]
     if "--use-distributed-optimizer" in extra:
         # baseline 2N (bf16 buffer) + 4N/DP (fp32 shard); saving 2N/DP within 1%
