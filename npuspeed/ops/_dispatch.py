@@ -26,6 +26,9 @@ CPP_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 PREFIX = "ops."
 _REGISTERED: set[str] = set()
 _QUIET = [0]  # > 0 while a trial or a chosen call runs: record() counts nothing
+#: device types whose tensors take torch_npu's kernels: an NPU's; the NPU contract tier
+#: (tests/npu_contract/) adds "cpu" so the NPU branches run on CPU tensors through a stand-in
+NPU_DEVICE_TYPES = ["npu"]
 
 
 def calls() -> dict[tuple[str, str], int]:
@@ -37,10 +40,15 @@ def reset_calls() -> None:
     telemetry.reset(PREFIX)
 
 
+def on_npu(*tensors: torch.Tensor) -> bool:
+    """All of `tensors` live where torch_npu's kernels run (see NPU_DEVICE_TYPES)."""
+    return all(t.device.type in NPU_DEVICE_TYPES for t in tensors)
+
+
 def implementation(op: str, *tensors: torch.Tensor) -> str:
     """The implementation `op` runs for these tensors: npu, cpp or reference."""
     device_types = {t.device.type for t in tensors}
-    if device_types == {"npu"}:
+    if on_npu(*tensors) and len(device_types) == 1:
         return "npu"
     if (device_types == {"cpu"} and all(t.dtype in CPP_DTYPES for t in tensors)
             and len({t.dtype for t in tensors}) == 1 and has_op(op)):

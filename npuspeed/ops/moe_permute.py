@@ -90,7 +90,7 @@ def _register() -> None:
 
 def implementation(tokens: torch.Tensor) -> str:
     """npu, cpp or reference, for tokens on this device and of this dtype."""
-    if tokens.device.type == "npu":
+    if _dispatch.on_npu(tokens):
         return "npu" if hasattr(_dispatch.torch_npu(), NPU_PERMUTE) else "reference"
     if tokens.device.type == "cpu" and tokens.dtype in _dispatch.CPP_DTYPES and has_op(OP):
         return "cpp"

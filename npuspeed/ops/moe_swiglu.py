@@ -44,7 +44,7 @@ def _register() -> None:
 
 
 def implementation(x: torch.Tensor) -> str:
-    if x.device.type == "npu":
+    if _dispatch.on_npu(x):
         return "npu"
     if x.device.type == "cpu" and x.dtype in _dispatch.CPP_DTYPES and _dispatch.has_op(OP):
         return "cpp"

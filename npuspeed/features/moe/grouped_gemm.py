@@ -70,7 +70,7 @@ def backend_for(x: torch.Tensor) -> str:
     key = (x.device.type, x.dtype)
     if key not in _CHOSEN:
         npu = sys.modules.get("torch_npu")
-        if x.device.type == "npu" and npu is not None and hasattr(npu, "npu_grouped_matmul"):
+        if _dispatch.on_npu(x) and npu is not None and hasattr(npu, "npu_grouped_matmul"):
             _CHOSEN[key] = "npu"
         elif torch_grouped_mm_runs(x.device, x.dtype):
             _CHOSEN[key] = "torch"

@@ -1,0 +1,266 @@
+"""A stand-in `torch_npu` per release: the wheel's schemas, its meta functions, our emulators.
+
+Each op npuspeed calls is defined with `torch.library` under the release's own schema (in a
+namespace of its own, `tnpu_2_14_0`, so releases coexist in one process), so a call binds as it
+would on an NPU: unknown keywords, positional arguments past `*` and missing arguments fail in
+the dispatcher with the op named. Its CPU kernel (`_Kernel`) runs the emulator and checks every
+output against the wheel's meta function for the same inputs: count, shapes, dtypes. Ops that
+torch_npu differentiates get autograd through the emulator (numerics: the emulator's).
+
+CPU tensors play NPU tensors (`npu_tensors()`): npuspeed's NPU branches run on them.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import types
+
+import torch
+
+from npu_contract import wheel, wheel_contract
+
+#: forward ops torch_npu gives autograd to (their grads come from the emulators here)
+DIFFERENTIABLE = ("npu_rms_norm", "npu_swiglu", "npu_rotary_mul", "npu_fusion_attention",
+                  "npu_moe_token_permute_with_routing_map", "npu_moe_token_unpermute_with_routing_map")
+
+
+class ContractError(AssertionError):
+    """An emulator's output disagrees with the wheel's meta function, or a call needs what the
+    emulator does not model."""
+
+
+@functools.lru_cache(maxsize=None)
+def contract(release: str):
+    """(schemas, meta functions) of torch_npu `release`, ATB ops included."""
+    root = wheel.files(release)
+    schemas = dict(wheel_contract.schemas(root))
+    schemas.update(wheel_contract.atb_schemas(root))
+    return schemas, wheel_contract.meta_functions(root, types.ModuleType("torch_npu"))
+
+
+def namespace(release: str) -> str:
+    return "tnpu_" + release.replace(".", "_")
+
+
+def _to_meta(value):
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("meta")
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_meta(v) for v in value)
+    return value
+
+
+def bind(schema, args, kwargs) -> dict:
+    """Every schema argument by name, defaults filled (the dispatcher already refused a bad call)."""
+    bound = {}
+    positional = [a for a in schema.arguments if not a.kwarg_only]
+    for arg, value in zip(positional, args):
+        bound[arg.name] = value
+    for arg in schema.arguments:
+        if arg.name in kwargs:
+            bound[arg.name] = kwargs[arg.name]
+        elif arg.name not in bound:
+            bound[arg.name] = arg.default_value if arg.has_default_value() else None
+    return bound
+
+
+def _split(schema, bound):
+    args = [bound[a.name] for a in schema.arguments if not a.kwarg_only]
+    return args, {a.name: bound[a.name] for a in schema.arguments if a.kwarg_only}
+
+
+class _Kernel:
+    """The CPU kernel of one op: the emulator, its outputs held to the meta function's."""
+
+    def __init__(self, release, name, emulator, meta, calls):
+        self.release, self.name, self.emulator, self.meta, self.calls = release, name, emulator, meta, calls
+        self.declared = set(inspect.signature(emulator).parameters)
+
+    @property
+    def schema(self):
+        return getattr(getattr(torch.ops, namespace(self.release)), self.name).default._schema
+
+    def __call__(self, *args, **kwargs):
+        schema = self.schema
+        bound = bind(schema, args, kwargs)
+        self.calls[self.name] = self.calls.get(self.name, 0) + 1
+        for arg in schema.arguments:
+            if arg.name in self.declared:
+                continue
+            default = arg.default_value if arg.has_default_value() else None
+            if bound[arg.name] is not None and bound[arg.name] != default:
+                raise ContractError(f"torch_npu {self.release} {self.name}: the emulator does not model "
+                                    f"{arg.name}={bound[arg.name]!r}")
+        expected = None
+        if self.meta is not None:
+            meta_args, meta_kwargs = _split(schema, {k: _to_meta(v) for k, v in bound.items()})
+            expected = self.meta(*meta_args, **meta_kwargs)
+        out = self.emulator(**{k: v for k, v in bound.items() if k in self.declared})
+        return self._checked(schema, out, expected)
+
+    def _checked(self, schema, out, expected):
+        returns = schema.returns
+        if not returns:
+            return None
+        if len(returns) == 1 and str(returns[0].type) != "Tensor[]":
+            got, want = [out], [expected]
+        elif str(returns[0].type) == "Tensor[]":
+            got, want = [list(out)], [expected]
+        else:
+            got, want = list(out), list(expected) if expected is not None else [None] * len(returns)
+            # outputs the emulator does not compute (e.g. 2.14's dsink) are zeros of the meta shape
+            while len(got) < len(returns) and expected is not None and isinstance(want[len(got)], torch.Tensor):
+                meta = want[len(got)]
+                got.append(torch.zeros(meta.shape, dtype=meta.dtype))
+        if len(got) != len(returns):
+            raise ContractError(f"torch_npu {self.release} {self.name}: the emulator returned {len(got)} "
+                                f"outputs, the schema {len(returns)}")
+        for i, (g, w) in enumerate(zip(got, want)):
+            _same(self.release, self.name, i, g, w)
+        return got[0] if len(returns) == 1 else tuple(got)
+
+
+def _same(release, name, index, got, want):
+    if want is None:
+        return
+    if isinstance(want, (list, tuple)):
+        if not isinstance(got, (list, tuple)) or len(got) != len(want):
+            raise ContractError(f"torch_npu {release} {name} output {index}: {type(got).__name__} of "
+                                f"{len(got) if isinstance(got, (list, tuple)) else '-'}, meta {len(want)}")
+        for g, w in zip(got, want):
+            _same(release, name, index, g, w)
+        return
+    if isinstance(want, torch.Tensor):
+        if not isinstance(got, torch.Tensor) or tuple(got.shape) != tuple(want.shape) or got.dtype != want.dtype:
+            raise ContractError(
+                f"torch_npu {release} {name} output {index}: emulator "
+                f"{tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__} "
+                f"{getattr(got, 'dtype', '')}, meta function {tuple(want.shape)} {want.dtype}")
+
+
+#: the grad op's arguments that the forward's outputs fill (torch_npu's derivative formula)
+_FA_FROM_OUTPUT = {"attention_in": 0, "softmax_max": 1, "softmax_sum": 2, "softmax_in": 3,
+                   "seed": 4, "offset": 5, "numels": 6}
+
+
+def _autograd_by_grad_op(release, kernel):
+    """npu_fusion_attention: backward through npu_fusion_attention_grad, as torch_npu's own."""
+    ops = getattr(torch.ops, namespace(release))
+
+    def setup_context(ctx, inputs, output):
+        ctx.bound = dict(zip([a.name for a in kernel.schema.arguments], inputs))
+        ctx.output = output
+
+    def backward(ctx, grad, *unused):
+        b, out = ctx.bound, ctx.output
+        grad_schema = ops.npu_fusion_attention_grad.default._schema
+        kwargs = {}
+        for arg in grad_schema.arguments[6:]:
+            if arg.name in _FA_FROM_OUTPUT:
+                kwargs[arg.name] = out[_FA_FROM_OUTPUT[arg.name]]
+            elif arg.name == "scale_value":
+                kwargs[arg.name] = b["scale"]
+            elif arg.name in b:
+                kwargs[arg.name] = b[arg.name]
+        grads = ops.npu_fusion_attention_grad(b["query"], b["key"], b["value"], grad.contiguous(),
+                                              b["head_num"], b["input_layout"], **kwargs)
+        by_name = {"query": grads[0], "key": grads[1], "value": grads[2]}
+        return tuple(by_name.get(a.name) for a in kernel.schema.arguments)
+
+    return setup_context, backward
+
+
+def _autograd_by_emulator(kernel):
+    """Other differentiable ops: the emulator's own derivative, recomputed in backward."""
+
+    def setup_context(ctx, inputs, output):
+        ctx.bound = dict(zip([a.name for a in kernel.schema.arguments], inputs))
+
+    def backward(ctx, *grads):
+        leaves = {n: v.detach().requires_grad_(True) for n, v in ctx.bound.items()
+                  if isinstance(v, torch.Tensor) and v.is_floating_point()}
+        with torch.enable_grad():
+            call = {n: leaves.get(n, v) for n, v in ctx.bound.items() if n in kernel.declared}
+            out = kernel.emulator(**call)
+        outs = list(out) if isinstance(out, (tuple, list)) else [out]
+        pairs = [(o, g) for o, g in zip(outs, grads)
+                 if isinstance(o, torch.Tensor) and o.requires_grad and g is not None]
+        found = torch.autograd.grad([o for o, _ in pairs], list(leaves.values()), [g for _, g in pairs],
+                                    allow_unused=True) if pairs else [None] * len(leaves)
+        by_name = dict(zip(leaves, found))
+        return tuple(by_name.get(a.name) for a in kernel.schema.arguments)
+
+    return setup_context, backward
+
+
+class Release:
+    """One torch_npu release's ops, defined once per process (torch.library cannot redefine)."""
+
+    def __init__(self, release: str, emulators: dict):
+        schemas, metas = contract(release)
+        self.release, self.calls = release, {}
+        self.missing_meta: list[str] = []
+        self.ops: dict[str, object] = {}
+        ns = namespace(release)
+        self.library = torch.library.Library(ns, "DEF")
+        for name, emulator in emulators.items():
+            if name not in schemas:
+                continue  # this release has no such op: npuspeed must find it absent
+            self.library.define(schemas[name])
+            meta = metas.get(name)
+            if meta is None:
+                self.missing_meta.append(name)
+            kernel = _Kernel(release, name, emulator, meta, self.calls)
+            self.library.impl(name, kernel, "CPU")
+            if name in DIFFERENTIABLE:
+                setup, backward = (_autograd_by_grad_op(release, kernel) if name == "npu_fusion_attention"
+                                   else _autograd_by_emulator(kernel))
+                torch.library.register_autograd(f"{ns}::{name}", backward, setup_context=setup,
+                                                lib=self.library)
+            self.ops[name] = getattr(getattr(torch.ops, ns), name)
+
+
+@functools.lru_cache(maxsize=None)
+def release(version: str) -> Release:
+    from npu_contract.emulators import all_emulators
+
+    return Release(version, all_emulators())
+
+
+def module(version: str, *, nnal: bool = True) -> types.ModuleType:
+    """A `torch_npu` module of `version`: its ops as attributes, as torch_npu exposes them.
+
+    nnal=False: the ATB/NNAL package is missing; torch_npu's lazy ATB wrapper then exists but
+    raises OSError when called (op_plugin/atb/_atb_ops.py), and so does this one."""
+    rel = release(version)
+    mod = types.ModuleType("torch_npu")
+    mod.__version__ = version
+    for name, op in rel.ops.items():
+        setattr(mod, name, op)
+    if not nnal and "_npu_matmul_add_fp32" in rel.ops:
+        def missing(*args, **kwargs):
+            raise OSError("libatb.so: cannot open shared object file: No such file or directory. "
+                          "Please check that the nnal package is installed.")
+        mod._npu_matmul_add_fp32 = missing
+    return mod
+
+
+@contextlib.contextmanager
+def npu_tensors(torch_npu_module):
+    """npuspeed's NPU branches taken for CPU tensors, with `torch_npu_module` as torch_npu."""
+    import sys
+
+    from npuspeed.ops import _dispatch
+
+    saved = sys.modules.get("torch_npu"), list(_dispatch.NPU_DEVICE_TYPES)
+    sys.modules["torch_npu"] = torch_npu_module
+    _dispatch.NPU_DEVICE_TYPES[:] = ["npu", "cpu"]
+    try:
+        yield
+    finally:
+        _dispatch.NPU_DEVICE_TYPES[:] = saved[1]
+        if saved[0] is None:
+            sys.modules.pop("torch_npu", None)
+        else:
+            sys.modules["torch_npu"] = saved[0]
