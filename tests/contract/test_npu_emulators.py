@@ -249,7 +249,8 @@ def test_grouped_matmul_limits():
     raises("non-negative", op, [x], [w], group_list=gl(-1, 9), group_list_type=1, **kw)
     raises("1-D int64", op, [x], [w], group_list=gl(3, 5).int(), group_list_type=1, **kw)
     raises("length 3 must equal the weight groups 2", op, [x], [w], group_list=gl(3, 5, 0), group_list_type=1, **kw)
-    raises("1024 groups", op, [torch.randn(0, 2)], [torch.randn(1025, 2, 2)], group_list=torch.zeros(1025, dtype=torch.int64),
+    raises("1024 groups", op, [torch.randn(0, 2)], [torch.randn(1025, 2, 2)],
+           group_list=torch.zeros(1025, dtype=torch.int64),
            group_list_type=1, **kw)
     raises("must equal x's", op, [x], [w.bfloat16()], group_list=gl(3, 5), group_list_type=1, **kw)
     raises("not be transposed", op, [torch.randn(6, 8).t()], [w], group_list=gl(3, 5), group_list_type=1, **kw)
@@ -318,6 +319,29 @@ def test_permute_drop_and_pad_round_trip():
                drop_and_pad=True)
     kept = torch.zeros(6, 3).index_put_((sidx.long(), torch.arange(3).repeat_interleave(3)), pprobs)
     close(back, tokens * kept.sum(1, keepdim=True))
+
+
+def test_drop_and_pad_grads_match_autograd():
+    tokens, rmap, probs = _routing(t=6, e=3, k=1)
+    permuted, pprobs, sidx = E["npu_moe_token_permute_with_routing_map"](tokens, rmap, probs=probs, num_out_tokens=9,
+                                                                         drop_and_pad=True)
+    src, experts = sidx.long(), torch.arange(3).repeat_interleave(3)
+    x, p = tokens.clone().requires_grad_(), probs.clone().requires_grad_()
+    g, gp = torch.randn_like(permuted), torch.randn_like(pprobs)
+    ((x[src] * g).sum() + (p[src, experts] * gp).sum()).backward()
+    dx, dp = run("npu_moe_token_permute_with_routing_map_grad", g, gp, sidx, rmap, 3, 6, True)
+    close(dx, x.grad)
+    close(dp, p.grad)
+    y, p2 = permuted.clone().requires_grad_(), probs.clone().requires_grad_()
+    out = torch.zeros(6, 5).index_add(0, src, y * p2[src, experts].unsqueeze(1))
+    go = torch.randn_like(out)
+    out.backward(go)
+    _, out_index, token_id, _ = run("_npu_moe_token_unpermute_with_routing_map", permuted, sidx, [6, 5], probs=probs,
+                                    routing_map=rmap, drop_and_pad=True)
+    dy, dp2 = run("npu_moe_token_unpermute_with_routing_map_grad", go, out_index, token_id, rmap, permuted, probs,
+                  True, [6, 5])
+    close(dy, y.grad)
+    close(dp2, p2.grad)
 
 
 def test_permute_limits():

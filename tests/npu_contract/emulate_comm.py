@@ -111,7 +111,8 @@ def _npu_matmul_add_fp32(x, weight, C):
     limit(op, C.dtype == torch.float32, f"C must be float32, got {C.dtype}")
     limit(op, x.dim() == 2 and weight.dim() == 2 and x.shape[0] == weight.shape[0],
           f"x [rows, n] and weight [rows, k] must be 2-D with equal rows, got {tuple(x.shape)}, {tuple(weight.shape)}")
-    limit(op, tuple(C.shape) == (x.shape[1], weight.shape[1]), f"C must be [n, k] = {(x.shape[1], weight.shape[1])}, got {tuple(C.shape)}")
+    limit(op, tuple(C.shape) == (x.shape[1], weight.shape[1]),
+          f"C must be [n, k] = {(x.shape[1], weight.shape[1])}, got {tuple(C.shape)}")
     C.add_(x.float().t() @ weight.float())
     return None
 

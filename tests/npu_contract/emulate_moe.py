@@ -1,7 +1,7 @@
 """EMULATOR (not the real op) of torch_npu's npu_grouped_matmul in the non-quantized, Tensor
 group_list, m-axis grouped case (group_type=0, split_item 2 or 3: one x, one output), following
 `_op_plugin_docs.py` of torch_npu 2.6.0/2.9.0/2.14.0 (same limits in each), and re-exporting the
-MoE token permute/unpermute emulators of emulate_permute.py.
+MoE token permute/unpermute emulators of emulate_permute.py and emulate_permute_grad.py.
 
 Documented limits enforced (Atlas A2/A3, group_list a torch.Tensor):
 - x, weight: fp16/bf16/fp32, the same dtype; x one 2-D tensor, not transposed; weight one 3-D
@@ -21,6 +21,7 @@ import torch
 
 from .emulate_limits import FLOATS, dtype_in, has_values, limit, not_modeled
 from .emulate_permute import EMULATORS as _PERMUTE
+from .emulate_permute_grad import EMULATORS as _PERMUTE_GRAD
 
 OP = "npu_grouped_matmul"
 INNER_LIMIT = 65536
@@ -40,7 +41,8 @@ def _weights(weight):
 
 def _check_group_list(group_list, group_list_type, groups, rows, most):
     limit(OP, isinstance(group_list, torch.Tensor), "group_list must be a torch.Tensor (List[int] is not modeled)")
-    limit(OP, group_list.dim() == 1 and group_list.dtype == torch.int64, f"group_list must be 1-D int64, got {group_list.dtype} {tuple(group_list.shape)}")
+    limit(OP, group_list.dim() == 1 and group_list.dtype == torch.int64,
+          f"group_list must be 1-D int64, got {group_list.dtype} {tuple(group_list.shape)}")
     n = group_list.numel()
     limit(OP, n == groups, f"group_list length {n} must equal the weight groups {groups}")
     limit(OP, n <= most, f"group_list length {n} exceeds the {most} groups allowed")
@@ -52,7 +54,8 @@ def _check_group_list(group_list, group_list_type, groups, rows, most):
     values = group_list.tolist()
     limit(OP, all(v >= 0 for v in values), f"group_list must be non-negative, got {values}")
     if group_list_type == 0:
-        limit(OP, all(a <= b for a, b in zip(values, values[1:])), f"group_list_type=0: group_list must be non-decreasing, got {values}")
+        limit(OP, all(a <= b for a, b in zip(values, values[1:])),
+              f"group_list_type=0: group_list must be non-decreasing, got {values}")
         limit(OP, values[-1] == rows, f"group_list_type=0: the last value {values[-1]} must equal x's rows {rows}")
         return [b - a for a, b in zip([0] + values[:-1], values)]
     limit(OP, sum(values) == rows, f"group_list_type=1: the counts' sum {sum(values)} must equal x's rows {rows}")
@@ -90,7 +93,7 @@ def npu_grouped_matmul(x, weight, *, group_list=None, split_item=0, group_type=N
     return [out]
 
 
-EMULATORS = {OP: npu_grouped_matmul, **_PERMUTE}
+EMULATORS = {OP: npu_grouped_matmul, **_PERMUTE, **_PERMUTE_GRAD}
 
 
 def emulators(release: str) -> dict:

@@ -28,7 +28,8 @@ BIG = 16777215
 def _check_map(op, routing_map, tokens_num):
     limit(op, routing_map.dim() == 2 and routing_map.shape[0] == tokens_num,
           f"routing_map must be 2-D [tokens_num={tokens_num}, experts_num], got {tuple(routing_map.shape)}")
-    limit(op, routing_map.dtype in (torch.int8, torch.bool), f"routing_map dtype must be int8 or bool, got {routing_map.dtype}")
+    limit(op, routing_map.dtype in (torch.int8, torch.bool),
+          f"routing_map dtype must be int8 or bool, got {routing_map.dtype}")
     limit(op, tokens_num < BIG and routing_map.shape[1] < BIG, f"tokens_num and experts_num must be < {BIG}")
     if routing_map.dtype == torch.int8 and has_values(routing_map):
         limit(op, bool(((routing_map == 0) | (routing_map == 1)).all()), "routing_map int8 values must be 0 or 1")
@@ -37,7 +38,8 @@ def _check_map(op, routing_map, tokens_num):
 def _check_probs(op, probs, routing_map, dtype):
     if probs is None:
         return
-    limit(op, probs.shape == routing_map.shape, f"probs {tuple(probs.shape)} must be shaped as routing_map {tuple(routing_map.shape)}")
+    limit(op, probs.shape == routing_map.shape,
+          f"probs {tuple(probs.shape)} must be shaped as routing_map {tuple(routing_map.shape)}")
     limit(op, probs.dtype == dtype or (probs.dtype == torch.float32 and dtype == torch.bfloat16),
           f"probs dtype {probs.dtype} must be {dtype} (or fp32 with bf16 tokens)")
 
@@ -69,10 +71,12 @@ def npu_moe_token_permute_with_routing_map(tokens, routing_map, *, probs=None, n
         permuted_probs = None if probs is None else probs[src, experts]
         return tokens[src], permuted_probs, src.to(torch.int32)
     topk = out // t if t else 0
-    limit(op, topk < 512 and topk * t < BIG, f"topK = num_out_tokens // tokens_num = {topk} must be < 512 (and topK * tokens < {BIG})")
+    limit(op, topk < 512 and topk * t < BIG,
+          f"topK = num_out_tokens // tokens_num = {topk} must be < 512 (and topK * tokens < {BIG})")
     if has_values(routing_map) and t:
         per_row = routing_map.bool().sum(1)
-        limit(op, bool((per_row == topk).all()), f"every routing_map row must select topK = num_out_tokens // tokens_num = {topk} "
+        limit(op, bool((per_row == topk).all()),
+              f"every routing_map row must select topK = num_out_tokens // tokens_num = {topk} "
               f"experts, rows select {sorted(set(per_row.tolist()))}")
     expert, token = _rows(routing_map)
     rank = (routing_map.bool().long().cumsum(1) - 1)[token, expert]  # which of its token's experts
@@ -82,34 +86,11 @@ def npu_moe_token_permute_with_routing_map(tokens, routing_map, *, probs=None, n
     return tokens[token], permuted_probs, sorted_indices
 
 
-def npu_moe_token_permute_with_routing_map_grad(permuted_token_out_grad, probs_grad, sorted_indices, routing_map,
-                                                experts_num, tokens_num, drop_and_pad):
-    op = "npu_moe_token_permute_with_routing_map_grad"
-    g = permuted_token_out_grad
-    _check_map(op, routing_map, tokens_num)
-    limit(op, sorted_indices.dtype == torch.int32 and sorted_indices.dim() == 1, "sorted_indices must be 1-D int32")
-    tokens_grad = torch.zeros(tokens_num, g.shape[1], dtype=torch.float32, device=g.device)
-    p_grad = None if probs_grad is None else torch.zeros(tokens_num, experts_num, dtype=probs_grad.dtype, device=g.device)
-    if drop_and_pad:
-        src = sorted_indices.long()
-        tokens_grad.index_add_(0, src, g.float())
-        if p_grad is not None:
-            experts = torch.arange(experts_num, device=g.device).repeat_interleave(src.numel() // max(experts_num, 1))
-            p_grad.index_put_((src, experts), probs_grad, accumulate=True)
-        return tokens_grad.to(g.dtype), p_grad
-    topk = sorted_indices.numel() // tokens_num if tokens_num else 0
-    rows = sorted_indices.long().view(tokens_num, topk)
-    tokens_grad = g.float()[rows].sum(1)
-    if p_grad is not None:
-        expert, token = _rows(routing_map)
-        p_grad[token, expert] = probs_grad
-    return tokens_grad.to(g.dtype), p_grad
-
-
 def _unpermute_check(op, permuted_tokens, sorted_indices, restore_shape, probs, routing_map, drop_and_pad):
     dtype_in(op, "permuted_tokens", permuted_tokens, FLOATS)
     limit(op, permuted_tokens.dim() == 2, "permuted_tokens must be 2-D")
-    limit(op, sorted_indices.dim() == 1 and sorted_indices.dtype == torch.int32, f"sorted_indices must be 1-D int32, got {sorted_indices.dtype}")
+    limit(op, sorted_indices.dim() == 1 and sorted_indices.dtype == torch.int32,
+          f"sorted_indices must be 1-D int32, got {sorted_indices.dtype}")
     limit(op, len(restore_shape) == 2 and restore_shape[1] == permuted_tokens.shape[1],
           f"restore_shape must be (tokens_num, hidden_size={permuted_tokens.shape[1]}), got {list(restore_shape)}")
     limit(op, sorted_indices.numel() == permuted_tokens.shape[0], "sorted_indices must have one entry per permuted row")
@@ -123,7 +104,8 @@ def _unpermute_check(op, permuted_tokens, sorted_indices, restore_shape, probs, 
         limit(op, routing_map is not None, "drop_and_pad needs the routing_map (its experts_num gives the capacity)")
         return None
     topk = sorted_indices.numel() // t if t else 0
-    limit(op, topk * t == sorted_indices.numel(), f"sorted_indices' {sorted_indices.numel()} entries must be tokens_num * topK")
+    limit(op, topk * t == sorted_indices.numel(),
+          f"sorted_indices' {sorted_indices.numel()} entries must be tokens_num * topK")
     limit(op, topk <= 512, f"topK {topk} must be <= 512")
     if routing_map is not None and has_values(routing_map) and t:
         limit(op, int(routing_map.bool().sum(1).max()) <= topk, f"a routing_map row selects more than topK = {topk} experts")
@@ -142,7 +124,8 @@ def _npu_moe_token_unpermute_with_routing_map(permuted_tokens, sorted_indices, r
         capacity = sorted_indices.numel() // e
         out_index = torch.arange(sorted_indices.numel(), dtype=torch.int32, device=dev)
         token_id = sorted_indices
-        row_probs = None if probs is None else probs[sorted_indices.long(), torch.arange(e, device=dev).repeat_interleave(capacity)]
+        experts = torch.arange(e, device=dev).repeat_interleave(capacity)
+        row_probs = None if probs is None else probs[sorted_indices.long(), experts]
     else:
         out_index = sorted_indices
         token_id = (torch.arange(sorted_indices.numel(), device=dev) // max(topk, 1)).to(torch.int32)
@@ -166,37 +149,6 @@ def npu_moe_token_unpermute_with_routing_map(permuted_tokens, sorted_indices, re
                                                      routing_map=routing_map, drop_and_pad=drop_and_pad)[0]
 
 
-def npu_moe_token_unpermute_with_routing_map_grad(unpermuted_tokens_grad, out_index, permuted_token_id, routing_map,
-                                                  permuted_tokens, probs, drop_and_pad, restore_shape):
-    op = "npu_moe_token_unpermute_with_routing_map_grad"
-    g, dev = unpermuted_tokens_grad, unpermuted_tokens_grad.device
-    limit(op, probs is None or (routing_map is not None and permuted_tokens is not None),
-          "probs needs routing_map and permuted_tokens")
-    valid = out_index >= 0
-    rows, toks = out_index[valid].long(), permuted_token_id[valid].long()
-    grad_rows = torch.zeros(out_index.numel(), g.shape[1], dtype=torch.float32, device=dev)
-    grad_rows[rows] = g.float()[toks]
-    if probs is None:
-        return grad_rows.to(g.dtype), None
-    row_probs = torch.zeros(out_index.numel(), dtype=torch.float32, device=dev)
-    if drop_and_pad:
-        capacity = out_index.numel() // routing_map.shape[1]
-        experts = rows // capacity
-        row_probs[rows] = probs.float()[toks, experts]
-    else:
-        expert, token = _rows(routing_map)
-        experts, toks_e = expert, token
-        row_probs[: token.numel()] = probs.float()[token, expert]
-    row_grad = (grad_rows * permuted_tokens.float()).sum(1)
-    p_grad = torch.zeros(probs.shape, dtype=torch.float32, device=dev)
-    if drop_and_pad:
-        p_grad.index_put_((toks, experts), row_grad[rows], accumulate=True)
-    else:
-        p_grad[toks_e, experts] = row_grad[: toks_e.numel()]
-    return (grad_rows * row_probs.unsqueeze(1)).to(g.dtype), p_grad.to(g.dtype)
-
-
 EMULATORS = {f.__name__: f for f in (
-    npu_moe_token_permute_with_routing_map, npu_moe_token_permute_with_routing_map_grad,
-    npu_moe_token_unpermute_with_routing_map, _npu_moe_token_unpermute_with_routing_map,
-    npu_moe_token_unpermute_with_routing_map_grad)}
+    npu_moe_token_permute_with_routing_map, npu_moe_token_unpermute_with_routing_map,
+    _npu_moe_token_unpermute_with_routing_map)}

@@ -50,7 +50,8 @@ def _layouts(op, x, r1, r2, mode):
           f"{'B, N < 1000' if mode == 'half' else 'B * N < 1000'})")
     for name, t in (("r1", r1), ("r2", r2)):
         if has_values(t) and t.numel():
-            limit(op, t.abs().max().item() <= 1, f"{name} values must lie in [-1, 1], max |{name}| = {t.abs().max().item():.4g}")
+            top = t.abs().max().item()
+            limit(op, top <= 1, f"{name} values must lie in [-1, 1], max |{name}| = {top:.4g}")
     return found
 
 
@@ -69,7 +70,8 @@ def npu_rotary_mul(self, r1, r2, rotary_mode="half", rotate=None):
     if rotate is not None:
         dtype_in(op, "rotate", rotate, FLOATS)
         d = self.shape[-1]
-        limit(op, rotate.dim() == 2 and tuple(rotate.shape) == (d, d), f"rotate must be 2-D [{d}, {d}], got {tuple(rotate.shape)}")
+        limit(op, rotate.dim() == 2 and tuple(rotate.shape) == (d, d),
+              f"rotate must be 2-D [{d}, {d}], got {tuple(rotate.shape)}")
     x = self.float()
     return (r1.float() * x + r2.float() * _rotate(x, rotary_mode, rotate)).to(self.dtype)
 
