@@ -7,6 +7,7 @@ import ast
 import functools
 import inspect
 import re
+import sys
 import types
 
 import pytest
@@ -72,6 +73,15 @@ def test_signatures_follow_the_schema(release):
             else:
                 assert p.default is None, (release, op, name)
         assert {n for n, d in params.items() if d is None} <= set(declared), (release, op)
+
+
+def test_every_emulator_says_it_is_one():
+    from tests.npu_contract import emulate_limits, emulate_permute, emulate_permute_grad, emulate_rope
+    for module in (emulate_norm, emulate_rope, emulate_moe, emulate_permute, emulate_permute_grad, emulate_comm,
+                   emulate_limits):
+        assert module.__doc__.startswith("EMULATOR (not the real op)"), module.__name__
+    for op, fn in E.items():
+        assert sys.modules[fn.__module__].__doc__.startswith("EMULATOR (not the real op)"), op
 
 
 def _to_meta(v):
