@@ -18,7 +18,7 @@ from npuspeed.ops.moe_permute import permute_reference, unpermute_reference
 from npuspeed.ops.rms_norm import rms_norm_reference
 from npuspeed.ops.rope import _cos_sin, rotary_pos_emb_reference
 from npuspeed.ops.swiglu import swiglu_reference
-from tests.npu_contract import emulate_comm, emulate_moe, emulate_norm, wheel, wheel_contract
+from npu_contract import emulate_comm, emulate_moe, emulate_norm, wheel, wheel_contract
 
 E = {**emulate_norm.EMULATORS, **emulate_moe.EMULATORS, **emulate_comm.EMULATORS}
 RELEASES = wheel.RELEASES
@@ -76,7 +76,7 @@ def test_signatures_follow_the_schema(release):
 
 
 def test_every_emulator_says_it_is_one():
-    from tests.npu_contract import emulate_limits, emulate_permute, emulate_permute_grad, emulate_rope
+    from npu_contract import emulate_limits, emulate_permute, emulate_permute_grad, emulate_rope
     for module in (emulate_norm, emulate_rope, emulate_moe, emulate_permute, emulate_permute_grad, emulate_comm,
                    emulate_limits):
         assert module.__doc__.startswith("EMULATOR (not the real op)"), module.__name__

@@ -7,8 +7,11 @@ MODULES = ("npu_contract.emulate_norm", "npu_contract.emulate_moe", "npu_contrac
            "npu_contract.emulate_attention")
 
 
-def all_emulators() -> dict:
+def all_emulators(release: str | None = None) -> dict:
+    """The emulators of `release` (where releases differ, e.g. rms_norm's dgamma dtype), or the
+    newest's."""
     found: dict = {}
     for name in MODULES:
-        found.update(importlib.import_module(name).EMULATORS)
+        module = importlib.import_module(name)
+        found.update(module.emulators(release) if release and hasattr(module, "emulators") else module.EMULATORS)
     return found

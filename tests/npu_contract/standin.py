@@ -36,7 +36,15 @@ def contract(release: str):
     root = wheel.files(release)
     schemas = dict(wheel_contract.schemas(root))
     schemas.update(wheel_contract.atb_schemas(root))
-    return schemas, wheel_contract.meta_functions(root, types.ModuleType("torch_npu"))
+    return schemas, wheel_contract.meta_functions(root, meta_stub())
+
+
+def meta_stub() -> types.ModuleType:
+    """torch_npu as its meta functions read it at definition: its own dtype names."""
+    stub = types.ModuleType("torch_npu")
+    for name in ("hifloat8", "float8_e8m0fnu", "float4_e2m1fn_x2", "float4_e1m2fn_x2", "int4"):
+        setattr(stub, name, object())
+    return stub
 
 
 def namespace(release: str) -> str:
@@ -144,54 +152,68 @@ _FA_FROM_OUTPUT = {"attention_in": 0, "softmax_max": 1, "softmax_sum": 2, "softm
                    "seed": 4, "offset": 5, "numels": 6}
 
 
-def _autograd_by_grad_op(release, kernel):
+def _grads_by_grad_op(release, kernel, bound, output, grads):
     """npu_fusion_attention: backward through npu_fusion_attention_grad, as torch_npu's own."""
     ops = getattr(torch.ops, namespace(release))
-
-    def setup_context(ctx, inputs, output):
-        ctx.bound = dict(zip([a.name for a in kernel.schema.arguments], inputs))
-        ctx.output = output
-
-    def backward(ctx, grad, *unused):
-        b, out = ctx.bound, ctx.output
-        grad_schema = ops.npu_fusion_attention_grad.default._schema
-        kwargs = {}
-        for arg in grad_schema.arguments[6:]:
-            if arg.name in _FA_FROM_OUTPUT:
-                kwargs[arg.name] = out[_FA_FROM_OUTPUT[arg.name]]
-            elif arg.name == "scale_value":
-                kwargs[arg.name] = b["scale"]
-            elif arg.name in b:
-                kwargs[arg.name] = b[arg.name]
-        grads = ops.npu_fusion_attention_grad(b["query"], b["key"], b["value"], grad.contiguous(),
-                                              b["head_num"], b["input_layout"], **kwargs)
-        by_name = {"query": grads[0], "key": grads[1], "value": grads[2]}
-        return tuple(by_name.get(a.name) for a in kernel.schema.arguments)
-
-    return setup_context, backward
+    grad_schema = ops.npu_fusion_attention_grad.default._schema
+    kwargs = {}
+    for arg in grad_schema.arguments[6:]:
+        if arg.name in _FA_FROM_OUTPUT:
+            kwargs[arg.name] = output[_FA_FROM_OUTPUT[arg.name]]
+        elif arg.name == "scale_value":
+            kwargs[arg.name] = bound["scale"]
+        elif arg.name in bound:
+            kwargs[arg.name] = bound[arg.name]
+    got = ops.npu_fusion_attention_grad(bound["query"], bound["key"], bound["value"], grads[0].contiguous(),
+                                        bound["head_num"], bound["input_layout"], **kwargs)
+    return {"query": got[0], "key": got[1], "value": got[2]}
 
 
-def _autograd_by_emulator(kernel):
-    """Other differentiable ops: the emulator's own derivative, recomputed in backward."""
+def _grads_by_emulator(kernel, bound, output, grads):
+    """Other differentiable ops: the emulator's own derivative, recomputed."""
+    leaves = {n: v.detach().requires_grad_(True) for n, v in bound.items()
+              if isinstance(v, torch.Tensor) and v.is_floating_point()}
+    with torch.enable_grad():
+        out = kernel.emulator(**{n: leaves.get(n, v) for n, v in bound.items() if n in kernel.declared})
+    outs = list(out) if isinstance(out, (tuple, list)) else [out]
+    pairs = [(o, g) for o, g in zip(outs, grads)
+             if isinstance(o, torch.Tensor) and o.requires_grad and g is not None]
+    if not pairs:
+        return {}
+    found = torch.autograd.grad([o for o, _ in pairs], list(leaves.values()), [g for _, g in pairs],
+                                allow_unused=True)
+    return dict(zip(leaves, found))
 
-    def setup_context(ctx, inputs, output):
-        ctx.bound = dict(zip([a.name for a in kernel.schema.arguments], inputs))
 
+class _Differentiate(torch.autograd.Function):
+    """One call of a differentiable op: forward below autograd, backward as `grads_of` says.
+    (torch.library.register_autograd refuses ops with keyword-only tensors, which torch_npu has.)"""
+
+    @staticmethod
+    def forward(ctx, call, grads_of, names, *tensors):
+        with torch._C._AutoDispatchBelowAutograd():
+            output = call()
+        ctx.grads_of, ctx.names, ctx.output = grads_of, names, output
+        return output
+
+    @staticmethod
     def backward(ctx, *grads):
-        leaves = {n: v.detach().requires_grad_(True) for n, v in ctx.bound.items()
-                  if isinstance(v, torch.Tensor) and v.is_floating_point()}
-        with torch.enable_grad():
-            call = {n: leaves.get(n, v) for n, v in ctx.bound.items() if n in kernel.declared}
-            out = kernel.emulator(**call)
-        outs = list(out) if isinstance(out, (tuple, list)) else [out]
-        pairs = [(o, g) for o, g in zip(outs, grads)
-                 if isinstance(o, torch.Tensor) and o.requires_grad and g is not None]
-        found = torch.autograd.grad([o for o, _ in pairs], list(leaves.values()), [g for _, g in pairs],
-                                    allow_unused=True) if pairs else [None] * len(leaves)
-        by_name = dict(zip(leaves, found))
-        return tuple(by_name.get(a.name) for a in kernel.schema.arguments)
+        by_name = ctx.grads_of(ctx.output, grads)
+        return (None, None, None, *(by_name.get(n) for n in ctx.names))
 
-    return setup_context, backward
+
+def _autograd_kernel(release, kernel, op):
+    def run(*args, **kwargs):
+        bound = bind(kernel.schema, args, kwargs)
+        names = [n for n, v in bound.items() if isinstance(v, torch.Tensor)]
+        if name_is_attention:
+            grads_of = lambda output, grads: _grads_by_grad_op(release, kernel, bound, output, grads)  # noqa: E731
+        else:
+            grads_of = lambda output, grads: _grads_by_emulator(kernel, bound, output, grads)  # noqa: E731
+        return _Differentiate.apply(lambda: op(*args, **kwargs), grads_of, names, *(bound[n] for n in names))
+
+    name_is_attention = kernel.name == "npu_fusion_attention"
+    return run
 
 
 class Release:
@@ -213,19 +235,16 @@ class Release:
                 self.missing_meta.append(name)
             kernel = _Kernel(release, name, emulator, meta, self.calls)
             self.library.impl(name, kernel, "CPU")
-            if name in DIFFERENTIABLE:
-                setup, backward = (_autograd_by_grad_op(release, kernel) if name == "npu_fusion_attention"
-                                   else _autograd_by_emulator(kernel))
-                torch.library.register_autograd(f"{ns}::{name}", backward, setup_context=setup,
-                                                lib=self.library)
             self.ops[name] = getattr(getattr(torch.ops, ns), name)
+            if name in DIFFERENTIABLE:
+                self.library.impl(name, _autograd_kernel(release, kernel, self.ops[name]), "Autograd")
 
 
 @functools.lru_cache(maxsize=None)
 def release(version: str) -> Release:
     from npu_contract.emulators import all_emulators
 
-    return Release(version, all_emulators())
+    return Release(version, all_emulators(version))
 
 
 def module(version: str, *, nnal: bool = True) -> types.ModuleType:
