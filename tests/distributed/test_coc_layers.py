@@ -8,8 +8,8 @@ feature's own counter). The tests below read those results.
 
 Cases: column and row, SP on and off, bias on and off, fp32 and bf16, N in {2, 4}, one shape
 whose rows N divides and one whose rows it does not (the nearest divisor is then used).
-Also: gradient accumulation into main_grad, and the MC2 path against a fake torch_npu whose
-kernels implement the documented semantics with gloo collectives.
+Also: gradient accumulation into main_grad, and the MC2 path against the contract tier's stand-in
+torch_npu (torch_npu 2.14.0's schemas and meta functions; kernels emulated on gloo).
 """
 from __future__ import annotations
 
@@ -237,53 +237,20 @@ def _main_grad_case(rank: int, acc) -> dict:
     return out
 
 
-class FakeTorchNpu:
-    """torch_npu's MC2 kernels as documented, on gloo: all_gather(x) @ x2, reduce_scatter(x @ x2),
-    all_reduce(x @ x2). Records every call so the test can check the marshalling."""
+#: the torch_npu release whose MC2 schemas, meta functions and documented limits the calls meet
+MC2_RELEASE = "2.14.0"
+MC2_BF16_TOL = 2e-2
 
-    def __init__(self, group):
-        self.group, self.calls = group, []
 
-    def _check(self, x, x2, hcom):
-        assert hcom == "fake-hcom", hcom
-        assert x.dim() == 2 and x2.dim() == 2 and x.shape[1] == x2.shape[0], (x.shape, x2.shape)
-        assert x.dtype in (torch.float16, torch.bfloat16) and x2.dtype == x.dtype
-
-    def npu_all_gather_base_mm(self, x, x2, hcom, world_size, *, bias=None, gather_index=0,
-                               gather_output=True, comm_turn=0):
-        import torch.distributed as dist
-
-        self._check(x, x2, hcom)
-        assert world_size == dist.get_world_size(self.group) and gather_index == 0 and comm_turn == 0
-        self.calls.append(("npu_all_gather_base_mm", tuple(x.shape), tuple(x2.shape), gather_output))
-        gathered = x.new_empty(x.shape[0] * world_size, x.shape[1])
-        dist.all_gather_into_tensor(gathered, x.contiguous(), group=self.group)
-        out = gathered @ x2 + (bias if bias is not None else 0)
-        return out, (gathered if gather_output else x.new_empty(0))
-
-    def npu_mm_reduce_scatter_base(self, x, x2, hcom, world_size, *, reduce_op="sum", bias=None, comm_turn=0):
-        import torch.distributed as dist
-
-        self._check(x, x2, hcom)
-        assert reduce_op == "sum" and world_size == dist.get_world_size(self.group)
-        self.calls.append(("npu_mm_reduce_scatter_base", tuple(x.shape), tuple(x2.shape), None))
-        y = x @ x2
-        out = y.new_empty(y.shape[0] // world_size, y.shape[1])
-        dist.reduce_scatter_tensor(out, y.contiguous(), group=self.group)
-        return out
-
-    def npu_mm_all_reduce_base(self, x, x2, hcom, *, reduce_op="sum", bias=None, comm_turn=0):
-        import torch.distributed as dist
-
-        self._check(x, x2, hcom)
-        self.calls.append(("npu_mm_all_reduce_base", tuple(x.shape), tuple(x2.shape), None))
-        y = (x @ x2).contiguous()
-        dist.all_reduce(y, group=self.group)
-        return y
+def _mc2_calls(log) -> list:
+    """(op, input shape, x2 shape, gather_output) per MC2 call the stand-in saw."""
+    return [(op, list(b.get("self", b.get("x1")).shape), list(b["x2"].shape), b.get("gather_output"))
+            for op, b in log if op.startswith(("npu_all_gather", "npu_mm_"))]
 
 
 class FakeNpuAccelerator:
-    """The CPU accelerator saying it is an NPU with MC2, carrying the fake torch_npu."""
+    """The CPU accelerator saying it is an NPU with MC2, carrying the contract tier's stand-in
+    torch_npu (tests/npu_contract/: the wheel's schemas and meta functions, emulated kernels)."""
 
     name = "npu"
 
@@ -303,10 +270,14 @@ def _mc2_cases(rank: int, acc) -> dict:
     from npuspeed.features.coc_overlap import mc2
     from npuspeed.features.coc_overlap.comm import COLLECTIVE, counted, reset_counts
 
-    fake = FakeTorchNpu(parallel_state.get_tensor_model_parallel_group())
-    fake_acc = FakeNpuAccelerator(acc, fake)
+    from npu_contract import emulate_comm, standin
+
+    torch_npu = standin.module(MC2_RELEASE)
+    log = standin.release(MC2_RELEASE).log
+    fake_acc = FakeNpuAccelerator(acc, torch_npu)
+    hcom = emulate_comm.register_group(parallel_state.get_tensor_model_parallel_group())
     original_name = mc2.hccl_comm_name
-    mc2.hccl_comm_name = lambda group, acc_: "fake-hcom"
+    mc2.hccl_comm_name = lambda group, acc_: hcom
     h, ffn = 256, 512  # MC2 takes k in [256, 65535)
     out = {}
     try:
@@ -317,14 +288,14 @@ def _mc2_cases(rank: int, acc) -> dict:
             x, g = _inputs(layer, sp, (8, 2), rank, dtype, seed=11, h=h, ffn=ffn)
             ref = _run(module, x, g)
             _enable_coc(2, fake_acc, ["--use-ascend-mc2"])
-            fake.calls.clear()
+            log.clear()
             reset_counts()
             try:
                 got = _run(module, x, g)
             finally:
                 _disable_coc()
             out[f"{layer}-{'sp' if sp else 'nosp'}-{dt}"] = {
-                "diffs": _diffs(ref, got), "calls": list(fake.calls),
+                "diffs": _diffs(ref, got), "calls": _mc2_calls(log),
                 "chunked": sum(v for k, v in counted(COLLECTIVE).items() if not k.startswith("mc2:")),
             }
     finally:
@@ -410,12 +381,14 @@ EXPECTED_MC2 = {  # per layer call (forward + backward): which fused kernel, inp
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED_MC2))
-def test_mc2_marshalling_against_fake_torch_npu(results, name):
+def test_mc2_marshalling_against_the_torch_npu_contract(results, name):
     for res in results:
         r = res["mc2"][f"{name}-bf16"]
         calls = [tuple(tuple(v) if isinstance(v, list) else v for v in c) for c in r["calls"]]
         assert calls == EXPECTED_MC2[name], calls
-        bad = {k: v for k, v in r["diffs"].items() if not v <= TOL["bf16"]}
+        # The emulated fused kernel sums the ranks' fp32 products and rounds once; Megatron's path
+        # rounds the bf16 product, then the bf16 sum: one bf16 ulp apart at |dx| ~ 2-4 (2**-6).
+        bad = {k: v for k, v in r["diffs"].items() if not v <= MC2_BF16_TOL}
         assert not bad, bad
         # column-sp's dW re-gather is the only plain collective on the MC2 path
         assert r["chunked"] == (1 if name == "column-sp" else 0), r

@@ -81,8 +81,9 @@ def _split(schema, bound):
 class _Kernel:
     """The CPU kernel of one op: the emulator, its outputs held to the meta function's."""
 
-    def __init__(self, release, name, emulator, meta, calls):
+    def __init__(self, release, name, emulator, meta, calls, log=None):
         self.release, self.name, self.emulator, self.meta, self.calls = release, name, emulator, meta, calls
+        self.log = log  # (op, every argument by name) per call, for tests of the marshalling
         self.declared = set(inspect.signature(emulator).parameters)
 
     @property
@@ -93,6 +94,8 @@ class _Kernel:
         schema = self.schema
         bound = bind(schema, args, kwargs)
         self.calls[self.name] = self.calls.get(self.name, 0) + 1
+        if self.log is not None:
+            self.log.append((self.name, bound))
         for arg in schema.arguments:
             if arg.name in self.declared:
                 continue
@@ -221,7 +224,7 @@ class Release:
 
     def __init__(self, release: str, emulators: dict):
         schemas, metas = contract(release)
-        self.release, self.calls = release, {}
+        self.release, self.calls, self.log = release, {}, []
         self.missing_meta: list[str] = []
         self.ops: dict[str, object] = {}
         ns = namespace(release)
@@ -233,7 +236,7 @@ class Release:
             meta = metas.get(name)
             if meta is None:
                 self.missing_meta.append(name)
-            kernel = _Kernel(release, name, emulator, meta, self.calls)
+            kernel = _Kernel(release, name, emulator, meta, self.calls, self.log)
             self.library.impl(name, kernel, "CPU")
             self.ops[name] = getattr(getattr(torch.ops, ns), name)
             if name in DIFFERENTIABLE:
