@@ -45,6 +45,8 @@ def collect(measure_peak: bool = False) -> dict:
         "counters": telemetry.snapshot(),
         "attention_calls": _attention_calls(),
         "fused_op_choices": _fused_op_choices(),
+        # on an NPU: torch_npu's release and, per op npuspeed calls, whether it has it (None elsewhere)
+        "torch_npu": _torch_npu(acc),
         # the table's bf16 dense peak for this device (None: not in the table, e.g. CPU) and,
         # with --measure-peak, a large GEMM's measured TFLOP/s (for --device-peak-tflops)
         "device_peak_tflops": peak_tflops(acc.device_name()),
@@ -60,6 +62,12 @@ def _measured_peak(acc, measure: bool) -> dict:
     dtype = torch.bfloat16 if acc.is_bf16_supported() else torch.float32
     found = measure_gemm_tflops(acc.device(), acc.synchronize, dtype=dtype)
     return {"measured_peak_tflops": found["tflops"], "measured_peak": found}
+
+
+def _torch_npu(acc) -> dict | None:
+    from npuspeed.accelerator.npu_ops import availability
+
+    return availability(acc)
 
 
 def _fused_op_choices() -> list[dict]:
@@ -105,10 +113,21 @@ def render(data: dict) -> str:
     if data.get("fused_op_choices"):
         out += ["", "fused op choices (op [shape dtype device]: implementation (why)):"]
         out += [f"  - {c['line']}" for c in data["fused_op_choices"]]
+    out += ["", *_torch_npu_lines(data)]
     out += ["", _peak_line(data)]
     if data["notes"]:
         out += ["", "notes:"] + [f"  - {n}" for n in data["notes"]]
     return "\n".join(out)
+
+
+def _torch_npu_lines(data: dict) -> list[str]:
+    found = data.get("torch_npu")
+    if not found:
+        return [f"torch_npu: not used (no NPU: the device is {data['device']})"]
+    ops = found["ops"]
+    return [f"torch_npu {found['version']}: {sum(o['found'] for o in ops.values())} of {len(ops)} ops npuspeed calls",
+            _table([[op, "yes" if o["found"] else "NO", o["used_by"]] for op, o in ops.items()],
+                   ["torch_npu op", "found", "used by"])]
 
 
 def _peak_line(data: dict) -> str:

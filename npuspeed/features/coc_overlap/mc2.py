@@ -18,10 +18,11 @@ import logging
 import torch
 
 from npuspeed import telemetry
+from npuspeed.accelerator import npu_ops
 from npuspeed.features.coc_overlap.comm import COLLECTIVE, ChunkedEngine, Pending
 
 log = logging.getLogger("npuspeed")
-OPS = ("npu_all_gather_base_mm", "npu_mm_reduce_scatter_base")
+OPS = (npu_ops.ALL_GATHER_MM, npu_ops.MM_REDUCE_SCATTER)
 
 
 def hccl_comm_name(group, acc) -> str:
@@ -72,7 +73,7 @@ class Mc2Engine:
         return False
 
     def ag_mm(self, x, w_t, keep_gathered: bool = False):
-        if not self._usable("npu_all_gather_base_mm", x, w_t):
+        if not self._usable(npu_ops.ALL_GATHER_MM, x, w_t):
             return self.chunked.ag_mm(x, w_t, keep_gathered)
         out, gathered = self.npu.npu_all_gather_base_mm(
             x.contiguous(), w_t, self.hcom, self.size, bias=None, gather_index=0,
@@ -80,13 +81,13 @@ class Mc2Engine:
         return out, (gathered if keep_gathered else None)
 
     def mm_rs(self, x, w_t) -> Pending:
-        if not self._usable("npu_mm_reduce_scatter_base", x, w_t):
+        if not self._usable(npu_ops.MM_REDUCE_SCATTER, x, w_t):
             return self.chunked.mm_rs(x, w_t)
         return Pending(self.npu.npu_mm_reduce_scatter_base(
             x.contiguous(), w_t, self.hcom, self.size, reduce_op="sum", bias=None, comm_turn=0))
 
     def mm_ar(self, x, w_t) -> Pending:
-        if not self._usable("npu_mm_all_reduce_base", x, w_t):
+        if not self._usable(npu_ops.MM_ALL_REDUCE, x, w_t):
             return self.chunked.mm_ar(x, w_t)
         return Pending(self.npu.npu_mm_all_reduce_base(
             x.contiguous(), w_t, self.hcom, reduce_op="sum", bias=None, comm_turn=0))

@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import torch
 
+from npuspeed.accelerator import npu_ops
 from npuspeed.features.base import FeatureError
 from npuspeed.features.context_parallel import npu_varlen
 from npuspeed.features.context_parallel.blocks import Block, BlockKernel, CallSpec, expand_kv, reduce_kv_grad
 
-NPU = "npu_fusion_attention"
+NPU = npu_ops.FUSION_ATTENTION
 CUDA_FLASH, CUDA_EFFICIENT = "aten_flash_cuda", "aten_efficient_cuda"
 _COMPRESSED = 2048
 

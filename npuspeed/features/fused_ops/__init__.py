@@ -5,6 +5,7 @@ npuspeed's C++/Triton kernel, the device's native op, or Megatron's own path, me
 from __future__ import annotations
 
 from npuspeed import telemetry
+from npuspeed.accelerator import npu_ops
 from npuspeed.features.base import FeatureError
 from npuspeed.features.fused_ops import rmsnorm, rope, swiglu
 from npuspeed.features.fused_ops.base import FusedOpFeature
@@ -13,7 +14,7 @@ from npuspeed.features.fused_ops.base import FusedOpFeature
 class FusedRMSNormFeature(FusedOpFeature):
     name = "fused_rmsnorm"
     flags = ("--use-fused-rmsnorm",)
-    op, npu_kernel, source = "rms_norm", "npu_rms_norm", "csrc/cpu/rms_norm.cpp"
+    op, npu_kernel, source = "rms_norm", npu_ops.RMS_NORM, "csrc/cpu/rms_norm.cpp"
     replaces = "the torch.nn.RMSNorm of --normalization RMSNorm"
     patches = rmsnorm
     triton_module, megatron_path = "rms_norm", "torch.nn.RMSNorm: F.rms_norm, torch's native op"
@@ -36,7 +37,7 @@ class FusedRMSNormFeature(FusedOpFeature):
 class FusedSwiGLUFeature(FusedOpFeature):
     name = "fused_swiglu"
     flags = ("--use-fused-swiglu",)
-    op, npu_kernel, source = "swiglu", "npu_swiglu", "csrc/cpu/swiglu.cpp"
+    op, npu_kernel, source = "swiglu", npu_ops.SWIGLU, "csrc/cpu/swiglu.cpp"
     replaces = "the SwiGLU activation of the MLP (--swiglu)"
     patches = swiglu
     triton_module, megatron_path = "swiglu", "eager silu(gate) * up, or bias_swiglu_impl"
@@ -49,7 +50,7 @@ class FusedSwiGLUFeature(FusedOpFeature):
 class FusedRoPEFeature(FusedOpFeature):
     name = "fused_rotary_pos_emb"
     flags = ("--use-fused-rotary-pos-emb",)
-    op, npu_kernel, source = "rotary_pos_emb", "npu_rotary_mul", "csrc/cpu/rope.cpp"
+    op, npu_kernel, source = "rotary_pos_emb", npu_ops.ROTARY_MUL, "csrc/cpu/rope.cpp"
     replaces = "Megatron's unfused rotary position embedding (--position-embedding-type rope)"
     patches = rope
     triton_module, megatron_path = "rope", "_apply_rotary_pos_emb_bshd"
