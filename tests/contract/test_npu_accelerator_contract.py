@@ -68,3 +68,14 @@ def test_the_npu_accelerator_face_runs_on_the_release(npu_accelerator):
     assert acc.has_mc2()
     with pytest.raises(TypeError, match="unexpected keyword"):
         acc.Stream(bogus=1)  # the wheel's constructor keywords bind
+
+
+@pytest.mark.parametrize("npu_accelerator", wheel.RELEASES, indirect=True)
+def test_the_report_names_what_the_release_has(npu_accelerator):
+    from npuspeed.accelerator import npu_ops
+
+    release, acc = npu_accelerator
+    found = npu_ops.availability(acc)
+    assert found["version"] == release
+    schemas = standin.contract(release)[0]
+    assert {op: v["found"] for op, v in found["ops"].items()} == {op: op in schemas for op in npu_ops.USED_BY}
