@@ -105,13 +105,20 @@ def head_dim(query, key, value, head_num: int, layout: str) -> int:
     if layout in ("SBH", "BSH"):
         if query.dim() != 3 or query.shape[-1] % head_num:
             raise ValueError(f"{layout}: query hidden {query.shape[-1]} is not head_num * D")
-        return query.shape[-1] // head_num
+        return _in_range(query.shape[-1] // head_num, head_num)
     n_axis = {"BNSD": 1, "BSND": 2, "TND": 1}[layout]
     if query.dim() != (3 if layout == "TND" else 4) or query.shape[n_axis] != head_num:
         raise ValueError(f"{layout}: query has {query.shape[n_axis]} heads, head_num={head_num}")
     if key.dim() != query.dim() or key.shape[-1] != query.shape[-1]:
         raise ValueError(f"{layout}: Dq must equal Dk")
-    return query.shape[-1]
+    return _in_range(query.shape[-1], head_num)
+
+
+def _in_range(d: int, head_num: int) -> int:
+    """"D ... 取值范围1~768", "Nq取值范围1~256"."""
+    if not (1 <= d <= 768 and head_num <= 256):
+        raise ValueError(f"head dim {d} must be in 1..768 and head_num {head_num} in 1..256")
+    return d
 
 
 def check_common(pse, padding_mask, prefix, sink, keep_prob, layout, cu_q, cu_k, softmax_layout):

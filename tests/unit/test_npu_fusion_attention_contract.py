@@ -212,3 +212,16 @@ def test_documented_mask_shapes_only():
                                  actual_seq_qlen=cu_q, actual_seq_kvlen=cu_k)
     with pytest.raises(ValueError, match="softmax_layout"):
         emu.npu_fusion_attention(q, k, v, 4, "BNSD", softmax_layout="TND")
+
+
+def test_documented_shape_limits():
+    """key and value one shape, Dq == Dk, D in 1..768, Nq in 1..256."""
+    q, k, v = _bnsd(torch.Generator().manual_seed(8))
+    with pytest.raises(ValueError, match="one shape"):
+        emu.npu_fusion_attention(q, k, v[..., :4], 4, "BNSD")
+    with pytest.raises(ValueError, match="Dq must equal Dk"):
+        emu.npu_fusion_attention(q[..., :4], k, v, 4, "BNSD")
+    with pytest.raises(ValueError, match="1..768"):
+        emu.npu_fusion_attention(*(torch.zeros(1, 5, 2 * 769) for _ in range(3)), 2, "BSH")
+    with pytest.raises(ValueError, match="1..256"):
+        emu.npu_fusion_attention(*(torch.zeros(1, 257, 2, 8) for _ in range(3)), 257, "BNSD")
