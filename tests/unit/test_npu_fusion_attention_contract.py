@@ -225,3 +225,42 @@ def test_documented_shape_limits():
         emu.npu_fusion_attention(*(torch.zeros(1, 5, 2 * 769) for _ in range(3)), 2, "BSH")
     with pytest.raises(ValueError, match="1..256"):
         emu.npu_fusion_attention(*(torch.zeros(1, 257, 2, 8) for _ in range(3)), 257, "BNSD")
+
+
+def _shapes(outputs):
+    return [(tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else x for x in outputs]
+
+
+@pytest.mark.parametrize("release", wheel.RELEASES)
+def test_output_shapes_are_the_meta_functions(release):
+    """Each layout's outputs (and the grad's dq, dk, dv, dpse) have the wheel's meta shapes and
+    dtypes, except where an older meta function is wrong (then the emulator keeps the newer
+    shape): TND's softmax_max / softmax_sum are [T, N, 8] as 2.14.0's meta says (2.6.0's and
+    2.9.0's read TND as BNSD: [T, N, D, 8]); BSND's are [B, N, S, 8] (2.6.0's: [B, N, N, 8])."""
+    root = wheel.cache_root() / release
+    if not (root / "COMPLETE").exists():
+        pytest.skip(f"torch_npu {release} not cached (tests/npu_contract/wheel.py fetches it)")
+    import types
+
+    from npu_contract import wheel_contract
+    metas = wheel_contract.meta_functions(root, types.ModuleType("torch_npu"))
+    fwd, grad = metas["npu_fusion_attention"], metas["npu_fusion_attention_grad"]
+    q, k, v = _bnsd(torch.Generator().manual_seed(9))
+    from test_fused_attention_npu import to_layout
+    for layout in ("SBH", "BSH", "BSND", "BNSD"):
+        args = [to_layout(x, layout) for x in (q, k, v)] + [4, layout]
+        got, want = _shapes(emu.npu_fusion_attention(*args)), _shapes(fwd(*args))
+        if (release, layout) == ("2.6.0", "BSND"):  # 2.6.0's meta reads S from dim 2 (N): [B, N, N, 8]
+            assert want[1][0] == (2, 4, 4, 8) and got[1][0] == (2, 4, 5, 8)
+            got, want = got[:1] + got[3:], want[:1] + want[3:]
+        assert got == want, layout
+        got = emu.npu_fusion_attention_grad(*args[:3], args[0], 4, layout, softmax_max=torch.zeros(2, 4, 5, 8),
+                                            softmax_sum=torch.ones(2, 4, 5, 8), attention_in=args[0])
+        want = [x for x in grad(*args[:3], args[0], 4, layout)[:4] if x is not None]
+        assert _shapes(got[:len(want)]) == _shapes(want), layout
+    tq, tk, tv, cu_q, cu_k = _tnd(torch.Generator().manual_seed(9))
+    kw = dict(actual_seq_qlen=cu_q, actual_seq_kvlen=cu_k)
+    got, want = _shapes(emu.npu_fusion_attention(tq, tk, tv, 4, "TND", **kw)), _shapes(fwd(tq, tk, tv, 4, "TND", **kw))
+    assert got[0] == want[0] and got[3:] == want[3:]
+    assert [s[0] for s in want[1:3]] == ([(12, 4, 8)] * 2 if release == "2.14.0" else [(12, 4, 8, 8)] * 2)
+    assert [s[0] for s in got[1:3]] == [(12, 4, 8)] * 2
