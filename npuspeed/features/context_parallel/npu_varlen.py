@@ -13,9 +13,10 @@ fully visible. Rows in no piece keep out 0 and lse -inf.
 
 softmax_max / softmax_sum come back shaped [T, N, 8], but by default each sequence's values
 are stored in turn as [N, len, 8] (head-major; MindSpeed's `flatten_softmax` undoes the same
-order; the token-major order needs softmax_layout="TND", torch_npu >= 7.2 only). `stat_index`
-maps (token, head) to that storage, both ways. The op takes at most MAX_SEQUENCES sequences
-per call (its documented varlen batch limit); a block with more pieces makes more calls.
+order; the token-major order needs softmax_layout="TND", first in torch_npu 2.9.0's schema).
+`stat_index` maps (token, head) to that storage, both ways. The op takes at most
+MAX_SEQUENCES sequences per call (its documented varlen batch limit); a block with more pieces
+makes more calls.
 """
 from __future__ import annotations
 
