@@ -3,7 +3,7 @@ and each block's backward from the *final* out/LSE sums to the full gradients.
 
 Runs npuspeed's CPU kernel, PyTorch's CPU flash kernel and the NPU block kernel; no NPU
 exists here, so the NPU kernel runs against the documented-contract emulator of
-npu_fusion_attention and npu_fusion_attention_grad (tests/unit/npu_fusion_attention_emulator.py;
+npu_fusion_attention and npu_fusion_attention_grad (tests/npu_contract/emulate_attention.py;
 the gradient recomputes P from softmax_max / softmax_sum and D from attention_in). It checks
 npuspeed's wiring (layouts, LSE from max + log(sum), the final LSE passed back as max with
 sum 1, masks), not the NPU.
@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import npu_fusion_attention_emulator as emu
+from npu_contract import emulate_attention as emu
 from npuspeed.features.context_parallel.blocks import Block, CallSpec
 from npuspeed.features.context_parallel.kernels_cpu import AtenCPU, NpuspeedCPU
 from npuspeed.features.context_parallel.kernels_device import NpuFusion

@@ -103,7 +103,7 @@ class _SeedCheckingNpu:
     a call must get back exactly that call's state (same query rows, same keep_prob)."""
 
     def __init__(self):
-        import npu_fusion_attention_emulator as emu
+        from npu_contract import emulate_attention as emu
 
         self.emu, self.issued, self.returned = emu, {}, []
 

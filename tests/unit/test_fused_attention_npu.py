@@ -1,6 +1,6 @@
 """The NPU path of --use-flash-attn, against an EMULATOR of npu_fusion_attention.
 
-No NPU exists here. `npu_fusion_attention_emulator` is a plain-PyTorch function with the
+No NPU exists here. `npu_contract.emulate_attention` is a plain-PyTorch function with the
 op's documented signature, layouts, mask polarity and sparse modes; it is first checked
 against a naive attention for every layout and mode, then stands in for `torch_npu` on an
 accelerator whose name is 'npu', so the patched Megatron layer must marshal its arguments
@@ -16,8 +16,9 @@ import types
 import pytest
 import torch
 
-from npu_fusion_attention_emulator import npu_fusion_attention as emulator
-from npu_fusion_attention_emulator import npu_fusion_attention_grad as emulator_grad
+from npu_contract.emulate_attention import npu_fusion_attention as emulator
+from npu_contract.layouts import to_layout
+from npu_contract.emulate_attention import npu_fusion_attention_grad as emulator_grad
 from test_fused_attention import band_mask, make_attention, make_inputs, make_windowed, run
 
 
@@ -28,12 +29,6 @@ def naive(q, k, v, scale, allowed):
     scores = (q @ k.transpose(-1, -2)) * scale
     scores = scores.masked_fill(~allowed, float("-inf"))
     return torch.softmax(scores, dim=-1) @ v
-
-
-def to_layout(x, layout):  # from BNSD
-    b, n, s, d = x.shape
-    return {"BNSD": x, "BSND": x.permute(0, 2, 1, 3), "BSH": x.permute(0, 2, 1, 3).reshape(b, s, n * d),
-            "SBH": x.permute(2, 0, 1, 3).reshape(s, b, n * d)}[layout].contiguous()
 
 
 COMPRESSED = torch.ones(2048, 2048, dtype=torch.bool).triu(1)

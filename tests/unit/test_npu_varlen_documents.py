@@ -1,7 +1,7 @@
 """Packed documents on NPU: one npu_fusion_attention call (TND, actual_seq_qlen/kvlen) per block.
 
 No NPU exists here: the op and its gradient are the documented-contract emulator
-(npu_fusion_attention_emulator.py, checked against a naive per-sequence reference in
+(tests/npu_contract/emulate_attention.py, checked against a naive per-sequence reference in
 test_fused_attention_npu.py). The CP 2 ring's blocks run in one process (every rank's
 (query segment, key segment) blocks from RingPlan.blocks, merged by LSE as the ring merges
 them, backward from the final out/LSE), with documents crossing the ring's chunk
@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import npu_fusion_attention_emulator as emu
+from npu_contract import emulate_attention as emu
 from npuspeed.features.context_parallel import documents, npu_varlen
 from npuspeed.features.context_parallel.blocks import CallSpec, tiled_backward, tiled_forward
 from npuspeed.features.context_parallel.kernels_device import NpuFusion

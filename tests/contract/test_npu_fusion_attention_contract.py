@@ -11,8 +11,8 @@ import re
 import pytest
 import torch
 
-import npu_fusion_attention_emulator as emu
-import npu_fusion_attention_emulator_core as core
+from npu_contract import emulate_attention as emu
+from npu_contract import emulate_attention_core as core
 from npu_contract import wheel
 
 # torch_npu 2.14.0's codegen yaml (the newest schema), argument lists only
@@ -33,14 +33,12 @@ _DEFAULTS = {"None": None, "True": True, "False": False, '""': ""}
 
 
 def _cached_schemas():
-    """{release: {op: argument list}} for the wheels already in the cache (never downloads)."""
+    """{release: {op: (argument list, returns)}}, from each wheel (fetched once)."""
     found = {}
     for release in wheel.RELEASES:
-        yaml = wheel.cache_root() / release / "torch_npu/csrc/aten/npu_native_functions_by_codegen.yaml"
-        if yaml.exists():
-            text = yaml.read_text()
-            found[release] = {op: re.search(rf"func: {op}\((.*?)\) -> \((.*?)\)", text).groups()
-                              for op in ("npu_fusion_attention", "npu_fusion_attention_grad")}
+        text = (wheel.files(release) / "torch_npu/csrc/aten/npu_native_functions_by_codegen.yaml").read_text()
+        found[release] = {op: re.search(rf"func: {op}\((.*?)\) -> \((.*?)\)", text).groups()
+                          for op in ("npu_fusion_attention", "npu_fusion_attention_grad")}
     return found
 
 
@@ -69,9 +67,7 @@ def _declared(fn):
 @pytest.mark.parametrize("fn, schema", [(emu.npu_fusion_attention, FWD_2_14),
                                         (emu.npu_fusion_attention_grad, GRAD_2_14)], ids=["forward", "grad"])
 def test_signature_is_the_newest_schema(fn, schema):
-    cached = _cached_schemas().get("2.14.0")
-    if cached is not None:  # the embedded copy is the wheel's
-        assert cached[fn.__name__][0] == schema
+    assert _cached_schemas()["2.14.0"][fn.__name__][0] == schema  # the embedded copy is the wheel's
     assert _declared(fn) == _parse(schema)
 
 
@@ -79,8 +75,6 @@ def test_first_release_of_each_new_argument():
     """softmax_layout and sink first in 2.9.0's schema, dropout_mask / seed / offset (forward) in
     2.14.0's; the gradient's arity 4 in 2.6.0, 5 (dsink) from 2.9.0."""
     schemas = _cached_schemas()
-    if len(schemas) < len(wheel.RELEASES):
-        pytest.skip("torch_npu wheels not cached (tests/npu_contract/wheel.py fetches them)")
     for name, release in core.ARGUMENT_SINCE.items():
         first = next(r for r in wheel.RELEASES if f" {name}=" in schemas[r]["npu_fusion_attention"][0])
         assert first == release, name
@@ -237,16 +231,11 @@ def test_output_shapes_are_the_meta_functions(release):
     dtypes, except where an older meta function is wrong (then the emulator keeps the newer
     shape): TND's softmax_max / softmax_sum are [T, N, 8] as 2.14.0's meta says (2.6.0's and
     2.9.0's read TND as BNSD: [T, N, D, 8]); BSND's are [B, N, S, 8] (2.6.0's: [B, N, N, 8])."""
-    root = wheel.cache_root() / release
-    if not (root / "COMPLETE").exists():
-        pytest.skip(f"torch_npu {release} not cached (tests/npu_contract/wheel.py fetches it)")
-    import types
-
-    from npu_contract import wheel_contract
-    metas = wheel_contract.meta_functions(root, types.ModuleType("torch_npu"))
+    from npu_contract import standin
+    metas = standin.contract(release)[1]
     fwd, grad = metas["npu_fusion_attention"], metas["npu_fusion_attention_grad"]
     q, k, v = _bnsd(torch.Generator().manual_seed(9))
-    from test_fused_attention_npu import to_layout
+    from npu_contract.layouts import to_layout
     for layout in ("SBH", "BSH", "BSND", "BNSD"):
         args = [to_layout(x, layout) for x in (q, k, v)] + [4, layout]
         got, want = _shapes(emu.npu_fusion_attention(*args)), _shapes(fwd(*args))

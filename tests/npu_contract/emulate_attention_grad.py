@@ -1,5 +1,5 @@
 """EMULATOR (not the real op): `torch_npu.npu_fusion_attention_grad` in plain PyTorch (see
-npu_fusion_attention_emulator.py for the contract). P is recomputed as exp(scale * QK^T - max)
+emulate_attention.py for the contract). P is recomputed as exp(scale * QK^T - max)
 / sum from the max and sum it is given, D = rowsum(dy * attention_in), and with keep_prob < 1
 the keep mask is rebuilt from (seed, offset, numels) exactly as the forward drew it.
 
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-import npu_fusion_attention_emulator_core as core
-import npu_fusion_attention_emulator_tnd as tnd
+from npu_contract import emulate_attention_core as core
+from npu_contract import emulate_attention_tnd as tnd
 
 
 def _grad(q, k, v, g, o, smax, ssum, scale, mask, keep, keep_prob):

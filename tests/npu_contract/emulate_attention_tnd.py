@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from npu_fusion_attention_emulator_core import MAX_SEQUENCES, MAX_T
+from npu_contract.emulate_attention_core import MAX_SEQUENCES, MAX_T
 
 
 def _strip_tail(cu: list[int]) -> tuple[list[int], int]:
