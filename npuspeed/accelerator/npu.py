@@ -36,16 +36,44 @@ class NpuAccelerator(CudaAccelerator):
             self.torch_npu, "npu_mm_reduce_scatter_base"
         )
 
-    #: torch_npu's fused matmul-accumulate, by the names builds expose it: op-plugin registers
-    #: the ATB kernel as `_npu_matmul_add_fp32` (what vllm-ascend calls); some builds/shims
-    #: also expose `npu_matmul_add_fp32`
-    _MATMUL_ADD = ("npu_matmul_add_fp32", "_npu_matmul_add_fp32")
+    #: torch_npu's fused matmul-accumulate: op-plugin's ATB kernel, `_npu_matmul_add_fp32` in
+    #: every torch_npu wheel 2.6.0-2.14.0 (no build names it without the underscore)
+    _MATMUL_ADD = "_npu_matmul_add_fp32"
+    #: (the op or None, why it is absent or None) after the first probe
+    _matmul_add_probe: tuple | None = None
 
     def _matmul_add(self):
-        return next((getattr(self.torch_npu, n) for n in self._MATMUL_ADD if hasattr(self.torch_npu, n)), None)
+        if self._matmul_add_probe is None:
+            self._matmul_add_probe = self._probe_matmul_add()
+        return self._matmul_add_probe[0]
+
+    def _probe_matmul_add(self) -> tuple:
+        """torch_npu sets the ATB ops as lazy wrappers (op_plugin/atb/_atb_ops.py) that load
+        libop_plugin_atb.so on their first call: the name exists even where the NNAL package
+        (libatb.so) is missing, and then the first call raises OSError. One tiny call, once,
+        tells whether the kernel runs."""
+        op = getattr(self.torch_npu, self._MATMUL_ADD, None)
+        if op is None:
+            return None, None
+        try:
+            device = self.device()
+            x = torch.zeros(16, 16, dtype=torch.bfloat16, device=device)
+            op(x, x, torch.zeros(16, 16, dtype=torch.float32, device=device))
+            self.synchronize()
+        except (OSError, RuntimeError) as exc:
+            first = (str(exc).strip().splitlines() or [""])[0]
+            return None, (f"torch_npu.{self._MATMUL_ADD} failed its first call ({type(exc).__name__}: "
+                          f"{first}): the NNAL/ATB package it loads is missing or does not match torch_npu")
+        return op, None
 
     def has_matmul_add_fp32(self) -> bool:
         return self._matmul_add() is not None
+
+    def matmul_add_fp32_missing(self) -> str | None:
+        """Why torch_npu names the kernel but it does not run here (None: it runs, or torch_npu
+        does not name it)."""
+        self._matmul_add()
+        return self._matmul_add_probe[1]
 
     def matmul_add_fp32(self, grad_output, total_input, main_grad) -> None:
         # torch_npu._npu_matmul_add_fp32(x, weight, C): C += x^T @ weight, x and weight

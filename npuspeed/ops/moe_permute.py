@@ -97,9 +97,26 @@ def implementation(tokens: torch.Tensor) -> str:
     return "reference"
 
 
-def moe_permute(tokens, routing_map, probs=None, *, num_out_tokens=None, drop_and_pad=False):
-    """(permuted [N, H], permuted_probs [N] or None, sorted_indices [N], tokens_per_expert [E])."""
+def npu_accepts(routing_map, num_out_tokens=None, drop_and_pad=False) -> bool:
+    """Whether torch_npu's permute takes this routing map. Outside drop_and_pad mode its
+    documentation requires every row to select the same number of experts ("非drop_and_pad模式要求
+    每行中为1或true的个数固定（记为topK）"), topK < 512, and num_out_tokens // tokens_num == topK.
+    Megatron's all-gather dispatcher passes the map cut to this rank's experts, whose rows vary
+    at EP > 1 (and a capacity factor drops tokens): then the portable path runs. One reduction
+    and one host sync per call."""
+    if drop_and_pad or routing_map.shape[0] == 0:
+        return True
+    low, high = torch.stack(torch.aminmax(routing_map.sum(dim=1))).tolist()
+    top_k = 1 if num_out_tokens is None else int(num_out_tokens) // routing_map.shape[0]
+    return low == high == top_k and high < 512
+
+
+def moe_permute(tokens, routing_map, probs=None, *, num_out_tokens=None, drop_and_pad=False, checked=False):
+    """(permuted [N, H], permuted_probs [N] or None, sorted_indices [N], tokens_per_expert [E]).
+    `checked`: the caller already knows npu_accepts() holds (no second host sync)."""
     impl = implementation(tokens)
+    if impl == "npu" and not checked and not npu_accepts(routing_map, num_out_tokens, drop_and_pad):
+        impl = "reference"  # rows of different expert counts: not torch_npu's contract
     _dispatch.record(OP, impl)
     if impl == "npu":
         permuted, permuted_probs, sorted_indices = _dispatch.torch_npu().npu_moe_token_permute_with_routing_map(
@@ -121,6 +138,8 @@ def moe_unpermute(permuted, sorted_indices, num_tokens: int, probs=None, routing
     if probs is not None and routing_map is None:
         raise ValueError("moe_unpermute: weighting by probs needs the routing_map that permuted the tokens")
     impl = implementation(permuted)
+    if impl == "npu" and sorted_indices.dtype != torch.int32:
+        impl = "reference"  # torch_npu's sorted_indices are int32: these came from the reference permute
     _dispatch.record("moe_unpermute", impl)
     if impl == "npu":
         return _dispatch.torch_npu().npu_moe_token_unpermute_with_routing_map(

@@ -4,7 +4,8 @@
 d - rot channels pass through. cos and sin are taken as Megatron takes them (times mscale,
 rounded to t's dtype) so the fp32 results agree bit for bit. `rotary_pos_emb` runs
 `npuspeed::rotary_pos_emb` on CPU (csrc/cpu/rope.cpp), `torch_npu.npu_rotary_mul` on an NPU
-(rotate-half form), and `rotary_pos_emb_reference` otherwise. `freqs` gets no gradient from
+(rotate-half form, within its documented limits: `npu_fits`; unscaled cos/sin, mscale applied
+to its output), and `rotary_pos_emb_reference` otherwise. `freqs` gets no gradient from
 the fused paths; when it requires one, the reference runs.
 """
 from __future__ import annotations
@@ -89,12 +90,25 @@ def supported(t: torch.Tensor, freqs: torch.Tensor) -> bool:
             and not freqs.requires_grad)
 
 
+NPU_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def npu_fits(t: torch.Tensor, freqs: torch.Tensor) -> bool:
+    """torch_npu's documented limits of npu_rotary_mul (half mode) for Megatron's SBND layout:
+    "D < 896，且为2的倍数; B, N < 1000", cos/sin shaped S11D, SB1D or SBND, float16/bfloat16/float32
+    (D is the rotated part, rot). Where one fails the op is not a candidate."""
+    s, b, n, _ = t.shape
+    fs, fb, fn, rot = freqs.shape
+    return (t.dtype in NPU_DTYPES and rot < 896 and rot % 2 == 0 and b < 1000 and n < 1000
+            and fs == s and (fb, fn) in {(1, 1), (b, 1), (b, n)})
+
+
 def rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, interleaved: bool = False,
                    mscale: float = 1.0) -> torch.Tensor:
     """Megatron's rotary embedding of t [s, b, h, d] by the angles `freqs` (see the module doc)."""
     fits = supported(t, freqs) and freqs.device == t.device
     impl = _dispatch.implementation(OP, t) if fits else "reference"
-    if impl == "npu" and interleaved:  # npu_rotary_mul is the rotate-half form
+    if impl == "npu" and (interleaved or not npu_fits(t, freqs)):  # npu_rotary_mul: rotate-half, its limits
         impl = "reference"
     _dispatch.record(OP, impl)
     if impl == "reference":
@@ -112,9 +126,12 @@ def _cpp(t, freqs, interleaved, mscale):
 
 
 def _npu(t, freqs, interleaved, mscale):
-    cos, sin = cached_cos_sin(t, freqs, mscale, t.dtype)
+    # npu_rotary_mul's cos/sin must lie in [-1, 1] ("r1: 数据范围：[-1, 1]"): mscale is applied to its output
+    cos, sin = cached_cos_sin(t, freqs, 1.0, t.dtype)
     rot = freqs.shape[-1]
     out = _dispatch.torch_npu().npu_rotary_mul(t[..., :rot], cos, sin)
+    if mscale != 1.0:
+        out = out * mscale
     return out if rot == t.shape[-1] else torch.cat((out, t[..., rot:]), dim=-1)
 
 
@@ -128,7 +145,7 @@ def candidates(t: torch.Tensor, freqs: torch.Tensor, interleaved: bool, mscale: 
     impl = _dispatch.implementation(OP, t)
     if impl == "cpp":
         found["cpp"] = lambda t: _cpp(t, freqs, interleaved, mscale)
-    elif impl == "npu" and not interleaved:
+    elif impl == "npu" and not interleaved and npu_fits(t, freqs):
         found["npu"] = lambda t: _npu(t, freqs, interleaved, mscale)
     triton = fused_choice.triton_kernel("rope", "rotary_pos_emb", t, freqs)
     if triton is not None:

@@ -164,24 +164,58 @@ def test_npu_kernel_is_called_with_torch_npu_argument_order(npuspeed_runtime):
     assert calls == [(g, x, main_grad)]
 
 
-@pytest.mark.parametrize("name", ["_npu_matmul_add_fp32", "npu_matmul_add_fp32"])
-def test_npu_backend_finds_torch_npus_matmul_add(name):
-    """torch_npu registers the ATB kernel as `torch_npu._npu_matmul_add_fp32(x, weight, C)`
-    (C += x^T @ weight; op-plugin's atb LinearAtb.cpp, as vllm-ascend calls it); a build that
-    also exposes it without the underscore works too. Looking for the plain name alone left the
-    NPU on the upcast fp32 GEMM (rows x (n + k) x 4 bytes of temporaries) everywhere."""
+def _npu_accelerator(fake_torch_npu):
+    """The NPU backend over a fake torch_npu, its probe running on the CPU."""
     from npuspeed.accelerator.npu import NpuAccelerator
 
-    calls = []
-    fake = type("TorchNpu", (), {name: staticmethod(lambda x, w, c: calls.append((x, w, c)))})()
     acc = NpuAccelerator.__new__(NpuAccelerator)  # no torch_npu here: hand it the fake module
-    acc.torch_npu = fake
+    acc.torch_npu = fake_torch_npu
+    acc.device = lambda index=None: torch.device("cpu")
+    acc.synchronize = lambda device=None: None
+    return acc
+
+
+def test_npu_backend_finds_torch_npus_matmul_add():
+    """torch_npu registers the ATB kernel as `torch_npu._npu_matmul_add_fp32(x, weight, C)`
+    (C += x^T @ weight), the only name in its wheels 2.6.0-2.14.0; `npu_matmul_add_fp32`
+    (MindSpeed's own op) is not torch_npu's and is not looked for."""
+    calls = []
+    fake = type("TorchNpu", (), {"_npu_matmul_add_fp32": staticmethod(lambda x, w, c: calls.append((x, w, c)))})()
+    acc = _npu_accelerator(fake)
     g, x, main_grad, _ = _inputs(4, 3, 5, torch.bfloat16, torch.float32)
-    assert acc.has_matmul_add_fp32()
+    assert acc.has_matmul_add_fp32() and acc.matmul_add_fp32_missing() is None
     acc.matmul_add_fp32(g, x, main_grad)
-    assert calls == [(g, x, main_grad)]
-    acc.torch_npu = object()  # neither name: no native kernel
-    assert not acc.has_matmul_add_fp32()
+    assert calls[-1] == (g, x, main_grad) and len(calls) == 2  # the probe, then the call
+    plain = _npu_accelerator(type("TorchNpu", (), {"npu_matmul_add_fp32": staticmethod(pytest.fail)})())
+    assert not plain.has_matmul_add_fp32()
+    assert not _npu_accelerator(object()).has_matmul_add_fp32()
+
+
+def test_npu_matmul_add_without_nnal_takes_the_portable_path(npuspeed_runtime):
+    """torch_npu sets `_npu_matmul_add_fp32` as a lazy wrapper (op_plugin/atb/_atb_ops.py) that
+    loads the ATB library on the first call and raises OSError where the NNAL package is
+    missing: the name is there, the kernel is not. The accelerator probes it once and reports it
+    absent; the chooser takes the portable path (no crash at the first backward) and says why,
+    once in the log and in the report line."""
+    from npuspeed.features.grad_accum_fusion import chooser as chooser_mod, kernels
+
+    probes = []
+
+    def lazy_atb(*_args):
+        probes.append(1)
+        raise OSError(2, "Please check that the nnal package is installed.")
+
+    acc = _npu_accelerator(type("TorchNpu", (), {"_npu_matmul_add_fp32": staticmethod(lazy_atb)})())
+    assert not acc.has_matmul_add_fp32() and not acc.has_matmul_add_fp32()
+    assert probes == [1] and "NNAL/ATB" in acc.matmul_add_fp32_missing()
+    notes = []
+    chooser = chooser_mod.PathChooser(acc, notes.append)
+    fake_grad = type("MainGrad", (), {"device": type("Npu", (), {"type": "npu"})(), "dtype": torch.float32})()
+    paths = {chooser.choose_shape(rows, 64, 64, torch.bfloat16, fake_grad) for rows in (4096, 4)}
+    assert paths == {kernels.MM_ADD, kernels.ADDMM_UPCAST}
+    said = [n for n in notes if "NNAL/ATB" in n]
+    assert len(said) == 1 and "_npu_matmul_add_fp32" in said[0]
+    assert "NNAL/ATB" in chooser.summary()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -24,8 +24,10 @@ def compressed_causal_mask(device: torch.device) -> torch.Tensor:
     return torch.ones(COMPRESSED_SIZE, COMPRESSED_SIZE, dtype=torch.bool, device=device).triu_(1)
 
 
-def _full_mask(plan: MaskPlan, sq: int, sk: int, hq: int, device) -> torch.Tensor:
-    """The pattern as one boolean tensor of a shape the op accepts (B1SS, BNSS or 11SS)."""
+def _full_mask(plan: MaskPlan, b: int, sq: int, sk: int, hq: int, device) -> torch.Tensor:
+    """The pattern as one boolean tensor of a shape the op documents ("输入shape类型支持BNSS格式、
+    B1SS格式、11SS格式、SS格式"): a per-head mask shared by the batch (1NSS, not listed) is
+    expanded to BNSS."""
     if plan.causal:
         return torch.ones(sq, sk, dtype=torch.bool, device=device).triu_(1)[None, None]
     if plan.band is not None:
@@ -38,10 +40,11 @@ def _full_mask(plan: MaskPlan, sq: int, sk: int, hq: int, device) -> torch.Tenso
             f"--use-flash-attn: attention_mask has {mask.shape[1]} heads, the layer {hq}; "
             "npu_fusion_attention takes a mask with 1 or all heads"
         )
-    return mask.expand(mask.shape[0], mask.shape[1], sq, sk).contiguous()
+    batch = b if mask.shape[1] > 1 else mask.shape[0]
+    return mask.expand(batch, mask.shape[1], sq, sk).contiguous()
 
 
-def mask_arguments(plan: MaskPlan, sparse_mode: int | None, sq: int, sk: int, hq: int, device) -> dict:
+def mask_arguments(plan: MaskPlan, sparse_mode: int | None, sq: int, sk: int, hq: int, device, b: int) -> dict:
     """atten_mask, sparse_mode, pre_tockens, next_tockens for the op (see module docstring)."""
     kind = "causal" if plan.causal else "band" if plan.band is not None else "mask" if plan.mask is not None else "none"
     left, right = plan.band if plan.band is not None else (UNBOUNDED, 0 if plan.causal else UNBOUNDED)
@@ -52,7 +55,7 @@ def mask_arguments(plan: MaskPlan, sparse_mode: int | None, sq: int, sk: int, hq
             if kind == "band":
                 args.update(pre_tockens=left, next_tockens=right)
         elif kind == "mask":
-            args["atten_mask"] = _full_mask(plan, sq, sk, hq, device)
+            args["atten_mask"] = _full_mask(plan, b, sq, sk, hq, device)
         return args
     fits = {
         0: ("none", "causal", "band", "mask"),
@@ -72,7 +75,7 @@ def mask_arguments(plan: MaskPlan, sparse_mode: int | None, sq: int, sk: int, hq
         if sparse_mode == 4:
             args.update(pre_tockens=left, next_tockens=right)
     elif kind != "none":
-        args["atten_mask"] = _full_mask(plan, sq, sk, hq, device)
+        args["atten_mask"] = _full_mask(plan, b, sq, sk, hq, device)
         if sparse_mode == 0 and kind in ("causal", "band"):
             # mode 0 aligns its band at the top-left corner, ours at the bottom-right
             shift = sk - sq
@@ -94,7 +97,7 @@ def npu_attention(
     """query [sq, b, hq, d], key/value [sk, b, hk, d] -> context [sq, b, hq * d]."""
     sq, b, hq, d = query.shape
     sk, hk = key.shape[0], key.shape[2]
-    mask_args = mask_arguments(plan, sparse_mode, sq, sk, hq, query.device)
+    mask_args = mask_arguments(plan, sparse_mode, sq, sk, hq, query.device, b)
     outputs = torch_npu.npu_fusion_attention(
         query.reshape(sq, b, hq * d),
         key.reshape(sk, b, hk * d),

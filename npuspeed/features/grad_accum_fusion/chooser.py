@@ -45,6 +45,8 @@ class PathChooser:
         self.note = note or (lambda message: None)
         self.fixed = fixed if fixed is not None else (os.environ.get(FIXED_ENV) or None)
         self.choices: dict[tuple, dict] = {}
+        #: why the NPU's own kernel does not run here (its NNAL/ATB library failed to load), once known
+        self.native_missing: str | None = None
 
     @staticmethod
     def key(rows: int, n: int, k: int, in_dtype: torch.dtype, main_grad: torch.Tensor) -> tuple:
@@ -61,6 +63,7 @@ class PathChooser:
         record = self.choices.get(key)
         if record is None:
             names = kernels.candidates(main_grad.device.type, in_dtype, main_grad.dtype, self.accelerator)
+            self._say_native_missing(main_grad.device.type)
             if self.fixed is not None:
                 path = {"fused": names[0], "unfused": kernels.MM_ADD}.get(self.fixed, self.fixed)
                 record = {"path": path, "why": f"fixed ({FIXED_ENV}={self.fixed})"}
@@ -79,6 +82,17 @@ class PathChooser:
                               "be larger (npuspeed report lists the shapes)")
             self.choices[key] = record
         return record["path"]
+
+    def _say_native_missing(self, device_type: str) -> None:
+        """torch_npu names its matmul-add kernel even without the NNAL/ATB package that runs it
+        (the accelerator probes it once): say once that the portable path runs instead."""
+        missing = getattr(self.accelerator, "matmul_add_fp32_missing", None)
+        if self.native_missing is not None or device_type != "npu" or missing is None:
+            return
+        self.native_missing = missing()
+        if self.native_missing:
+            self.note(f"--gradient-accumulation-fusion: {self.native_missing}; weight gradients use the "
+                      "portable GEMM paths (install Ascend NNAL/ATB and `source set_env.sh` for the fused kernel)")
 
     def run(self, g, x, main_grad) -> str:
         name = self.choose(g, x, main_grad)
@@ -146,7 +160,7 @@ class PathChooser:
         """One line per shape key, for the report."""
         if not self.choices:
             return "no weight gradient computed yet in this process"
-        parts = []
+        parts = [f"NPU kernel unavailable: {self.native_missing}"] if self.native_missing else []
         for (device, in_dtype, grad_dtype, rows, n, k), record in sorted(self.choices.items(), key=str):
             parts.append(f"{device} {in_dtype}->{grad_dtype} [{rows}x{n}]^T[{rows}x{k}]: {record['path']} "
                          f"({record['why']})")

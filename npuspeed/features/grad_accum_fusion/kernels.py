@@ -16,8 +16,8 @@ ADDMM = "addmm_inplace"
 ADDMM_UPCAST = "addmm_inplace_upcast"
 #: torch's mixed-dtype GEMM: 16-bit inputs, fp32 output written in place (CUDA)
 OUT_DTYPE = "addmm_out_dtype_fp32"
-#: the device's own fused kernel (torch_npu.npu_matmul_add_fp32, through the accelerator)
-NATIVE = "npu_matmul_add_fp32"
+#: the device's own fused kernel (torch_npu._npu_matmul_add_fp32, through the accelerator)
+NATIVE = "_npu_matmul_add_fp32"
 #: the unfused arithmetic: GEMM in the input dtype into a temporary, then main_grad.add_
 MM_ADD = "mm_then_add"
 

@@ -241,6 +241,8 @@ class _NpuGMM(torch.autograd.Function):
 
 
 def _npu_gmm(x, w, counts):
+    if len(counts) == 1:  # one local expert: torch_npu refuses a group_list of length 1 under
+        return torch.mm(x, w[0])  # group_list_type=1 ("且长度不能为1"); one group is one matmul
     npu = sys.modules["torch_npu"]
     group_list = torch.tensor(counts, dtype=torch.int64, device=x.device)
     return npu.npu_grouped_matmul([x], [w], group_list=group_list, split_item=3, group_type=0,

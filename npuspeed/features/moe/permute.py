@@ -26,9 +26,10 @@ import weakref
 import torch
 
 from npuspeed.ops import _dispatch, fused_choice
-from npuspeed.ops.moe_permute import implementation, moe_permute, moe_unpermute
+from npuspeed.ops.moe_permute import implementation, moe_permute, moe_unpermute, npu_accepts
 
 _ORIGINAL: dict = {}  # "permute" / "unpermute" -> Megatron's function (set when wrapped)
+_SAID: set = set()  # the notes said once per process
 _PAIRS: dict = {}  # id(sorted_indices) -> (weakref, impl of the permute that made it)
 
 
@@ -53,6 +54,9 @@ def _choose(tokens, routing_map, probs, num_out_tokens, drop_and_pad) -> str:
     candidates are the device's op (C++ on CPU, torch_npu's on an NPU), npuspeed's Triton
     kernels where Triton runs, and Megatron's own pair; the per-shape rule picks."""
     mine = implementation(tokens)
+    if mine == "npu" and not npu_accepts(routing_map, num_out_tokens, drop_and_pad):
+        mine = "reference"
+        _say_rows_vary()
     found = [] if mine == "reference" else [mine]
     if _triton_runs(tokens, mine):
         found.append("triton")
@@ -60,7 +64,7 @@ def _choose(tokens, routing_map, probs, num_out_tokens, drop_and_pad) -> str:
         return fused_choice.MEGATRON
     if "unpermute" not in _ORIGINAL:  # only the permute wrapped (tests): nothing to measure a round trip with
         return found[0]
-    key = ("moe_permute", tokens.device.type, tokens.dtype, tuple(tokens.shape), tuple(routing_map.shape),
+    key = ("moe_permute", mine, tokens.device.type, tokens.dtype, tuple(tokens.shape), tuple(routing_map.shape),
            num_out_tokens, probs is not None, bool(drop_and_pad), tokens.requires_grad,
            fused_choice.forced())
     choice = fused_choice.CHOOSER.choices.get(key)
@@ -87,6 +91,17 @@ def _choose(tokens, routing_map, probs, num_out_tokens, drop_and_pad) -> str:
         candidates = {fused_choice.MEGATRON: megatron, **{impl: fused(impl) for impl in found}}
         choice = fused_choice.CHOOSER.pick("moe_permute", key, label, candidates, (tokens,))
     return choice.impl
+
+
+def _say_rows_vary() -> None:
+    """Once per process: torch_npu's permute is skipped where the routing map's rows differ."""
+    if not _SAID and fused_choice.CHOOSER.notify is not None:
+        _SAID.add("rows")
+        fused_choice.CHOOSER.notify(
+            "--use-fused-moe-token-permute-and-unpermute: torch_npu's npu_moe_token_permute_with_routing_map "
+            "needs every routing-map row to select the same number of experts (top-k); this map's rows differ "
+            "(the all-gather dispatcher's map of this rank's experts at EP > 1, or dropped tokens), so "
+            "Megatron's permute (or npuspeed's Triton one) runs for such calls")
 
 
 def _remember(sorted_indices, impl: str) -> None:
@@ -128,8 +143,9 @@ def permute_wrapper(original):
         else:
             if impl == "triton":  # npuspeed.ops' front ends count themselves
                 _dispatch.record("moe_permute", "triton")
+            checked = {"checked": True} if impl == "npu" else {}  # _choose checked torch_npu's row rule
             permuted, permuted_probs, sorted_indices, _ = _pair_of(impl)[0](
-                tokens, routing_map, probs, num_out_tokens=num_out_tokens, drop_and_pad=drop_and_pad)
+                tokens, routing_map, probs, num_out_tokens=num_out_tokens, drop_and_pad=drop_and_pad, **checked)
         _remember(sorted_indices, impl)
         return permuted, permuted_probs, sorted_indices
 
