@@ -103,11 +103,12 @@ def npu_accepts(routing_map, num_out_tokens=None, drop_and_pad=False) -> bool:
     每行中为1或true的个数固定（记为topK）"), topK < 512, and num_out_tokens // tokens_num == topK.
     Megatron's all-gather dispatcher passes the map cut to this rank's experts, whose rows vary
     at EP > 1 (and a capacity factor drops tokens): then the portable path runs. One reduction
-    and one host sync per call."""
+    and one host sync per call. num_out_tokens None (torch_npu reads topK 1) is accepted for
+    any equal row count: moe_permute then passes the count it implies."""
     if drop_and_pad or routing_map.shape[0] == 0:
         return True
     low, high = torch.stack(torch.aminmax(routing_map.sum(dim=1))).tolist()
-    top_k = 1 if num_out_tokens is None else int(num_out_tokens) // routing_map.shape[0]
+    top_k = high if num_out_tokens is None else int(num_out_tokens) // routing_map.shape[0]
     return low == high == top_k and high < 512
 
 
@@ -119,6 +120,8 @@ def moe_permute(tokens, routing_map, probs=None, *, num_out_tokens=None, drop_an
         impl = "reference"  # rows of different expert counts: not torch_npu's contract
     _dispatch.record(OP, impl)
     if impl == "npu":
+        if num_out_tokens is None and not drop_and_pad:  # torch_npu would read it as topK 1
+            num_out_tokens = int(routing_map.sum())
         permuted, permuted_probs, sorted_indices = _dispatch.torch_npu().npu_moe_token_permute_with_routing_map(
             tokens, routing_map, probs=probs, num_out_tokens=num_out_tokens, drop_and_pad=drop_and_pad)
         return permuted, permuted_probs, sorted_indices, routing_map.sum(dim=0).long()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import ast
 import re
-import sys
 
 import pytest
 import torch
@@ -37,11 +36,7 @@ def test_every_torch_npu_name_npuspeed_reaches_exists_in_the_release(release):
 @pytest.fixture
 def npu_accelerator(monkeypatch, request):
     release = request.param
-    monkeypatch.setattr(torch, "npu", npu_module.module(release), raising=False)
-    monkeypatch.setitem(sys.modules, "torch_npu", standin.module(release))
-    from npuspeed.accelerator.npu import NpuAccelerator
-
-    return release, NpuAccelerator()
+    return release, standin.npu_accelerator(release, monkeypatch)
 
 
 @pytest.mark.parametrize("npu_accelerator", wheel.RELEASES, indirect=True)

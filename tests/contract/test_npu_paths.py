@@ -189,23 +189,17 @@ def test_context_parallel_blocks(npu, documents):
 
 
 def test_gradient_accumulation_matmul_add(npu, monkeypatch):
-    import sys
-
-    from npu_contract import npu_module
-
-    rel, module = npu
-    monkeypatch.setattr(torch, "npu", npu_module.module(rel.release), raising=False)
-    from npuspeed.accelerator.npu import NpuAccelerator
-
-    acc = NpuAccelerator()
+    rel, _ = npu
+    acc = standin.npu_accelerator(rel.release, monkeypatch)
     gen = torch.Generator().manual_seed(8)
     grad_out, total_in = torch.randn(6, 4, generator=gen), torch.randn(6, 5, generator=gen)
     main_grad = torch.randn(4, 5, generator=gen)
     expected = main_grad + grad_out.t() @ total_in
+    assert acc.has_matmul_add_fp32()  # the probe's tiny call bound and ran
     before = dict(rel.calls)
-    assert acc.has_matmul_add_fp32()
     acc.matmul_add_fp32(grad_out.bfloat16(), total_in.bfloat16(), main_grad)
     assert _ran(rel, "_npu_matmul_add_fp32", before) == 1
     torch.testing.assert_close(main_grad, expected, atol=0.05, rtol=0.02)
-    monkeypatch.setitem(sys.modules, "torch_npu", standin.module(rel.release, nnal=False))
-    assert not NpuAccelerator().has_matmul_add_fp32()  # the lazy ATB wrapper raises: absent
+    # without the NNAL package torch_npu's lazy ATB wrapper raises OSError: the op is absent
+    missing = standin.npu_accelerator(rel.release, monkeypatch, nnal=False)
+    assert not missing.has_matmul_add_fp32() and "nnal" in missing.matmul_add_fp32_missing().lower()

@@ -296,3 +296,15 @@ def npu_tensors(torch_npu_module):
             sys.modules.pop("torch_npu", None)
         else:
             sys.modules["torch_npu"] = saved[0]
+
+
+def npu_accelerator(version: str, monkeypatch, *, nnal: bool = True):
+    """npuspeed's NPU accelerator over this release's stand-ins (torch_npu and torch.npu), its
+    device the host's: CPU tensors play NPU tensors here too."""
+    from npu_contract import npu_module
+    from npuspeed.accelerator.npu import NpuAccelerator
+
+    monkeypatch.setattr(torch, "npu", npu_module.module(version), raising=False)
+    monkeypatch.setitem(__import__("sys").modules, "torch_npu", module(version, nnal=nnal))
+    monkeypatch.setattr(NpuAccelerator, "device", lambda self, index=None: torch.device("cpu"))
+    return NpuAccelerator()
