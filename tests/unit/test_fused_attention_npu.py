@@ -148,24 +148,25 @@ def test_emulator_tnd_contract_errors():
 
 
 class _FakeNpu:
-    """A CPU accelerator that says it is an NPU and carries the emulator as its torch_npu."""
+    """A CPU accelerator that says it is an NPU and carries the contract tier's torch_npu 2.14.0
+    (the wheel's schemas and meta functions, the emulator as kernel, backward through
+    npu_fusion_attention_grad as torch_npu's autograd does)."""
 
     name = "npu"
 
     def __init__(self, cpu_accelerator):
+        from npu_contract import standin
+
         self._cpu = cpu_accelerator
         self.calls = []
-        self.grad_calls = []
+        contract = standin.module("2.14.0")
 
         def record(*args, **kwargs):
             self.calls.append((args, kwargs))
-            return emulator(*args, **kwargs)
+            return contract.npu_fusion_attention(*args, **kwargs)
 
-        def record_grad(*args, **kwargs):
-            self.grad_calls.append((args, kwargs))
-            return emulator_grad(*args, **kwargs)
-
-        self.torch_npu = types.SimpleNamespace(npu_fusion_attention=record, npu_fusion_attention_grad=record_grad)
+        self.torch_npu = types.SimpleNamespace(npu_fusion_attention=record,
+                                               npu_fusion_attention_grad=contract.npu_fusion_attention_grad)
 
     def has_fused_attention(self):
         return hasattr(self.torch_npu, "npu_fusion_attention")
