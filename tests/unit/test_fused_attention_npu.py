@@ -158,15 +158,18 @@ class _FakeNpu:
         from npu_contract import standin
 
         self._cpu = cpu_accelerator
-        self.calls = []
+        self.calls, self.grad_calls = [], []  # npuspeed's own calls (autograd's grad calls not)
         contract = standin.module("2.14.0")
 
         def record(*args, **kwargs):
             self.calls.append((args, kwargs))
             return contract.npu_fusion_attention(*args, **kwargs)
 
-        self.torch_npu = types.SimpleNamespace(npu_fusion_attention=record,
-                                               npu_fusion_attention_grad=contract.npu_fusion_attention_grad)
+        def record_grad(*args, **kwargs):
+            self.grad_calls.append((args, kwargs))
+            return contract.npu_fusion_attention_grad(*args, **kwargs)
+
+        self.torch_npu = types.SimpleNamespace(npu_fusion_attention=record, npu_fusion_attention_grad=record_grad)
 
     def has_fused_attention(self):
         return hasattr(self.torch_npu, "npu_fusion_attention")

@@ -9,7 +9,7 @@ import types
 import pytest
 import torch
 
-from npu_fusion_attention_emulator import npu_fusion_attention as emulator
+from npu_contract.emulate_attention import npu_fusion_attention as emulator
 
 
 @pytest.mark.parametrize("sparse_mode", [None, 0, 1])
