@@ -307,4 +307,17 @@ def npu_accelerator(version: str, monkeypatch, *, nnal: bool = True):
     monkeypatch.setattr(torch, "npu", npu_module.module(version), raising=False)
     monkeypatch.setitem(__import__("sys").modules, "torch_npu", module(version, nnal=nnal))
     monkeypatch.setattr(NpuAccelerator, "device", lambda self, index=None: torch.device("cpu"))
-    return NpuAccelerator()
+    # page-locked memory needs a device runtime: plain host memory plays it
+    monkeypatch.setattr(NpuAccelerator, "pinned_empty", lambda self, n: torch.empty(n, dtype=torch.uint8))
+    recorded = []
+
+    def record_stream(tensor, stream):
+        """Tensor.record_stream on an NPU takes torch_npu's streams: here only the stand-in's."""
+        if type(stream).__name__ != "Stream" or type(stream).__module__ != npu_module.__name__:
+            raise TypeError(f"record_stream got {type(stream)!r}, not torch.npu.Stream")
+        recorded.append((stream, tensor.untyped_storage().nbytes()))
+
+    monkeypatch.setattr(torch.Tensor, "record_stream", record_stream)
+    acc = NpuAccelerator()
+    acc.recorded_streams = recorded
+    return acc
