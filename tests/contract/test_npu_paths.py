@@ -203,3 +203,17 @@ def test_gradient_accumulation_matmul_add(npu, monkeypatch):
     # without the NNAL package torch_npu's lazy ATB wrapper raises OSError: the op is absent
     missing = standin.npu_accelerator(rel.release, monkeypatch, nnal=False)
     assert not missing.has_matmul_add_fp32() and "nnal" in missing.matmul_add_fp32_missing().lower()
+
+
+def test_rms_norm_with_a_weight_of_another_dtype_takes_the_reference(npu):
+    """npu_rms_norm's gamma must have x's dtype (its documentation): a mixed pair runs the
+    reference instead of a call the kernel refuses."""
+    from npuspeed.ops import _dispatch
+    from npuspeed.ops.rms_norm import rms_norm, rms_norm_reference
+
+    rel, _ = npu
+    x, w = torch.randn(4, 32).bfloat16(), torch.rand(32) + 0.5
+    before, calls = dict(rel.calls), _dispatch.calls().get(("rms_norm", "reference"), 0)
+    torch.testing.assert_close(rms_norm(x, w, 1e-5), rms_norm_reference(x, w, 1e-5))
+    assert _ran(rel, "npu_rms_norm", before) == 0
+    assert _dispatch.calls().get(("rms_norm", "reference"), 0) == calls + 1

@@ -213,6 +213,9 @@ def test_mc2_constraints():
     assert "dtype" in mc2.unsupported(x.float(), w.float(), 2)
     assert "k=128" in mc2.unsupported(x[:, :128], w[:128], 2)
     assert "tensor-parallel size 3" in mc2.unsupported(x, w, 3)
+    # npu_mm_reduce_scatter_base: "m must be divisible by world_size" (the all-gather has no such rule)
+    assert "m=7 not a multiple" in mc2.unsupported(x[:7], w, 2, "npu_mm_reduce_scatter_base")
+    assert mc2.unsupported(x[:7], w, 2, "npu_all_gather_base_mm") is None
 
 
 class _FakeNpuAcc:

@@ -31,8 +31,9 @@ def hccl_comm_name(group, acc) -> str:
     return group._get_backend(acc.device()).get_hccl_comm_name(rank)
 
 
-def unsupported(x: torch.Tensor, w_t: torch.Tensor, world_size: int) -> str | None:
-    """Why the MC2 kernels cannot take this call (None when they can)."""
+def unsupported(x: torch.Tensor, w_t: torch.Tensor, world_size: int, op: str = "") -> str | None:
+    """Why the MC2 kernel `op` cannot take this call (None when it can), by torch_npu's
+    documented limits (the contract tier's emulators enforce the same)."""
     if x.dtype not in (torch.float16, torch.bfloat16):
         return f"dtype {x.dtype} (MC2 takes fp16/bf16)"
     if x.dim() != 2 or w_t.dim() != 2:
@@ -41,6 +42,8 @@ def unsupported(x: torch.Tensor, w_t: torch.Tensor, world_size: int) -> str | No
         return f"k={x.shape[1]} outside [256, 65535)"
     if world_size not in (2, 4, 8):
         return f"tensor-parallel size {world_size} (MC2 takes 2, 4 or 8)"
+    if op == npu_ops.MM_REDUCE_SCATTER and x.shape[0] % world_size:
+        return f"m={x.shape[0]} not a multiple of the tensor-parallel size {world_size}"
     return None
 
 
@@ -63,7 +66,7 @@ class Mc2Engine:
 
     def _usable(self, op: str, x, w_t) -> bool:
         why = None if hasattr(self.npu, op) else f"this torch_npu has no {op}"
-        why = why or unsupported(x, w_t, self.size)
+        why = why or unsupported(x, w_t, self.size, op)
         if why is None:
             telemetry.count(f"{COLLECTIVE}mc2:{op}")
             return True
