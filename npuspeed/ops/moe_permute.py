@@ -97,14 +97,19 @@ def implementation(tokens: torch.Tensor) -> str:
     return "reference"
 
 
-def npu_accepts(routing_map, num_out_tokens=None, drop_and_pad=False) -> bool:
+def npu_accepts(routing_map, num_out_tokens=None, drop_and_pad=False, tokens=None, probs=None) -> bool:
     """Whether torch_npu's permute takes this routing map. Outside drop_and_pad mode its
     documentation requires every row to select the same number of experts ("非drop_and_pad模式要求
     每行中为1或true的个数固定（记为topK）"), topK < 512, and num_out_tokens // tokens_num == topK.
     Megatron's all-gather dispatcher passes the map cut to this rank's experts, whose rows vary
     at EP > 1 (and a capacity factor drops tokens): then the portable path runs. One reduction
     and one host sync per call. num_out_tokens None (torch_npu reads topK 1) is accepted for
-    any equal row count: moe_permute then passes the count it implies."""
+    any equal row count: moe_permute then passes the count it implies. probs must have the
+    tokens' dtype, or be fp32 with bf16 tokens (its documentation: fp16 tokens with a router's
+    fp32 probs are not taken)."""
+    if probs is not None and tokens is not None and probs.dtype != tokens.dtype \
+            and not (probs.dtype == torch.float32 and tokens.dtype == torch.bfloat16):
+        return False
     if drop_and_pad or routing_map.shape[0] == 0:
         return True
     low, high = torch.stack(torch.aminmax(routing_map.sum(dim=1))).tolist()
@@ -116,7 +121,7 @@ def moe_permute(tokens, routing_map, probs=None, *, num_out_tokens=None, drop_an
     """(permuted [N, H], permuted_probs [N] or None, sorted_indices [N], tokens_per_expert [E]).
     `checked`: the caller already knows npu_accepts() holds (no second host sync)."""
     impl = implementation(tokens)
-    if impl == "npu" and not checked and not npu_accepts(routing_map, num_out_tokens, drop_and_pad):
+    if impl == "npu" and not checked and not npu_accepts(routing_map, num_out_tokens, drop_and_pad, tokens, probs):
         impl = "reference"  # rows of different expert counts: not torch_npu's contract
     _dispatch.record(OP, impl)
     if impl == "npu":

@@ -217,3 +217,20 @@ def test_rms_norm_with_a_weight_of_another_dtype_takes_the_reference(npu):
     torch.testing.assert_close(rms_norm(x, w, 1e-5), rms_norm_reference(x, w, 1e-5))
     assert _ran(rel, "npu_rms_norm", before) == 0
     assert _dispatch.calls().get(("rms_norm", "reference"), 0) == calls + 1
+
+
+def test_moe_permute_with_fp16_tokens_and_fp32_probs_takes_the_reference(npu):
+    """torch_npu's permute takes probs of the tokens' dtype, or fp32 with bf16 tokens only."""
+    from npuspeed.ops import moe_permute as mp
+
+    rel, module = npu
+    if not hasattr(module, mp.NPU_PERMUTE):  # 2.6.0: npuspeed's own kernels run
+        assert mp.implementation(torch.randn(6, 8).half()) == "reference"
+        return
+    gen = torch.Generator().manual_seed(9)
+    routing, probs = _top_k_routing(6, 4, 2, gen)
+    before = dict(rel.calls)
+    mp.moe_permute(torch.randn(6, 8).half(), routing, probs, num_out_tokens=12)  # fp32 probs
+    assert _ran(rel, mp.NPU_PERMUTE, before) == 0
+    mp.moe_permute(torch.randn(6, 8).bfloat16(), routing, probs, num_out_tokens=12)
+    assert _ran(rel, mp.NPU_PERMUTE, before) == 1

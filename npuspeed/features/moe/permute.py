@@ -54,7 +54,7 @@ def _choose(tokens, routing_map, probs, num_out_tokens, drop_and_pad) -> str:
     candidates are the device's op (C++ on CPU, torch_npu's on an NPU), npuspeed's Triton
     kernels where Triton runs, and Megatron's own pair; the per-shape rule picks."""
     mine = implementation(tokens)
-    if mine == "npu" and not npu_accepts(routing_map, num_out_tokens, drop_and_pad):
+    if mine == "npu" and not npu_accepts(routing_map, num_out_tokens, drop_and_pad, tokens, probs):
         mine = "reference"
         _say_rows_vary()
     found = [] if mine == "reference" else [mine]
@@ -94,13 +94,15 @@ def _choose(tokens, routing_map, probs, num_out_tokens, drop_and_pad) -> str:
 
 
 def _say_rows_vary() -> None:
-    """Once per process: torch_npu's permute is skipped where the routing map's rows differ."""
+    """Once per process: torch_npu's permute is skipped where the routing map's rows differ (or
+    probs have a dtype it does not take)."""
     if not _SAID and fused_choice.CHOOSER.notify is not None:
         _SAID.add("rows")
         fused_choice.CHOOSER.notify(
             "--use-fused-moe-token-permute-and-unpermute: torch_npu's npu_moe_token_permute_with_routing_map "
-            "needs every routing-map row to select the same number of experts (top-k); this map's rows differ "
-            "(the all-gather dispatcher's map of this rank's experts at EP > 1, or dropped tokens), so "
+            "needs every routing-map row to select the same number of experts (top-k), and probs of the "
+            "tokens' dtype (or fp32 with bf16 tokens); this call has neither (the all-gather dispatcher's map "
+            "of this rank's experts at EP > 1, dropped tokens, or fp16 tokens with fp32 probs), so "
             "Megatron's permute (or npuspeed's Triton one) runs for such calls")
 
 
