@@ -36,3 +36,17 @@ def test_atten_mask_shape_is_documented(sparse_mode, mask_shape):
     bhsd = [t.permute(1, 2, 0, 3) for t in (q, k, v)]
     ref = torch.nn.functional.scaled_dot_product_attention(*bhsd, attn_mask=~mask, scale=0.5)
     torch.testing.assert_close(out, ref.permute(2, 0, 1, 3).reshape(sq, b, h * d))
+
+
+def test_forced_mode_0_refuses_tockens_the_op_does_not_take():
+    """Mode 0 aligns the band at the top-left corner, so npuspeed shifts a causal pattern by
+    Skv - Sq: with Sq=8, Skv=4 next_tockens is -4, and |next_tockens| < Skv does not hold
+    (the documentation's constraint); Sq=8, Skv=6 gives -2, which the op takes."""
+    from npuspeed.features.base import FeatureError
+    from npuspeed.features.fused_attention.npu import mask_arguments
+    from npuspeed.features.fused_attention.plan import MaskPlan
+
+    args = mask_arguments(MaskPlan(causal=True), 0, 8, 6, 2, torch.device("cpu"), 1)
+    assert args["next_tockens"] == -2 and args["sparse_mode"] == 0
+    with pytest.raises(FeatureError, match=r"--sparse-mode 0: .*Sq=8, Skv=4 .*next_tockens=-4.*Leave --sparse-mode out"):
+        mask_arguments(MaskPlan(causal=True), 0, 8, 4, 2, torch.device("cpu"), 1)

@@ -80,7 +80,21 @@ def mask_arguments(plan: MaskPlan, sparse_mode: int | None, sq: int, sk: int, hq
             # mode 0 aligns its band at the top-left corner, ours at the bottom-right
             shift = sk - sq
             args.update(pre_tockens=min(UNBOUNDED, left - shift), next_tockens=min(UNBOUNDED, right + shift))
+            _check_negative_tockens(args["pre_tockens"], args["next_tockens"], sq, sk)
     return args
+
+
+def _check_negative_tockens(pre: int, nxt: int, sq: int, sk: int) -> None:
+    """npu_fusion_attention's sparse_mode 0 takes a negative pre_tockens only with next_tockens
+    >= |pre_tockens| and |pre_tockens| < Sq, a negative next_tockens only with pre_tockens >=
+    |next_tockens| and |next_tockens| < Skv (its documented constraints)."""
+    bad = (pre < 0 and not (nxt >= -pre and -pre < sq)) or (nxt < 0 and not (pre >= -nxt and -nxt < sk))
+    if bad:
+        raise FeatureError(
+            f"--sparse-mode 0: this layer's band at Sq={sq}, Skv={sk} needs pre_tockens={pre}, "
+            f"next_tockens={nxt}, outside what npu_fusion_attention takes in mode 0 (a negative one needs "
+            "the other at least its size and itself within the sequence). Leave --sparse-mode out "
+            "(mode 4 aligns the band at the bottom-right corner).")
 
 
 def npu_attention(
