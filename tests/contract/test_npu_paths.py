@@ -234,3 +234,38 @@ def test_moe_permute_with_fp16_tokens_and_fp32_probs_takes_the_reference(npu):
     assert _ran(rel, mp.NPU_PERMUTE, before) == 0
     mp.moe_permute(torch.randn(6, 8).bfloat16(), routing, probs, num_out_tokens=12)
     assert _ran(rel, mp.NPU_PERMUTE, before) == 1
+
+
+@pytest.mark.parametrize("pattern", ["band", "mask", "causal-dropout"])
+def test_fused_attention_masks_and_dropout(npu, pattern):
+    """The band (compressed mask, sparse_mode 4), an explicit mask (mode 0) and dropout through
+    keep_prob: npuspeed's call through the release's schema, its gradient through
+    npu_fusion_attention_grad given the forward's seed/offset, against autograd of the emulator
+    drawing the same mask."""
+    from npu_contract import emulate_attention
+    from npuspeed.features.fused_attention.npu import npu_attention
+    from npuspeed.features.fused_attention.plan import MaskPlan
+
+    rel, module = npu
+    gen = torch.Generator().manual_seed(10)
+    s, b, d = 7, 2, 8
+    q, k, v = (torch.randn(s, b, h, d, generator=gen) for h in (4, 2, 2))
+    explicit = torch.rand(b, 1, s, s, generator=gen) > 0.7
+    explicit[..., 0] = False
+    plan = {"band": MaskPlan(band=(2, 0)), "mask": MaskPlan(mask=explicit),
+            "causal-dropout": MaskPlan(causal=True)}[pattern]
+    p = 0.25 if pattern == "causal-dropout" else 0.0
+    (qa, ka, va), (qb, kb, vb) = _leaves(q, k, v), _leaves(q, k, v)
+    rel.log.clear()
+    out = npu_attention(module, qa, ka, va, plan, scale=d ** -0.5, dropout_p=p, sparse_mode=None)
+    (name, bound), = [(n, bd) for n, bd in rel.log if n == "npu_fusion_attention"]
+    assert bound["input_layout"] == "SBH" and bound["keep_prob"] == 1.0 - p
+    assert bound["sparse_mode"] == {"band": 4, "mask": 0, "causal-dropout": 2}[pattern]
+    kwargs = {n: bound[n] for n in ("atten_mask", "scale", "keep_prob", "pre_tockens", "next_tockens", "sparse_mode")}
+    if p:  # the same keep mask: the forward's seed and offset, as the grad op gets them
+        seed, offset = rel.outputs["npu_fusion_attention"][4:6]
+        kwargs.update(seed=seed, offset=offset)
+    ref = emulate_attention.npu_fusion_attention(*(t.reshape(s, b, -1) for t in (qb, kb, vb)), 4, "SBH", **kwargs)[0]
+    torch.testing.assert_close(out, ref)
+    _check_grads(out, ref, (qa, ka, va), (qb, kb, vb))
+

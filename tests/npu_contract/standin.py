@@ -88,9 +88,10 @@ def _split(schema, bound):
 class _Kernel:
     """The CPU kernel of one op: the emulator, its outputs held to the meta function's."""
 
-    def __init__(self, release, name, emulator, meta, calls, log=None):
+    def __init__(self, release, name, emulator, meta, calls, log=None, outputs=None):
         self.release, self.name, self.emulator, self.meta, self.calls = release, name, emulator, meta, calls
         self.log = log  # (op, every argument by name) per call, for tests of the marshalling
+        self.outputs = outputs  # op -> its last call's outputs
         self.declared = set(inspect.signature(emulator).parameters)
 
     @property
@@ -118,7 +119,10 @@ class _Kernel:
             meta_args, meta_kwargs = _split(schema, {k: _to_meta(v) for k, v in bound.items()})
             expected = meta(*meta_args, **meta_kwargs)
         out = self.emulator(**{k: v for k, v in bound.items() if k in self.declared})
-        return self._checked(schema, out, expected)
+        out = self._checked(schema, out, expected)
+        if self.outputs is not None:
+            self.outputs[self.name] = out
+        return out
 
     def _checked(self, schema, out, expected):
         returns = schema.returns
@@ -234,7 +238,7 @@ class Release:
 
     def __init__(self, release: str, emulators: dict):
         schemas, metas = contract(release)
-        self.release, self.calls, self.log = release, {}, []
+        self.release, self.calls, self.log, self.outputs = release, {}, [], {}
         self.missing_meta: list[str] = []
         self.ops: dict[str, object] = {}
         ns = namespace(release)
@@ -246,7 +250,7 @@ class Release:
             meta = metas.get(name)
             if meta is None:
                 self.missing_meta.append(name)
-            kernel = _Kernel(release, name, emulator, meta, self.calls, self.log)
+            kernel = _Kernel(release, name, emulator, meta, self.calls, self.log, self.outputs)
             self.library.impl(name, kernel, "CPU")
             self.ops[name] = getattr(getattr(torch.ops, ns), name)
             if name in DIFFERENTIABLE:
