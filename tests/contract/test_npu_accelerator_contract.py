@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 
-from npu_contract import callsites, npu_module, standin, wheel
+from npu_contract import callsites, npu_module, on_host, standin, wheel
 
 CUDA_FACE = callsites.PACKAGE / "accelerator" / "cuda.py"
 
@@ -36,7 +36,7 @@ def test_every_torch_npu_name_npuspeed_reaches_exists_in_the_release(release):
 @pytest.fixture
 def npu_accelerator(monkeypatch, request):
     release = request.param
-    return release, standin.npu_accelerator(release, monkeypatch)
+    return release, on_host.npu_accelerator(release, monkeypatch)
 
 
 @pytest.mark.parametrize("npu_accelerator", wheel.RELEASES, indirect=True)

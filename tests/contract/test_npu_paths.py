@@ -7,14 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from npu_contract import standin, wheel
+from npu_contract import on_host, standin, wheel
 
 
 @pytest.fixture(params=wheel.RELEASES)
 def npu(request):
     release = request.param
     module = standin.module(release)
-    with standin.npu_tensors(module):
+    with on_host.npu_tensors(module):
         yield standin.release(release), module
 
 
@@ -190,7 +190,7 @@ def test_context_parallel_blocks(npu, documents):
 
 def test_gradient_accumulation_matmul_add(npu, monkeypatch):
     rel, _ = npu
-    acc = standin.npu_accelerator(rel.release, monkeypatch)
+    acc = on_host.npu_accelerator(rel.release, monkeypatch)
     gen = torch.Generator().manual_seed(8)
     grad_out, total_in = torch.randn(6, 4, generator=gen), torch.randn(6, 5, generator=gen)
     main_grad = torch.randn(4, 5, generator=gen)
@@ -201,7 +201,7 @@ def test_gradient_accumulation_matmul_add(npu, monkeypatch):
     assert _ran(rel, "_npu_matmul_add_fp32", before) == 1
     torch.testing.assert_close(main_grad, expected, atol=0.05, rtol=0.02)
     # without the NNAL package torch_npu's lazy ATB wrapper raises OSError: the op is absent
-    missing = standin.npu_accelerator(rel.release, monkeypatch, nnal=False)
+    missing = on_host.npu_accelerator(rel.release, monkeypatch, nnal=False)
     assert not missing.has_matmul_add_fp32() and "nnal" in missing.matmul_add_fp32_missing().lower()
 
 

@@ -6,14 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from npu_contract import standin, wheel
+from npu_contract import on_host, standin, wheel
 
 
 @pytest.mark.parametrize("release", wheel.RELEASES)
 def test_swap_optimizer_on_the_npu_face(release, monkeypatch):
     from npuspeed.features.swap_optimizer.swapper import OptimizerSwap
 
-    acc = standin.npu_accelerator(release, monkeypatch)
+    acc = on_host.npu_accelerator(release, monkeypatch)
     torch.manual_seed(0)
     shapes = [(64, 32), (32,), (128, 16), (48, 48)]
     plain = [torch.nn.Parameter(torch.randn(s)) for s in shapes]

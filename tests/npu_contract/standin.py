@@ -7,18 +7,17 @@ the dispatcher with the op named. Its CPU kernel (`_Kernel`) runs the emulator a
 output against the wheel's meta function for the same inputs: count, shapes, dtypes. Ops that
 torch_npu differentiates get autograd through the emulator (numerics: the emulator's).
 
-CPU tensors play NPU tensors (`npu_tensors()`): npuspeed's NPU branches run on them.
+CPU tensors play NPU tensors (on_host.py): npuspeed's NPU branches run on them.
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
 import types
 
 import torch
 
-from npu_contract import wheel, wheel_contract
+from npu_contract import autograd, wheel, wheel_contract
 
 #: forward ops torch_npu gives autograd to (their grads come from the emulators here)
 DIFFERENTIABLE = ("npu_rms_norm", "npu_swiglu", "npu_rotary_mul", "npu_fusion_attention",
@@ -164,75 +163,6 @@ def _same(release, name, index, got, want):
                 f"{getattr(got, 'dtype', '')}, meta function {tuple(want.shape)} {want.dtype}")
 
 
-#: the grad op's arguments that the forward's outputs fill (torch_npu's derivative formula)
-_FA_FROM_OUTPUT = {"attention_in": 0, "softmax_max": 1, "softmax_sum": 2, "softmax_in": 3,
-                   "seed": 4, "offset": 5, "numels": 6}
-
-
-def _grads_by_grad_op(release, kernel, bound, output, grads):
-    """npu_fusion_attention: backward through npu_fusion_attention_grad, as torch_npu's own."""
-    ops = getattr(torch.ops, namespace(release))
-    grad_schema = ops.npu_fusion_attention_grad.default._schema
-    kwargs = {}
-    for arg in grad_schema.arguments[6:]:
-        if arg.name in _FA_FROM_OUTPUT:
-            kwargs[arg.name] = output[_FA_FROM_OUTPUT[arg.name]]
-        elif arg.name == "scale_value":
-            kwargs[arg.name] = bound["scale"]
-        elif arg.name in bound:
-            kwargs[arg.name] = bound[arg.name]
-    got = ops.npu_fusion_attention_grad(bound["query"], bound["key"], bound["value"], grads[0].contiguous(),
-                                        bound["head_num"], bound["input_layout"], **kwargs)
-    return {"query": got[0], "key": got[1], "value": got[2]}
-
-
-def _grads_by_emulator(kernel, bound, output, grads):
-    """Other differentiable ops: the emulator's own derivative, recomputed."""
-    leaves = {n: v.detach().requires_grad_(True) for n, v in bound.items()
-              if isinstance(v, torch.Tensor) and v.is_floating_point()}
-    with torch.enable_grad():
-        out = kernel.emulator(**{n: leaves.get(n, v) for n, v in bound.items() if n in kernel.declared})
-    outs = list(out) if isinstance(out, (tuple, list)) else [out]
-    pairs = [(o, g) for o, g in zip(outs, grads)
-             if isinstance(o, torch.Tensor) and o.requires_grad and g is not None]
-    if not pairs:
-        return {}
-    found = torch.autograd.grad([o for o, _ in pairs], list(leaves.values()), [g for _, g in pairs],
-                                allow_unused=True)
-    return dict(zip(leaves, found))
-
-
-class _Differentiate(torch.autograd.Function):
-    """One call of a differentiable op: forward below autograd, backward as `grads_of` says.
-    (torch.library.register_autograd refuses ops with keyword-only tensors, which torch_npu has.)"""
-
-    @staticmethod
-    def forward(ctx, call, grads_of, names, *tensors):
-        with torch._C._AutoDispatchBelowAutograd():
-            output = call()
-        ctx.grads_of, ctx.names, ctx.output = grads_of, names, output
-        return output
-
-    @staticmethod
-    def backward(ctx, *grads):
-        by_name = ctx.grads_of(ctx.output, grads)
-        return (None, None, None, *(by_name.get(n) for n in ctx.names))
-
-
-def _autograd_kernel(release, kernel, op):
-    def run(*args, **kwargs):
-        bound = bind(kernel.schema, args, kwargs)
-        names = [n for n, v in bound.items() if isinstance(v, torch.Tensor)]
-        if name_is_attention:
-            grads_of = lambda output, grads: _grads_by_grad_op(release, kernel, bound, output, grads)  # noqa: E731
-        else:
-            grads_of = lambda output, grads: _grads_by_emulator(kernel, bound, output, grads)  # noqa: E731
-        return _Differentiate.apply(lambda: op(*args, **kwargs), grads_of, names, *(bound[n] for n in names))
-
-    name_is_attention = kernel.name == "npu_fusion_attention"
-    return run
-
-
 class Release:
     """One torch_npu release's ops, defined once per process (torch.library cannot redefine)."""
 
@@ -254,7 +184,7 @@ class Release:
             self.library.impl(name, kernel, "CPU")
             self.ops[name] = getattr(getattr(torch.ops, ns), name)
             if name in DIFFERENTIABLE:
-                self.library.impl(name, _autograd_kernel(release, kernel, self.ops[name]), "Autograd")
+                self.library.impl(name, autograd.kernel(release, kernel, self.ops[name]), "Autograd")
 
 
 @functools.lru_cache(maxsize=None)
@@ -280,48 +210,3 @@ def module(version: str, *, nnal: bool = True) -> types.ModuleType:
                           "Please check that the nnal package is installed.")
         mod._npu_matmul_add_fp32 = missing
     return mod
-
-
-@contextlib.contextmanager
-def npu_tensors(torch_npu_module):
-    """npuspeed's NPU branches taken for CPU tensors, with `torch_npu_module` as torch_npu."""
-    import sys
-
-    from npuspeed.ops import _dispatch
-
-    saved = sys.modules.get("torch_npu"), list(_dispatch.NPU_DEVICE_TYPES)
-    sys.modules["torch_npu"] = torch_npu_module
-    _dispatch.NPU_DEVICE_TYPES[:] = ["npu", "cpu"]
-    try:
-        yield
-    finally:
-        _dispatch.NPU_DEVICE_TYPES[:] = saved[1]
-        if saved[0] is None:
-            sys.modules.pop("torch_npu", None)
-        else:
-            sys.modules["torch_npu"] = saved[0]
-
-
-def npu_accelerator(version: str, monkeypatch, *, nnal: bool = True):
-    """npuspeed's NPU accelerator over this release's stand-ins (torch_npu and torch.npu), its
-    device the host's: CPU tensors play NPU tensors here too."""
-    from npu_contract import npu_module
-    from npuspeed.accelerator.npu import NpuAccelerator
-
-    monkeypatch.setattr(torch, "npu", npu_module.module(version), raising=False)
-    monkeypatch.setitem(__import__("sys").modules, "torch_npu", module(version, nnal=nnal))
-    monkeypatch.setattr(NpuAccelerator, "device", lambda self, index=None: torch.device("cpu"))
-    # page-locked memory needs a device runtime: plain host memory plays it
-    monkeypatch.setattr(NpuAccelerator, "pinned_empty", lambda self, n: torch.empty(n, dtype=torch.uint8))
-    recorded = []
-
-    def record_stream(tensor, stream):
-        """Tensor.record_stream on an NPU takes torch_npu's streams: here only the stand-in's."""
-        if type(stream).__name__ != "Stream" or type(stream).__module__ != npu_module.__name__:
-            raise TypeError(f"record_stream got {type(stream)!r}, not torch.npu.Stream")
-        recorded.append((stream, tensor.untyped_storage().nbytes()))
-
-    monkeypatch.setattr(torch.Tensor, "record_stream", record_stream)
-    acc = NpuAccelerator()
-    acc.recorded_streams = recorded
-    return acc
