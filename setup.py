@@ -13,7 +13,7 @@ import sys
 from setuptools import find_packages, setup
 
 EXTRAS = {
-    "npu": ["torch_npu"],
+    "npu": ["torch_npu>=2.6.0"],
     # pybind11: the tests build a Megatron-LM-style dataset helper for this interpreter.
     # triton: the Triton kernels' numerics (npuspeed/ops/triton/) are tested on CPU through
     # its interpreter (TRITON_INTERPRET=1). A range, so the triton a CUDA build of torch pins

@@ -48,6 +48,11 @@ def _build(name: str) -> Accelerator:
                 "Install it with `pip install npuspeed[npu]` on a machine with CANN, "
                 "or unset NPUSPEED_DEVICE to use the detected device."
             ) from exc
+        from npuspeed.accelerator.npu_ops import release_problem
+
+        problem = release_problem(acc.torch_npu)
+        if problem:
+            raise AcceleratorError(problem)
         if not acc.is_available():
             raise AcceleratorError("NPUSPEED_DEVICE=npu but torch_npu sees no NPU device.")
         return acc

@@ -54,3 +54,25 @@ def availability(accelerator) -> dict | None:
         "version": None if version is None else str(version),
         "ops": {op: {"found": _found(accelerator, op), "used_by": flags} for op, flags in USED_BY.items()},
     }
+
+
+#: the oldest torch_npu whose op contract npuspeed is checked against (tests/contract/); 2.4.x's
+#: npu_grouped_matmul takes another form (int[] group_list, a weight per group, no group_type)
+OLDEST = (2, 6)
+
+
+def release_problem(torch_npu) -> str | None:
+    """Why this torch_npu is too old for npuspeed's NPU paths (None: it is not)."""
+    version = str(getattr(torch_npu, "__version__", ""))
+    parts = version.split("+")[0].split(".")
+    try:
+        found = (int(parts[0]), int(parts[1]))
+    except (IndexError, ValueError):
+        return None  # a build without a release number: nothing to compare
+    if found >= OLDEST:
+        return None
+    oldest = ".".join(map(str, OLDEST))
+    return (f"npuspeed's NPU backend needs torch_npu >= {oldest}.0 (its op contract is checked from "
+            f"{oldest}.0 on); this is torch_npu {version}. Install torch_npu>={oldest}.0 with the torch "
+            "release it names, or set NPUSPEED_DEVICE=cpu.")
+

@@ -54,6 +54,26 @@ def test_npu_without_torch_npu_says_how_to_install(fresh):
     assert "torch_npu" in str(err.value)
 
 
+@pytest.mark.parametrize("version, refused", [("2.4.0", True), ("2.5.1.post2", True), ("2.6.0", False),
+                                              ("2.14.0", False)])
+def test_npu_with_a_torch_npu_older_than_the_contract_is_refused(fresh, version, refused):
+    """torch_npu 2.4.x's npu_grouped_matmul takes another form (the contract tier found it):
+    the oldest release the NPU paths are checked against is 2.6.0."""
+    import types
+
+    fresh.setenv("NPUSPEED_DEVICE", "npu")
+    fresh.setitem(sys.modules, "torch_npu", types.SimpleNamespace(__version__=version))
+    fresh.setattr(torch, "npu", types.SimpleNamespace(is_available=lambda: False, device_count=lambda: 0),
+                  raising=False)
+    with pytest.raises(AcceleratorError) as err:
+        get_accelerator()
+    message = str(err.value)
+    if refused:
+        assert f"torch_npu {version}" in message and "torch_npu>=2.6.0" in message and "NPUSPEED_DEVICE" in message
+    else:
+        assert "sees no NPU device" in message
+
+
 @pytest.mark.skipif(torch.version.cuda is not None, reason="a CUDA build of torch")
 def test_cuda_on_cpu_build_is_a_clear_error(npuspeed_runtime, fresh):
     # after the device feature, torch.cuda.is_available is the CPU shim (True): the
