@@ -18,7 +18,7 @@ from npuspeed.ops.moe_permute import permute_reference, unpermute_reference
 from npuspeed.ops.rms_norm import rms_norm_reference
 from npuspeed.ops.rope import _cos_sin, rotary_pos_emb_reference
 from npuspeed.ops.swiglu import swiglu_reference
-from npu_contract import emulate_comm, emulate_moe, emulate_norm, wheel, wheel_contract
+from npu_contract import emulate_comm, emulate_moe, emulate_norm, gloo_threads, wheel, wheel_contract
 
 E = {**emulate_norm.EMULATORS, **emulate_moe.EMULATORS, **emulate_comm.EMULATORS}
 RELEASES = wheel.RELEASES
@@ -376,25 +376,6 @@ def test_permute_limits():
 
 # ---- MC2 and the fused grad accumulation ----------------------------------------------------------
 
-def _two_ranks(fn):
-    """fn(rank, group) on two threads, each with its own gloo group of 2: their results."""
-    import threading
-    import torch.distributed as dist
-    store, out, errors = dist.HashStore(), {}, []
-
-    def body(rank):
-        try:
-            out[rank] = fn(rank, dist.ProcessGroupGloo(dist.PrefixStore("emul", store), rank, 2))
-        except BaseException as exc:  # noqa: BLE001 - re-raised below
-            errors.append(exc)
-    threads = [threading.Thread(target=body, args=(r,)) for r in range(2)]
-    [t.start() for t in threads]
-    [t.join(60) for t in threads]
-    if errors:
-        raise errors[0]
-    return out
-
-
 def test_mc2_ops_match_the_collective_then_matmul():
     xs = [torch.randn(4, 256, dtype=torch.bfloat16) for _ in range(2)]
     w = torch.randn(256, 8, dtype=torch.bfloat16)
@@ -406,7 +387,7 @@ def test_mc2_ops_match_the_collective_then_matmul():
         rs = run("npu_mm_reduce_scatter_base", xs[rank], w, hcom, 2, reduce_op="sum")
         ar = run("npu_mm_all_reduce_base", xs[rank].view(2, 2, 256), w, hcom)
         return ag, ag_no, rs, ar
-    out = _two_ranks(body)
+    out = gloo_threads.two_ranks(body)
     full = torch.cat(xs)
     total = sum(x.float() @ w.float() for x in xs)
     for rank in range(2):

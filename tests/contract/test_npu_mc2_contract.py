@@ -3,31 +3,12 @@ limits; emulated on two gloo ranks in threads): the fused calls bind and compute
 unfused collective + matmul does. The layers' MC2 path runs in tests/distributed/test_coc_layers.py."""
 from __future__ import annotations
 
-import threading
 import types
 
 import pytest
 import torch
-import torch.distributed as dist
 
-from npu_contract import emulate_comm, standin, wheel
-
-
-def _two_ranks(fn):
-    store, out, errors = dist.HashStore(), {}, []
-
-    def body(rank):
-        try:
-            out[rank] = fn(rank, dist.ProcessGroupGloo(dist.PrefixStore("mc2", store), rank, 2))
-        except BaseException as exc:  # noqa: BLE001 - re-raised below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=body, args=(r,)) for r in range(2)]
-    [t.start() for t in threads]
-    [t.join(60) for t in threads]
-    if errors:
-        raise errors[0]
-    return out
+from npu_contract import emulate_comm, gloo_threads, standin, wheel
 
 
 @pytest.mark.parametrize("release", wheel.RELEASES)
@@ -49,7 +30,7 @@ def test_mc2_engine_on_the_release(release):
         return out, gathered, rs, ar
 
     before = dict(rel.calls)
-    results = _two_ranks(body)
+    results = gloo_threads.two_ranks(body)
     full = torch.cat(xs)
     total = sum(x.float() @ w_t.float() for x in xs)
     for rank, (out, gathered, rs, ar) in results.items():
