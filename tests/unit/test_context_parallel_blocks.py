@@ -2,8 +2,8 @@
 and each block's backward from the *final* out/LSE sums to the full gradients.
 
 Runs npuspeed's CPU kernel, PyTorch's CPU flash kernel and the NPU block kernel; no NPU
-exists here, so the NPU kernel runs against the documented-contract emulator of
-npu_fusion_attention and npu_fusion_attention_grad (tests/npu_contract/emulate_attention.py;
+exists here, so the NPU kernel runs against the contract tier's torch_npu 2.14.0: the wheel's
+schemas and meta functions around the documented-contract emulator (tests/npu_contract/;
 the gradient recomputes P from softmax_max / softmax_sum and D from attention_in). It checks
 npuspeed's wiring (layouts, LSE from max + log(sum), the final LSE passed back as max with
 sum 1, masks), not the NPU.
@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from npu_contract import emulate_attention as emu
+from npu_contract import standin
 from npuspeed.features.context_parallel.blocks import Block, CallSpec
 from npuspeed.features.context_parallel.kernels_cpu import AtenCPU, NpuspeedCPU
 from npuspeed.features.context_parallel.kernels_device import NpuFusion
@@ -21,13 +21,9 @@ from npuspeed.features.context_parallel.ring import _merge
 from npuspeed.ops import flash_attention as cpu_flash
 
 
-class FakeTorchNpu:
-    npu_fusion_attention = staticmethod(emu.npu_fusion_attention)
-    npu_fusion_attention_grad = staticmethod(emu.npu_fusion_attention_grad)
-
-
 def _kernels():
-    out = [("aten", AtenCPU()), ("npu-emulated", NpuFusion(FakeTorchNpu()))]
+    # torch_npu 2.14.0's schemas and meta functions around the emulator (the contract tier's stand-in)
+    out = [("aten", AtenCPU()), ("npu-emulated", NpuFusion(standin.module("2.14.0")))]
     if cpu_flash.fp32_reason() is None:
         out.append(("npuspeed", NpuspeedCPU(torch.float32)))
     return out
