@@ -108,9 +108,15 @@ versions: install-test-311 install-test-312
 	PYTHON=$(CURDIR)/$(PY311) PYTHON311=$(CURDIR)/$(PY311) PYTHON312=$(CURDIR)/$(PY312) scripts/megatron_versions.sh
 
 # The device tier: every single-rank feature trained on the accelerator present (CUDA or NPU,
-# as npuspeed detects it); on a host without one each test is skipped with the reason (exit 0).
-test-device: install-test
-	NPUSPEED_DEVICE= $(VPY) -m pytest -q -m device tests/device
+# as npuspeed detects it), by a Python whose torch sees it (scripts/device_python.sh: DEVICE_PY,
+# the venv, or the system's; none is a one-line error); on a host without one each test is
+# skipped with the reason (exit 0). The checkout goes on PYTHONPATH (no install needed there).
+DEVICE_PY ?=
+test-device:
+	@py=$$(DEVICE_PY="$(DEVICE_PY)" scripts/device_python.sh "$(CURDIR)/$(VPY)") || exit 2; \
+	if [ "$$py" = "$(CURDIR)/$(VPY)" ]; then $(MAKE) --no-print-directory install-test || exit 1; fi; \
+	echo "device tier: $$py"; \
+	NPUSPEED_DEVICE= PYTHONPATH="$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH}" "$$py" -m pytest -q -m device tests/device
 
 bench: install-test
 	$(VPY) -m pytest -q -m slow tests

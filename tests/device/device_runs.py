@@ -143,10 +143,21 @@ def counters(run: dict, prefix: str) -> dict[str, int]:
     return {k: v for k, v in run["npuspeed_counters"].items() if k.startswith(prefix)}
 
 
+#: ops whose calls may be counted under another name: with Triton present, RoPE rotates an
+#: attention's query and key together (features/fused_ops/rope_qk.py) as `rotary_pos_emb_qk`,
+#: whichever candidate the rule picks there (Megatron's included)
+COUNTED_AS = {"rotary_pos_emb": ("rotary_pos_emb", "rotary_pos_emb_qk")}
+
+
 def op_impls(run: dict, op: str) -> dict[str, int]:
-    """implementation -> calls of npuspeed op `op` (counters `ops.<op>.<impl>`)."""
-    prefix = f"ops.{op}."
-    return {k[len(prefix):]: v for k, v in counters(run, prefix).items()}
+    """implementation -> calls of npuspeed op `op` (counters `ops.<op>.<impl>`, and those of
+    the names it is also counted under, COUNTED_AS)."""
+    found: dict[str, int] = {}
+    for name in COUNTED_AS.get(op, (op,)):
+        prefix = f"ops.{name}."
+        for key, calls in counters(run, prefix).items():
+            found[key[len(prefix):]] = found.get(key[len(prefix):], 0) + calls
+    return found
 
 
 def assert_device_impl(run: dict, op: str, only: str | None = None) -> dict[str, int]:
