@@ -4,11 +4,9 @@ documented limits, the wheels' schemas (parameter names and defaults) and meta f
 from __future__ import annotations
 
 import ast
-import functools
 import inspect
 import re
 import sys
-import types
 
 import pytest
 import torch
@@ -18,29 +16,18 @@ from npuspeed.ops.moe_permute import permute_reference, unpermute_reference
 from npuspeed.ops.rms_norm import rms_norm_reference
 from npuspeed.ops.rope import _cos_sin, rotary_pos_emb_reference
 from npuspeed.ops.swiglu import swiglu_reference
-from npu_contract import emulate_comm, emulate_moe, emulate_norm, gloo_threads, wheel, wheel_contract
+from npu_contract import emulate_comm, emulate_moe, emulate_norm, gloo_threads, standin, wheel
 
 E = {**emulate_norm.EMULATORS, **emulate_moe.EMULATORS, **emulate_comm.EMULATORS}
 RELEASES = wheel.RELEASES
 
 
-def _torch_npu_stub():
-    """torch_npu as the meta functions read it: only its own dtype names (none used here)."""
-    stub = types.ModuleType("torch_npu")
-    for name in ("hifloat8", "float8_e8m0fnu", "float4_e2m1fn_x2", "float4_e1m2fn_x2", "int4"):
-        setattr(stub, name, object())
-    return stub
-
-
-@functools.cache
 def metas(release):
-    return wheel_contract.meta_functions(wheel.files(release), _torch_npu_stub())
+    return standin.contract(release)[1]
 
 
-@functools.cache
 def schemas(release):
-    root = wheel.files(release)
-    return {**wheel_contract.schemas(root), **wheel_contract.atb_schemas(root)}
+    return standin.contract(release)[0]
 
 
 def _params(schema: str) -> dict:

@@ -13,7 +13,7 @@ import torch
 
 from npu_contract import emulate_attention as emu
 from npu_contract import emulate_attention_core as core
-from npu_contract import wheel
+from npu_contract import standin, wheel
 
 # torch_npu 2.14.0's codegen yaml (the newest schema), argument lists only
 FWD_2_14 = ("Tensor query, Tensor key, Tensor value, int head_num, str input_layout, Tensor? pse=None, "
@@ -33,13 +33,10 @@ _DEFAULTS = {"None": None, "True": True, "False": False, '""': ""}
 
 
 def _cached_schemas():
-    """{release: {op: (argument list, returns)}}, from each wheel (fetched once)."""
-    found = {}
-    for release in wheel.RELEASES:
-        text = (wheel.files(release) / "torch_npu/csrc/aten/npu_native_functions_by_codegen.yaml").read_text()
-        found[release] = {op: re.search(rf"func: {op}\((.*?)\) -> \((.*?)\)", text).groups()
-                          for op in ("npu_fusion_attention", "npu_fusion_attention_grad")}
-    return found
+    """{release: {op: (argument list, returns)}}, from each wheel's schemas (fetched once)."""
+    return {release: {op: re.match(rf"{op}\((.*?)\) -> \((.*?)\)", standin.contract(release)[0][op]).groups()
+                      for op in ("npu_fusion_attention", "npu_fusion_attention_grad")}
+            for release in wheel.RELEASES}
 
 
 def _parse(arglist: str):
@@ -231,7 +228,6 @@ def test_output_shapes_are_the_meta_functions(release):
     dtypes, except where an older meta function is wrong (then the emulator keeps the newer
     shape): TND's softmax_max / softmax_sum are [T, N, 8] as 2.14.0's meta says (2.6.0's and
     2.9.0's read TND as BNSD: [T, N, D, 8]); BSND's are [B, N, S, 8] (2.6.0's: [B, N, N, 8])."""
-    from npu_contract import standin
     metas = standin.contract(release)[1]
     fwd, grad = metas["npu_fusion_attention"], metas["npu_fusion_attention_grad"]
     q, k, v = _bnsd(torch.Generator().manual_seed(9))

@@ -40,13 +40,14 @@ def is_npu_op(name: str) -> bool:
 
 
 def find(op_names, source: str, filename: str = "<source>") -> list[CallSite]:
-    """The calls `<anything>.<op>(...)` of `source` whose attribute is one of `op_names`."""
+    """The calls `<anything>.<op>(...)` of `source` whose attribute is one of `op_names` (None:
+    any torch_npu-style name, npu_* / _npu_*)."""
     tree = ast.parse(source)
     _parents(tree)
     sites = []
     for node in ast.walk(tree):
         if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-                and node.func.attr in op_names and is_npu_op(node.func.attr)):
+                and (op_names is None or node.func.attr in op_names) and is_npu_op(node.func.attr)):
             continue
         starred_args = any(isinstance(a, ast.Starred) for a in node.args)
         site = CallSite(f"{filename}:{node.lineno}", node.func.attr,
