@@ -9,6 +9,7 @@ import importlib
 
 import torch
 
+from npuspeed.accelerator import npu_ops
 from npuspeed.accelerator.cuda import CudaAccelerator
 
 
@@ -29,16 +30,14 @@ class NpuAccelerator(CudaAccelerator):
         return True
 
     def has_fused_attention(self) -> bool:
-        return hasattr(self.torch_npu, "npu_fusion_attention")
+        return hasattr(self.torch_npu, npu_ops.FUSION_ATTENTION)
 
     def has_mc2(self) -> bool:
-        return hasattr(self.torch_npu, "npu_all_gather_base_mm") and hasattr(
-            self.torch_npu, "npu_mm_reduce_scatter_base"
-        )
+        return hasattr(self.torch_npu, npu_ops.ALL_GATHER_MM) and hasattr(self.torch_npu, npu_ops.MM_REDUCE_SCATTER)
 
     #: torch_npu's fused matmul-accumulate: op-plugin's ATB kernel, `_npu_matmul_add_fp32` in
     #: every torch_npu wheel 2.6.0-2.14.0 (no build names it without the underscore)
-    _MATMUL_ADD = "_npu_matmul_add_fp32"
+    _MATMUL_ADD = npu_ops.MATMUL_ADD_FP32
     #: (the op or None, why it is absent or None) after the first probe
     _matmul_add_probe: tuple | None = None
 

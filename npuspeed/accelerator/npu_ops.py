@@ -6,14 +6,15 @@ list whole: every `<x>.npu_*(...)` call in npuspeed's source must be listed here
 """
 from __future__ import annotations
 
+# the MoE pair is named by the ops layer (below this one), which calls them
+from npuspeed.ops.moe_permute import NPU_PERMUTE as MOE_PERMUTE, NPU_UNPERMUTE as MOE_UNPERMUTE
+
 FUSION_ATTENTION = "npu_fusion_attention"
 FUSION_ATTENTION_GRAD = "npu_fusion_attention_grad"
 RMS_NORM = "npu_rms_norm"
 SWIGLU = "npu_swiglu"
 ROTARY_MUL = "npu_rotary_mul"
 GROUPED_MATMUL = "npu_grouped_matmul"
-MOE_PERMUTE = "npu_moe_token_permute_with_routing_map"
-MOE_UNPERMUTE = "npu_moe_token_unpermute_with_routing_map"
 ALL_GATHER_MM = "npu_all_gather_base_mm"
 MM_REDUCE_SCATTER = "npu_mm_reduce_scatter_base"
 MM_ALL_REDUCE = "npu_mm_all_reduce_base"

@@ -48,11 +48,11 @@ def on_npu(*tensors: torch.Tensor) -> bool:
 def implementation(op: str, *tensors: torch.Tensor) -> str:
     """The implementation `op` runs for these tensors: npu, cpp or reference."""
     device_types = {t.device.type for t in tensors}
+    one_dtype = len({t.dtype for t in tensors}) == 1
     if on_npu(*tensors) and len(device_types) == 1:
         # torch_npu's fused ops take one dtype (npu_rms_norm: "gamma的数据类型需要和x保持一致")
-        return "npu" if len({t.dtype for t in tensors}) == 1 else "reference"
-    if (device_types == {"cpu"} and all(t.dtype in CPP_DTYPES for t in tensors)
-            and len({t.dtype for t in tensors}) == 1 and has_op(op)):
+        return "npu" if one_dtype else "reference"
+    if device_types == {"cpu"} and all(t.dtype in CPP_DTYPES for t in tensors) and one_dtype and has_op(op):
         return "cpp"
     return "reference"
 
