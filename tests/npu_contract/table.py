@@ -16,17 +16,19 @@ from npu_contract.emulators import all_emulators  # noqa: E402
 def rows(ops) -> list[str]:
     out = ["| torch_npu op | " + " | ".join(wheel.RELEASES) + " |",
            "|---|" + "---|" * len(wheel.RELEASES)]
+    # per release, read once: (schemas, meta functions, ATB ops, emulators)
+    found = {release: (*standin.contract(release), wheel_contract.atb_schemas(wheel.files(release)),
+                       all_emulators(release)) for release in wheel.RELEASES}
     for op in ops:
         cells = []
         for release in wheel.RELEASES:
-            schemas, metas = standin.contract(release)
+            schemas, metas, atb, emulators = found[release]
             if op not in schemas:
                 cells.append("absent (npuspeed takes its own path)")
                 continue
-            atb = op in wheel_contract.atb_schemas(wheel.files(release))
-            parts = ["signature of the ATB library's symbol" if atb else "schema",
+            parts = ["signature of the ATB library's symbol" if op in atb else "schema",
                      "meta shapes" if op in metas else "no meta function in the wheel"]
-            if op in all_emulators(release):
+            if op in emulators:
                 parts.append("emulated")
             cells.append(", ".join(parts))
         out.append(f"| `{op}` | " + " | ".join(cells) + " |")
