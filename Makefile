@@ -39,7 +39,7 @@ TRITON_TESTS := tests/unit/test_triton_kernels.py tests/unit/test_reuse_fp32_tri
                 tests/unit/test_moe_permute_triton_choice.py tests/unit/test_rope_qk_triton_wiring.py
 
 .PHONY: deps311 deps312 install install-test install-test-311 install-test-312 example \
-        test test-311 test-312 test-triton versions test-device bench clean
+        test test-311 test-312 test-triton versions test-device device-report readme-device bench clean
 
 # A venv per Python, from the interpreter found (or named), with current packaging tools.
 $(PY311):
@@ -111,16 +111,38 @@ versions: install-test-311 install-test-312
 # as npuspeed detects it), by a Python whose torch sees it (scripts/device_python.sh: DEVICE_PY,
 # the venv, or the system's; none is a one-line error); on a host without one each test is
 # skipped with the reason (exit 0). The checkout goes on PYTHONPATH (no install needed there).
+# An offline GPU host: put wheels (megatron-core, ...) in $(WHEELS) and they are unpacked into
+# $(DEVICE_SITE) (pip --no-index --no-deps --target), which goes on PYTHONPATH too.
 DEVICE_PY ?=
+WHEELS ?= .whl
+DEVICE_SITE ?= .device-site
+DEVICE_ENV = NPUSPEED_DEVICE= PYTHONPATH="$(CURDIR)$(if $(wildcard $(DEVICE_SITE)),:$(CURDIR)/$(DEVICE_SITE))$${PYTHONPATH:+:$$PYTHONPATH}"
+# the Python (in $$py) and megatron-core importable by it, or one line naming the fix
+DEVICE_SETUP = py=$$(DEVICE_PY="$(DEVICE_PY)" scripts/device_python.sh "$(CURDIR)/$(VPY)") || exit 2; \
+	if [ "$$py" = "$(CURDIR)/$(VPY)" ] && ! "$$py" -c "import torch, megatron.core, pytest" 2>/dev/null; then \
+	  $(MAKE) --no-print-directory install-test || exit 1; fi; \
+	if ls $(WHEELS)/*.whl >/dev/null 2>&1 && [ ! -d $(DEVICE_SITE) ]; then \
+	  "$$py" -m pip install -q --no-index --no-deps --target $(DEVICE_SITE) $(WHEELS)/*.whl || exit 1; fi; \
+	$(DEVICE_ENV) "$$py" -c "import megatron.core" 2>/dev/null || { echo "$@: megatron-core is not importable by $$py: \
+	put its wheel in $(WHEELS)/ (pip download --no-deps megatron-core==$(MCORE312) -d $(WHEELS)) or install it there" >&2; exit 2; }
+
 test-device:
-	@py=$$(DEVICE_PY="$(DEVICE_PY)" scripts/device_python.sh "$(CURDIR)/$(VPY)") || exit 2; \
-	if [ "$$py" = "$(CURDIR)/$(VPY)" ]; then $(MAKE) --no-print-directory install-test || exit 1; fi; \
-	echo "device tier: $$py"; \
-	NPUSPEED_DEVICE= PYTHONPATH="$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH}" "$$py" -m pytest -q -m device tests/device
+	@$(DEVICE_SETUP); echo "device tier: $$py"; \
+	$(DEVICE_ENV) "$$py" -m pytest -q -m device tests/device
+
+# The accelerator figures in one command (at most 8 minutes on one H100): the tier, the example's
+# end-to-end and per-flag runs at 709M parameters, the fused-op tables -> runs/device-report/
+# (report.json, report.md, PNGs). `make readme-device` then puts report.md into the README.
+device-report:
+	@$(DEVICE_SETUP); echo "device report: $$py"; \
+	$(DEVICE_ENV) "$$py" benchmarks/device_report/run.py --out runs/device-report
+
+readme-device:
+	python3 benchmarks/device_report/readme.py runs/device-report README.md
 
 bench: install-test
 	$(VPY) -m pytest -q -m slow tests
 	for b in benchmarks/bench_*.py; do $(VPY) $$b || exit 1; done
 
 clean:
-	rm -rf build *.egg-info npuspeed/_C*.so runs .triton-*
+	rm -rf build *.egg-info npuspeed/_C*.so runs .triton-* $(DEVICE_SITE)

@@ -14,6 +14,7 @@ codec; named in the row as codec_impl), and shown as a share of the baseline ste
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import tempfile
 from pathlib import Path
@@ -78,24 +79,31 @@ def codec_ms_per_step(params: int, contiguous: bool, repeat: int = 5) -> tuple[f
         torch.set_num_threads(threads)
 
 
-def codec_only(params: int, impls: list[str], contiguous: bool) -> None:
+def codec_only(params: int, impls: list[str], contiguous: bool) -> list[dict]:
     """The codec alone at `params` masters, per implementation (forced through
-    NPUSPEED_REUSE_CODEC): ms a step and GB/s, to compare with the device's memory bandwidth."""
+    NPUSPEED_REUSE_CODEC): ms a step and GB/s, to compare with the device's memory bandwidth.
+    Returns one record per implementation (what `--json` writes)."""
     import os
 
     from npuspeed import get_accelerator
     from npuspeed.features.reuse_fp32_param import codec
 
     device = get_accelerator().device().type
-    for impl in impls or [codec.implementation_for(device)]:
-        os.environ[codec.FORCE_ENV] = impl
+    records = []
+    for impl in impls or [None]:
+        if impl is not None:
+            os.environ[codec.FORCE_ENV] = impl
         try:
             ms, ran = codec_ms_per_step(params, contiguous)
         finally:
-            os.environ.pop(codec.FORCE_ENV, None)
+            if impl is not None:
+                os.environ.pop(codec.FORCE_ENV, None)
         print(f"[reuse_fp32_param codec] {device} {ran}: {params} masters, "
               f"{'one buffer' if contiguous else 'separate 1 Mi tensors'}: {ms:.2f} ms per step, "
               f"{params * CODEC_BYTES_PER_PARAM / ms / 1e6:.1f} GB/s")
+        records.append({"device": device, "codec": ran, "forced": impl, "params": params, "one_buffer": contiguous,
+                        "ms_per_step": ms, "gb_per_s": params * CODEC_BYTES_PER_PARAM / ms / 1e6})
+    return records
 
 
 def main() -> None:
@@ -104,6 +112,7 @@ def main() -> None:
                         help="time only the codec over PARAMS masters (no training runs)")
     parser.add_argument("--codec-impls", nargs="*", default=[], choices=["triton", "device", "cpp", "reference"],
                         help="with --codec-only: the implementations to time (default: the one picked)")
+    parser.add_argument("--json", default=None, help="with --codec-only: write the timings there too")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--layers", type=int, default=4)
@@ -112,8 +121,9 @@ def main() -> None:
     opts = parser.parse_args()
     if opts.codec_only:
         Bench("reuse_fp32_param")  # the runs' allocator, as codec_ms_per_step expects
-        for contiguous in (False, True):
-            codec_only(opts.codec_only, opts.codec_impls, contiguous)
+        records = [r for contiguous in (False, True) for r in codec_only(opts.codec_only, opts.codec_impls, contiguous)]
+        if opts.json:
+            Path(opts.json).write_text(json.dumps(records, indent=1))
         return
     model = ["--bf16", "--use-cpu-initialization", "--hidden-size", str(opts.hidden), "--num-layers",
              str(opts.layers), "--num-attention-heads", "8", "--seq-length", "256",

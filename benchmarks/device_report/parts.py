@@ -1,0 +1,140 @@
+"""The parts of the device report. Each takes the report's `Budget` and returns one JSON-able
+section; a part that fails or runs out of time says so in its section (the report goes on)."""
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+from models import BASE_OF, E2E, RUNS, args_for
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+sys.path.insert(0, str(ROOT / "tools"))
+from launch import run_example  # noqa: E402
+
+
+class Budget:
+    """Seconds left before the report's deadline; a part gets what is left, minus a reserve
+    for writing the report."""
+
+    def __init__(self, seconds: float, reserve: float = 15.0):
+        self.deadline, self.reserve = time.monotonic() + seconds, reserve
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic() - self.reserve
+
+
+def _python(args: list[str], budget: Budget, cap: float, env: dict | None = None) -> subprocess.CompletedProcess:
+    timeout = min(cap, budget.left())
+    if timeout < 5:
+        raise TimeoutError("no time left in the report's budget")
+    return subprocess.run([sys.executable, *args], cwd=ROOT, env={**os.environ, **(env or {})},
+                          capture_output=True, text=True, timeout=timeout)
+
+
+#: the tier's share of the default 8 minutes (the training runs need most of the rest)
+TIER_CAP_S = 240
+
+
+def tier(budget: Budget, out: Path, smoke: bool) -> dict:
+    """`pytest -m device tests/device` (what `make test-device` runs): counts and each failure."""
+    xml = out / "tier.xml"
+    try:
+        proc = _python(["-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "device", "tests/device",
+                        f"--junitxml={xml}"], budget, cap=TIER_CAP_S, env={"NPUSPEED_DEVICE": ""})
+    except subprocess.TimeoutExpired as exc:
+        log = (exc.stdout or b"").decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        (out / "tier.log").write_text(log)
+        return {"error": f"the tier ran past {exc.timeout:.0f} s and was stopped (its log: tier.log)",
+                "log_tail": log[-1500:]}
+    (out / "tier.log").write_text(proc.stdout + proc.stderr)
+    cases = []
+    for case in ET.parse(xml).getroot().iter("testcase"):
+        state, why = "passed", ""
+        for tag in ("failure", "error", "skipped"):
+            node = case.find(tag)
+            if node is not None:
+                state, why = ("skipped" if tag == "skipped" else "failed"), (node.get("message") or "")[:300]
+        cases.append({"test": f"{case.get('classname')}::{case.get('name')}", "state": state,
+                      "seconds": float(case.get("time") or 0), "message": why})
+    counts = {s: sum(c["state"] == s for c in cases) for s in ("passed", "failed", "skipped")}
+    return {"returncode": proc.returncode, "counts": counts, "cases": cases}
+
+
+def _rows(csv_path: Path) -> list[dict]:
+    with open(csv_path) as fh:
+        rows = list(csv.DictReader(fh))
+    for r in rows:
+        r["extra"] = json.loads(r["extra"] or "{}")
+    return rows
+
+
+def fused_ops(budget: Budget, out: Path, smoke: bool) -> dict:
+    """bench_fused_ops.py: RMSNorm / SwiGLU / RoPE fwd+bwd, npuspeed's chosen path and
+    torch.compile against Megatron's default (torch's native op where it has one)."""
+    results = out / "bench_fused_ops"
+    args = ["benchmarks/bench_fused_ops.py", "--peers", "chosen" if smoke else "chosen,compile",
+            "--results-dir", str(results)] + (["--quick", "--dtypes", "bf16"] if smoke else ["--dtypes", "bf16,fp32"])
+    proc = _python(args, budget, cap=180)
+    (out / "bench_fused_ops.log").write_text(proc.stdout + proc.stderr)
+    if proc.returncode:
+        return {"error": (proc.stdout + proc.stderr)[-1500:]}
+    return {"rows": [r for p in results.glob("*.csv") for r in _rows(p)]}
+
+
+def triton_ops(budget: Budget, out: Path, smoke: bool) -> dict:
+    """bench_triton_ops.py: each Triton kernel (checked against its reference first) against
+    Megatron's default and torch.compile; MoE permute/unpermute too. Accelerators only."""
+    if smoke:
+        return {"skipped": "the Triton kernels are timed on an accelerator only"}
+    results = out / "bench_triton_ops"
+    proc = _python(["benchmarks/bench_triton_ops.py", "--repeat", "5", "--iters", "10",
+                    "--results-dir", str(results)], budget, cap=150)
+    (out / "bench_triton_ops.log").write_text(proc.stdout + proc.stderr)
+    if proc.returncode:
+        return {"error": (proc.stdout + proc.stderr)[-1500:]}
+    return {"rows": [r for p in results.glob("*.csv") for r in _rows(p)]}
+
+
+KEEP = ("losses", "tokens_per_s", "median_step_ms", "mean_step_ms", "peak_mem_bytes", "forward_backward_peak_bytes",
+        "optimizer_step_peak_bytes", "weight_bytes", "tflops_per_s_per_rank", "mfu", "device_peak_tflops",
+        "device", "npuspeed_counters", "attention_calls", "param_devices", "batch_devices")
+
+
+def training_runs(budget: Budget, out: Path, smoke: bool) -> dict:
+    """The example's runs of models.RUNS, in order, each as far as the budget goes."""
+    runs, tmp = {}, out / "runs"
+    tmp.mkdir(exist_ok=True)
+    for name, run in RUNS.items():
+        timeout = min(600.0, budget.left())
+        if timeout < 30:
+            runs[name] = {"error": "not run: the report's time budget was spent"}
+            continue
+        try:
+            summary = run_example(args_for(run, smoke), tmp, name=name.replace(" ", "_"), env=dict(run.env),
+                                  timeout=int(timeout))
+            runs[name] = {k: summary.get(k) for k in KEEP}
+        except (AssertionError, subprocess.TimeoutExpired) as exc:
+            runs[name] = {"error": str(exc)[-1500:]}
+    return {"runs": runs, "base_of": BASE_OF, "e2e": list(E2E),
+            "flags": {name: list(run.flags) for name, run in RUNS.items()}}
+
+
+def codec(budget: Budget, out: Path, smoke: bool, params: int) -> dict:
+    """--reuse-fp32-param's codec alone at the model's parameter count (merge + split of every
+    master, as one step does), with the implementation the device picks."""
+    if params <= 0:
+        return {"error": "no parameter count: the flash-attn run did not finish"}
+    result = out / "codec.json"
+    proc = _python(["benchmarks/bench_reuse_fp32_param.py", "--codec-only", str(params), "--json", str(result)],
+                   budget, cap=120)
+    (out / "codec.log").write_text(proc.stdout + proc.stderr)
+    if proc.returncode or not result.exists():
+        return {"error": (proc.stdout + proc.stderr)[-1500:]}
+    return {"params": params, "timings": json.loads(result.read_text())}

@@ -1,0 +1,108 @@
+"""`make device-report`'s own code on CPU: the Markdown and the README section come from the
+report's JSON (figures derived, failures listed, date/device/commit in the head), a smoke
+report is refused as README figures, and the markers are required. The whole command at a tiny
+size on CPU (`--smoke`) is `slow` (about 3 minutes here)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks" / "device_report"))
+
+import readme  # noqa: E402
+import render  # noqa: E402
+
+
+def _run(tokens, step_ms, peak, **extra):
+    return {"losses": [5.0, 4.0], "tokens_per_s": tokens, "median_step_ms": step_ms, "peak_mem_bytes": peak,
+            "tflops_per_s_per_rank": 300.0, "mfu": 0.3, "weight_bytes": 6 * 10**6, "npuspeed_counters": extra}
+
+
+def _report(smoke=False) -> dict:
+    runs = {"all off": _run(30000, 1000, 26 * 2**30), "flash-attn": _run(90000, 400, 9 * 2**30),
+            "all flags": {"error": "example failed (1): boom"},
+            "reuse-fp32-param": _run(89000, 404, 8 * 2**30, **{"reuse.codec.split.triton": 8, "other": 1})}
+    return {"meta": {"date": "2026-11-26", "device": "cuda", "device_name": "NVIDIA H100 80GB HBM3",
+                     "torch": "2.11.0", "triton": "3.6.0", "megatron_core": "0.16.1", "python": "3.12.3",
+                     "commit": "abc1234", "smoke": smoke, "budget_s": 480, "wall_s": 470.2},
+            "tier": {"counts": {"passed": 20, "failed": 1, "skipped": 1},
+                     "cases": [{"test": "t::a", "state": "failed", "message": "loss gap 3e-2"}]},
+            "training": {"runs": runs, "base_of": {"reuse-fp32-param": "flash-attn", "swap-attention": "flash-attn"},
+                         "e2e": ["all off", "flash-attn", "all flags"],
+                         "flags": {"all off": [], "flash-attn": ["--use-flash-attn"], "all flags": []}},
+            "codec": {"timings": [{"codec": "triton", "params": 709 * 10**6, "one_buffer": True,
+                                   "ms_per_step": 6.0, "gb_per_s": 1700.0}]},
+            "fused_ops": {"rows": [{"case": "rms_norm 4096x4096 [chosen]", "dtype": "bf16", "baseline_ms": "0.5",
+                                    "feature_ms": "0.25", "speedup": "2.0", "extra": {"chosen": {"impl": "triton"}}}]}}
+
+
+def test_markdown_derives_the_figures_and_lists_failures():
+    report = _report()
+    derived = render.derive(report)
+    md = render.markdown(report, derived)
+    assert "| flash-attn | 90000 | 3.00x | 300.0 | 30.0% | 9.00 |" in md
+    assert "| all flags | failed: example failed (1): boom" in md
+    assert "| reuse-fp32-param | 404.0 (400.0) | 1.010x | 8.00 (9.00) | reuse.codec.split.triton=8 |" in md
+    assert "swap-attention | failed: not run" in md
+    assert "FAILED `t::a`: loss gap 3e-2" in md and "20 passed, 1 failed, 1 skipped" in md
+    assert "1.5% of the flash-attn step" in md  # 6 ms of a 400 ms step
+    assert "| rms_norm 4096x4096 | bf16 | chosen | 0.500 | 0.250 | 2.00x | triton |" in md
+
+
+def _write(tmp_path: Path, report: dict) -> Path:
+    out = tmp_path / "report"
+    out.mkdir()
+    (out / "report.json").write_text(json.dumps(report))
+    (out / "report.md").write_text(render.markdown(report, render.derive(report)))
+    return out
+
+
+def test_readme_section_is_generated_between_the_markers(tmp_path):
+    out = _write(tmp_path, _report())
+    page = tmp_path / "README.md"
+    page.write_text(f"intro\n{readme.START}\nold by hand\n{readme.END}\nrest\n")
+    assert readme.main([str(out), str(page)]) == 0
+    text = page.read_text()
+    assert "old by hand" not in text and text.startswith("intro\n") and text.endswith(f"{readme.END}\nrest\n")
+    assert "on 2026-11-26: NVIDIA H100 80GB HBM3 (cuda), commit abc1234." in text
+    assert "| flash-attn | 90000 |" in text
+    page.write_text("no markers\n")
+    with pytest.raises(SystemExit, match="markers"):
+        readme.main([str(out), str(page)])
+
+
+def test_a_smoke_report_is_not_the_readme_s_figures(tmp_path):
+    out = _write(tmp_path, _report(smoke=True))
+    page = tmp_path / "README.md"
+    page.write_text(f"{readme.START}\n{readme.END}\n")
+    with pytest.raises(SystemExit, match="smoke"):
+        readme.main([str(out), str(page)])
+
+
+def test_the_repository_readme_has_the_markers():
+    text = (ROOT / "README.md").read_text()
+    assert text.count(readme.START) == 1 and text.count(readme.END) == 1
+
+
+def test_without_an_accelerator_the_report_refuses_in_one_line(tmp_path):
+    proc = subprocess.run([sys.executable, "benchmarks/device_report/run.py", "--out", str(tmp_path)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "no CUDA or NPU device here" in proc.stderr, proc.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_smoke_report_on_cpu(tmp_path):
+    proc = subprocess.run([sys.executable, "benchmarks/device_report/run.py", "--smoke", "--out", str(tmp_path),
+                           "--parts", "tier", "training", "codec", "fused_ops"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["tier"]["counts"]["passed"] == 0 and report["tier"]["counts"]["failed"] == 0
+    assert all("error" not in run for run in report["training"]["runs"].values()), report["training"]["runs"]
+    assert report["codec"]["timings"] and report["fused_ops"]["rows"]
+    assert (tmp_path / "report.md").read_text().count("| all off |") == 1
