@@ -15,6 +15,7 @@ from device_runs import (
 )
 
 pytestmark = pytest.mark.device
+COVERS = ("--moe-grouped-gemm", "--use-fused-moe-token-permute-and-unpermute")
 
 MOE = ["--num-experts", "8", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "1024"]
 FLAGS = ["--moe-grouped-gemm", "--use-fused-moe-token-permute-and-unpermute"]

@@ -13,6 +13,7 @@ from device_runs import (
 )
 
 pytestmark = pytest.mark.device
+COVERS = ("--reuse-fp32-param",)
 
 FLAG = ["--reuse-fp32-param"]
 #: the caching allocator rounds each block up (512 B) and the step's scalars come and go
