@@ -64,10 +64,14 @@ DETERMINISTIC = ["--deterministic-mode"]
 DOCUMENTS = ["--reset-attention-mask", "--reset-position-ids", "--mock-document-length", str(SEQ // 4)]
 
 #: the kernel name each accelerator's fused attention counts (summary "attention_calls")
-ATTENTION_KERNEL = {"cuda": "sdpa", "npu": "npu_fusion_attention", "cpu": "npuspeed_flash_bf16"}
+ATTENTION_KERNEL = {"cuda": "sdpa", "npu": "npu_fusion_attention"}
 #: ... and for packed documents (the CP-1 path: "<block kernel>+documents")
-DOCUMENT_KERNEL = {"cuda": "aten_flash_cuda+documents", "npu": "npu_fusion_attention+documents",
-                   "cpu": "npuspeed_flash_bf16+documents"}
+DOCUMENT_KERNEL = {"cuda": "aten_flash_cuda+documents", "npu": "npu_fusion_attention+documents"}
+if ON_HOST:  # npuspeed's bf16 CPU kernel where the CPU has AVX512-BF16, else its fp32 one on copies
+    from npuspeed.ops import flash_attention as _cpu_flash
+
+    _CPU_KERNEL = "npuspeed_flash_bf16" if _cpu_flash.machine_reason() is None else "npuspeed_flash_fp32"
+    ATTENTION_KERNEL["cpu"], DOCUMENT_KERNEL["cpu"] = _CPU_KERNEL, _CPU_KERNEL + "+documents"
 
 
 @functools.cache

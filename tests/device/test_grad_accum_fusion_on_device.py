@@ -9,7 +9,7 @@ import pytest
 
 from device_runs import (
     ITERS, LAYERS, MICRO_BATCHES, MODEL, NO_DROPOUT, ON_HOST, accelerator, assert_on_device, assert_parity,
-    counters, train,
+    counters, device_only, train,
 )
 
 pytestmark = pytest.mark.device
@@ -36,5 +36,6 @@ def test_fused_weight_gradient(tmp_path_factory):
     assert "grad_accum_fusion.unfused_calls" not in c, c
     assert c.get("grad_accum_fusion.placeholder_views", 0) > 0, c
     assert_parity(base, run)
-    assert run["forward_backward_peak_bytes"] <= base["forward_backward_peak_bytes"], (
-        run["forward_backward_peak_bytes"], base["forward_backward_peak_bytes"])
+    if device_only("no temporary: the CPU's fused kernel upcasts its bf16 inputs (rows x (n + k) x 4 bytes)"):
+        assert run["forward_backward_peak_bytes"] <= base["forward_backward_peak_bytes"], (
+            run["forward_backward_peak_bytes"], base["forward_backward_peak_bytes"])
