@@ -14,6 +14,7 @@ import functools
 import json
 import os
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -124,11 +125,18 @@ def train(tmp_path_factory, args: list[str], env: dict | None = None) -> dict:
     if key not in _RUNS:
         out = tmp_path_factory.mktemp("device_run")
         details = out / "attention.json"
+        start = time.perf_counter()
         run = run_example(list(args) + ["--attention-json", str(details)], out, nproc=1, env={**_env(), **(env or {})},
                           timeout=900, script=RUNNER)
         run["attention_last"] = json.loads(Path(f"{details}.rank0").read_text())["last"]
+        run["wall_s"] = time.perf_counter() - start  # the whole run: start-up, training, exit
         _RUNS[key] = run
     return _RUNS[key]
+
+
+def runs_done() -> tuple[int, float]:
+    """Example runs this session (each argument list once) and their wall seconds in all."""
+    return len(_RUNS), sum(run["wall_s"] for run in _RUNS.values())
 
 
 def refused(tmp_path_factory, args: list[str]) -> str:

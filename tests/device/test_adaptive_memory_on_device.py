@@ -11,7 +11,7 @@ import re
 import pytest
 
 from device_runs import (
-    LAYERS, MODEL, NO_DROPOUT, ON_HOST, assert_on_device, assert_parity, counters, train,
+    ITERS, LAYERS, MICRO_BATCHES, MODEL, NO_DROPOUT, ON_HOST, assert_on_device, assert_parity, counters, train,
 )
 
 pytestmark = pytest.mark.device
@@ -32,8 +32,11 @@ def _check_policy(run: dict, budget_bytes: float) -> str:
     assert counters(run, "recompute.").get("recompute.selected", 0) == activation, (policy, run["npuspeed_counters"])
     assert counters(run, "recompute_norm.").get("recompute_norm.selected", 0) == 2 * norm, policy
     swap = counters(run, "swap.")
-    if "swap: attention block" in policy:  # --swap-attention --adaptive-swap on every layer not fully recomputed
-        assert swap.get("swap.modules") == LAYERS - full and swap.get("swap.out_bytes", 0) > 0, (policy, swap)
+    if "swap: attention block" in policy:  # --swap-attention --adaptive-swap: every layer's attention block
+        # wrapped; a fully recomputed layer's forward runs without a graph (and its rerun is backward): no copy
+        assert swap.get("swap.modules") == LAYERS, (policy, swap)
+        assert swap.get("swap.groups") == (LAYERS - full) * MICRO_BATCHES * ITERS, (policy, swap)
+        assert swap.get("swap.out_bytes", 0) > 0, (policy, swap)
     else:
         assert not swap, (policy, swap)
     assert run["peak_mem_bytes"] <= budget_bytes, (f"peak {run['peak_mem_bytes'] / 2**20:.1f} MiB above the "
