@@ -137,13 +137,15 @@ def to_device(batch: dict, mask, packed, device):
     return batch, mask, packed
 
 
-def forward_step(data_iterator, model, check_finite: bool = False, layout=None, device=None):
+def forward_step(data_iterator, model, check_finite: bool = False, layout=None, device=None, seen=None):
     batch = next(data_iterator)
     mask = packed = None
     if layout is not None:
         batch, mask, packed = layout(batch, device)
     if device is not None:
         batch, mask, packed = to_device(batch, mask, packed, device)
+    if seen is not None:  # where the tensors the model gets live (the summary's batch_devices)
+        seen.update(t.device.type for t in (*batch.values(), mask) if torch.is_tensor(t))
     output = model(batch["tokens"], batch["position_ids"], mask, labels=batch["labels"], packed_seq_params=packed)
     return output, partial(loss_func, batch["loss_mask"], check_finite=check_finite)
 
@@ -300,8 +302,9 @@ def _train(args, progress) -> dict:
     acc.reset_peak_memory_stats()
     rank0 = torch.distributed.get_rank() == 0
     forward_backward = get_forward_backward_func()
+    batch_devices: set[str] = set()
     step_func = partial(forward_step, check_finite=check_for_nan(args), layout=batch_layout(args, tokenizer.eod),
-                        device=_collective_device())
+                        device=_collective_device(), seen=batch_devices)
     losses, step_times, skipped, nonfinite = [], [], 0, []
     cpu_times = []  # this rank's CPU time per step: steadier than wall time on a shared host
     parts = {"forward_backward_ms": [], "optimizer_step_ms": []}  # rank 0's, per iteration
@@ -389,6 +392,10 @@ def _train(args, progress) -> dict:
         "world_size": torch.distributed.get_world_size(),
         "weight_bytes": int(_max_over_ranks(weight_bytes(model, optimizer))),
         "device": acc.name,
+        # where every parameter of every model chunk lives, and the tensors the forward step
+        # handed the model (tokens, labels, masks, positions): device types, sorted
+        "param_devices": sorted({p.device.type for chunk in model for p in chunk.parameters()}),
+        "batch_devices": sorted(batch_devices),
         "iterations": iteration,
         # per-iteration times (rank 0) and their median without the first: steadier than the
         # mean on a shared machine, where a burst of other work lands on a few steps

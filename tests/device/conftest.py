@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from device_runs import REASON, accelerator
+from device_runs import REASON, accelerator, runs_done
 
 
 @pytest.fixture(autouse=True)
@@ -18,3 +18,6 @@ def pytest_terminal_summary(terminalreporter):
     skipped = [r for r in terminalreporter.stats.get("skipped", []) if REASON in str(r.longrepr)]
     if skipped:
         terminalreporter.write_line(f"device tier: {len(skipped)} tests skipped: {REASON}")
+    count, seconds = runs_done()
+    if count:
+        terminalreporter.write_line(f"device tier: {count} runs of the example on {accelerator()}, {seconds:.0f} s")

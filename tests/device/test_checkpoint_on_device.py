@@ -1,5 +1,5 @@
 """Save and resume on the accelerator, bitwise under --deterministic-mode: two identical runs
-give identical losses, and a run resumed from iteration 4 continues exactly as the uninterrupted
+give identical losses, and a run resumed from the middle iteration (4 of 8) continues exactly as the uninterrupted
 run did (model, optimizer, and every RNG state: host, device, Megatron's tracker). Megatron's
 default dropout (0.1) and the fused attention's device kernel are on, so the device's random
 state has to come back too."""
@@ -13,7 +13,8 @@ from device_runs import (
 
 pytestmark = pytest.mark.device
 
-SAVE_AT = 4
+SAVE_AT = ITERS // 2
+COVERS = ()  # save and resume: no npuspeed flag (--deterministic-mode: test_determinism_on_device.py)
 ARGS = MODEL + DETERMINISTIC + ["--use-flash-attn"]  # hidden and attention dropout: Megatron's 0.1
 
 

@@ -17,6 +17,7 @@ from device_runs import (
 )
 
 pytestmark = pytest.mark.device
+COVERS = ("--use-fused-rmsnorm", "--use-fused-swiglu", "--use-fused-rotary-pos-emb")
 
 FLAGS = ["--use-fused-rmsnorm", "--use-fused-swiglu", "--use-fused-rotary-pos-emb"]
 OPS = ("rms_norm", "swiglu", "rotary_pos_emb")

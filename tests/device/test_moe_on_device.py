@@ -15,10 +15,11 @@ from device_runs import (
 )
 
 pytestmark = pytest.mark.device
+COVERS = ("--moe-grouped-gemm", "--use-fused-moe-token-permute-and-unpermute")
 
 MOE = ["--num-experts", "8", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "1024"]
 FLAGS = ["--moe-grouped-gemm", "--use-fused-moe-token-permute-and-unpermute"]
-GROUPED_BACKEND = {"cuda": "torch", "npu": "npu"}
+GROUPED_BACKEND = {"cuda": "torch", "npu": "npu", "cpu": "torch"}
 
 
 def _check_paths(base: dict, run: dict) -> dict:

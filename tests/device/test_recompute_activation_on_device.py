@@ -12,6 +12,7 @@ from device_runs import (
 )
 
 pytestmark = pytest.mark.device
+COVERS = ("--recompute-activation-function", "--recompute-activation-function-num-layers")
 
 FLAG = ["--recompute-activation-function"]
 
@@ -30,3 +31,21 @@ def test_recompute_activation(tmp_path_factory):
     freed_per_micro_batch = c["recompute.freed_bytes"] / (ITERS * MICRO_BATCHES)
     saved = base["forward_backward_peak_bytes"] - run["forward_backward_peak_bytes"]
     assert saved >= freed_per_micro_batch / 2, (saved, freed_per_micro_batch)
+
+
+def test_first_layer_only(tmp_path_factory):
+    """--recompute-activation-function-num-layers 1: only the first layer recomputes (one module
+    selected, its storage freed once per micro-batch), bitwise the same losses, a peak between."""
+    base = train(tmp_path_factory, MODEL + NO_DROPOUT + DETERMINISTIC)
+    every = train(tmp_path_factory, MODEL + NO_DROPOUT + DETERMINISTIC + FLAG)
+    run = train(tmp_path_factory, MODEL + NO_DROPOUT + DETERMINISTIC + FLAG
+                + ["--recompute-activation-function-num-layers", "1"])
+    assert_on_device(run)
+    assert_deterministic(run)
+    c = counters(run, "recompute.")
+    assert c.get("recompute.selected") == 1, c
+    assert c.get("recompute.freed") == c.get("recompute.recomputed") == MICRO_BATCHES * ITERS, c
+    assert run["losses"] == base["losses"]
+    peak = run["forward_backward_peak_bytes"]
+    assert every["forward_backward_peak_bytes"] <= peak <= base["forward_backward_peak_bytes"], (
+        every["forward_backward_peak_bytes"], peak, base["forward_backward_peak_bytes"])

@@ -20,6 +20,8 @@ def test_readme_example_trains(tmp_path):
     assert len(losses) == 10 and all(math.isfinite(x) for x in losses)
     assert losses[-1] < losses[0] - 0.5, losses
     assert run["world_size"] == 2 and run["peak_mem_bytes"] > 0
+    # where the parameters and the batches the model got live (the device tier checks the accelerator)
+    assert run["param_devices"] == ["cpu"] and run["batch_devices"] == ["cpu"], (run["param_devices"], run["batch_devices"])
     assert run["tokens_per_s"] > 0 and run["mean_step_ms"] > 0
     assert len(run["step_ms"]) == 10 and min(run["step_ms"][1:]) <= run["median_step_ms"] <= max(run["step_ms"][1:])
     cpu = run["median_step_cpu_ms_per_rank"]  # every rank's median step CPU time, in rank order
