@@ -15,7 +15,10 @@ the memory peaks on CPU (`Guard`; the feature installs one that knows the accele
 Megatron's RNG tracker; a device allocator's peak cannot be set back, so there the trials may
 raise it), and `NPUSPEED_FUSED_OP_PATH=cpp|triton|npu|native|megatron|auto` forces a choice
 (tests, bitwise-repeatable runs; `npuspeed` means the flag's own kernel here: C++ on CPU,
-torch_npu's fused op on an NPU, Triton on CUDA).
+torch_npu's fused op on an NPU, Triton on CUDA). A kernel that runs unmeasured (forced, or under
+`--deterministic-mode` below) is checked once per key against Megatron's forward output with the
+warm-up's tolerance and raises `ForcedKernelDisagrees` (op, path, gap) where the rule would drop
+it; a candidate the rule drops is said once per op and path (`notify`).
 Ranks measure on their own, except where every rank of a group must run the same kernel: the
 features hand the chooser an `agree` hook (RMSNorm: the TP group, see
 npuspeed/features/fused_ops/measure.py); force a path where more must agree.
