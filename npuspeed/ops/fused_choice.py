@@ -15,7 +15,10 @@ the memory peaks on CPU (`Guard`; the feature installs one that knows the accele
 Megatron's RNG tracker; a device allocator's peak cannot be set back, so there the trials may
 raise it), and `NPUSPEED_FUSED_OP_PATH=cpp|triton|npu|native|megatron|auto` forces a choice
 (tests, bitwise-repeatable runs; `npuspeed` means the flag's own kernel here: C++ on CPU,
-torch_npu's fused op on an NPU, Triton on CUDA).
+torch_npu's fused op on an NPU, Triton on CUDA). A kernel that runs unmeasured (forced, or under
+`--deterministic-mode` below) is checked once per key against Megatron's forward output with the
+warm-up's tolerance and raises `ForcedKernelDisagrees` (op, path, gap) where the rule would drop
+it; a candidate the rule drops is said once per op and path (`notify`).
 Ranks measure on their own, except where every rank of a group must run the same kernel: the
 features hand the chooser an `agree` hook (RMSNorm: the TP group, see
 npuspeed/features/fused_ops/measure.py); force a path where more must agree.
@@ -184,10 +187,11 @@ class Chooser:
             return hit
         want = forced()
         if want is not None:
-            choice = self._forced(op, text, candidates, want)
+            choice = self._checked(self._forced(op, text, candidates, want), candidates, inputs)
         elif torch.are_deterministic_algorithms_enabled():
-            choice = self._forced(op, text, candidates, "npuspeed", "--deterministic-mode: not measured, so every "
-                                  "rank and every run takes the same kernel")
+            choice = self._checked(self._forced(op, text, candidates, "npuspeed", "--deterministic-mode: not "
+                                                "measured, so every rank and every run takes the same kernel"),
+                                   candidates, inputs)
         elif len(candidates) == 1:
             (only,) = candidates
             choice = Choice(op, text, only, "the only implementation here")
@@ -196,11 +200,38 @@ class Chooser:
         else:
             choice = self._measure(op, text, candidates, inputs)
         self.choices[key] = choice
+        for name, reason in choice.dropped.items():
+            self._note(f"{op}:{name}", f"fused {op}: {name} dropped for {choice.label}: {reason}; another "
+                       f"path runs there (`npuspeed report` lists every shape)")
         if choice.impl == MEGATRON and choice.ms and self.notify is not None and op not in self._noted:
             self._noted.add(op)
             timings = choice.why.split(": ", 1)[-1]
             self.notify(f"fused {op}: Megatron's own path runs for {choice.label}, measured faster than "
                         f"the fused kernels there ({timings}); `npuspeed report` lists every shape")
+        return choice
+
+    def _note(self, what: str, message: str) -> None:
+        if self.notify is not None and what not in self._noted:
+            self._noted.add(what)
+            self.notify(message)
+
+    def _checked(self, choice: Choice, candidates, inputs) -> Choice:
+        """A forced kernel, checked once per key against Megatron's forward output with the
+        rule's tolerance: one that the rule would drop for disagreeing raises here instead of
+        running (unmeasured, it would train on wrong numbers and still be counted as run)."""
+        if choice.impl == MEGATRON or MEGATRON not in candidates or _traced(inputs):
+            return choice
+        with self.guard(), _dispatch.quiet(), torch.no_grad():
+            try:
+                reference = _Run(candidates[MEGATRON], inputs, False)()
+            except Exception as exc:  # noqa: BLE001 - nothing to compare with; the forced kernel still runs
+                choice.why += f"; not checked: Megatron's path raised {type(exc).__name__}"
+                return choice
+            out = _Run(candidates[choice.impl], inputs, False)()
+        if not _agrees(out, reference):
+            raise ForcedKernelDisagrees(
+                f"fused {choice.op} [{choice.label}]: {choice.impl} ({choice.why}) disagrees with Megatron's "
+                f"path: {_gap(out, reference)}; fix the kernel, or unset {FORCE_ENV} (the rule then drops it)")
         return choice
 
     @staticmethod
@@ -236,7 +267,7 @@ class Chooser:
                 if name == MEGATRON:
                     reference = out
                 elif not _agrees(out, reference):
-                    dropped[name] = "output differs from Megatron's"
+                    dropped[name] = f"output differs from Megatron's ({_gap(out, reference)})"
                     continue
                 runs[name] = run
             best = {name: float("inf") for name in runs}
@@ -312,6 +343,24 @@ class _Run:
 
 def _make_run(fn, inputs, grads) -> _Run:
     return _Run(fn, inputs, grads)
+
+
+def _gap(out, ref) -> str:
+    """How `out` misses `ref`: the largest |difference| against the tolerance, or the mismatch."""
+    if isinstance(ref, tuple):
+        if not isinstance(out, tuple) or len(out) != len(ref):
+            return f"{type(out).__name__} where Megatron returns a {len(ref)}-tuple"
+        return "; ".join(f"part {i}: {_gap(o, r)}" for i, (o, r) in enumerate(zip(out, ref)) if not _agrees(o, r))
+    if isinstance(out, tuple) or out.shape != ref.shape or out.dtype != ref.dtype:
+        got = "a tuple" if isinstance(out, tuple) else f"{tuple(out.shape)} {out.dtype}"
+        return f"{got} where Megatron gives {tuple(ref.shape)} {ref.dtype}"
+    tol = AGREE.get(out.dtype, 1e-3)
+    diff = (out.float() - ref.float()).abs().nan_to_num(float("inf")).max().item() if out.numel() else 0.0
+    return f"max |diff| {diff:.3g} (tolerance {tol:g} abs + {tol:g} rel)"
+
+
+class ForcedKernelDisagrees(RuntimeError):
+    """A forced kernel's output is not Megatron's (see Chooser._checked)."""
 
 
 def _agrees(out, ref) -> bool:

@@ -11,16 +11,7 @@ from hypothesis import strategies as st
 from npuspeed import telemetry
 from npuspeed.features.reuse_fp32_param import codec
 
-SPECIAL = [
-    0x00000000, 0x80000000,  # +-0
-    0x7F800000, 0xFF800000,  # +-inf
-    0x7FC00000, 0xFFC00000, 0x7F800001, 0x7FBFFFFF, 0xFFFFFFFF, 0x7FFFFFFF,  # NaNs with payloads
-    0x00000001, 0x80000001, 0x007FFFFF, 0x00008000, 0x00018000,  # subnormals, subnormal ties
-    0x7F7FFFFF, 0xFF7FFFFF, 0x7F7F8000, 0x7F7E8000, 0x7F7F7FFF,  # largest finite, ties near max
-    0x3F808000, 0x3F818000, 0xBF808000, 0xBF818000,  # ties to even, both parities and signs
-    0x3F80FFFF, 0x3F807FFF, 0x3F808001,
-]
-
+from codec_vs_chunked import SPECIAL, floats
 
 IMPLS = {"reference": (codec.split_reference, codec.merge_reference), "dispatch": (codec.split, codec.merge)}
 
@@ -31,7 +22,7 @@ def _roundtrip(bits: list[int]) -> None:
 
 
 def _roundtrip_with(bits, split, merge) -> None:
-    x = torch.tensor([b - (1 << 32) if b >= 1 << 31 else b for b in bits], dtype=torch.int32).view(torch.float32)
+    x = floats(bits)
     bf16 = x.to(torch.bfloat16)
     residual = torch.empty(x.numel(), dtype=torch.int16)
     exceptions = split(x, residual)
@@ -94,7 +85,7 @@ def test_cpp_exceptions_match_reference_across_blocks():
 
 
 def _device_roundtrip(bits: list[int]) -> None:
-    x = torch.tensor([b - (1 << 32) if b >= 1 << 31 else b for b in bits], dtype=torch.int32).view(torch.float32)
+    x = floats(bits)
     bf16 = x.to(torch.bfloat16)
     residual = torch.empty(x.numel(), dtype=torch.int16)
     exceptions = codec.split_device(x, residual)

@@ -16,8 +16,9 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_reuse_fp32_codec import SPECIAL
 from triton_masks import boolean_masks_only
+
+from codec_vs_chunked import SPECIAL, check_codec, random_bits
 
 from npuspeed import telemetry
 from npuspeed.features.reuse_fp32_param import codec, triton_codec
@@ -41,25 +42,10 @@ def _env(**values):
                 os.environ[k] = v
 
 
-def _floats(bits: list[int]) -> torch.Tensor:
-    return torch.tensor([b - (1 << 32) if b >= 1 << 31 else b for b in bits], dtype=torch.int32).view(torch.float32)
-
-
-def _against_chunked(bits: list[int], block: int = 64, max_programs: int = 3) -> None:
-    x = _floats(bits)
-    bf16 = x.to(torch.bfloat16)
-    res, want_res = torch.empty(x.numel(), dtype=torch.int16), torch.empty(x.numel(), dtype=torch.int16)
+def _against_chunked(bits, block: int = 64, max_programs: int = 3) -> None:
+    """codec_vs_chunked.check_codec on CPU tensors under the interpreter, boolean masks checked."""
     with _env(TRITON_INTERPRET="1"), boolean_masks_only():
-        mask = triton_codec.split(x, res, block=block, max_programs=max_programs)
-        want = codec.split_device(x, want_res)
-        assert torch.equal(res, want_res)
-        assert torch.equal(mask, want.tie_mask)
-        out, want_out = torch.full_like(x, 7.0), torch.empty_like(x)
-        triton_codec.merge(bf16, res, mask, out, block=block, max_programs=max_programs)
-    codec.merge_device(bf16, want_res, want, want_out)
-    assert torch.equal(out.view(torch.int32), want_out.view(torch.int32))  # NaNs too
-    ok = torch.isnan(x) | (out.view(torch.int32) == x.view(torch.int32))  # every non-NaN exact
-    assert bool(ok.all()), [hex(b) for b, good in zip(bits, ok.tolist()) if not good][:10]
+        check_codec(bits, "cpu", block, max_programs)
 
 
 def test_special_patterns_and_ties_match_the_chunked_codec():
@@ -70,10 +56,7 @@ def test_special_patterns_and_ties_match_the_chunked_codec():
 
 
 def test_default_block_and_several_programs():
-    torch.manual_seed(0)
-    bits = torch.randint(-(1 << 31), (1 << 31) - 1, (2 * triton_codec.BLOCK + 13,), dtype=torch.int32)
-    bits[::5] = (bits[::5] & ~0xFFFF) | 0x8000  # many ties, both parities
-    _against_chunked([b & 0xFFFFFFFF for b in bits.tolist()], block=triton_codec.BLOCK,
+    _against_chunked(random_bits(2 * triton_codec.BLOCK + 13), block=triton_codec.BLOCK,
                      max_programs=triton_codec.MAX_PROGRAMS)
 
 

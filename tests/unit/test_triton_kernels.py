@@ -1,4 +1,5 @@
-"""npuspeed's Triton kernels on CPU through Triton's interpreter, and their import without triton.
+"""npuspeed's Triton kernels on CPU through Triton's interpreter (the CPU tier's checks and the
+device tier's kernel tests), and their import without triton.
 
 The numerics (every op against its pure-PyTorch reference, forward and backward, fp32 and
 bf16, odd shapes) live in _triton_kernel_checks.py and run here in a fresh process with
@@ -26,15 +27,27 @@ def _env(**extra):
     return {**os.environ, "PYTHONPATH": path, **extra}
 
 
-def test_kernels_match_the_references_under_the_interpreter():
+def _interpreted(path: pathlib.Path, marks: str, at_least: int) -> None:
+    """`pytest -m marks path` in a fresh process with TRITON_INTERPRET=1: every test passes, none
+    skips, and at least `at_least` ran."""
     pytest.importorskip("triton", reason="triton is not installed (pip install -e .[test] on Linux x86_64)")
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not slow",
-                           str(HERE / "_triton_kernel_checks.py")],
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", marks, str(path)],
                           cwd=ROOT, env=_env(TRITON_INTERPRET="1"), capture_output=True, text=True, timeout=600)
     report = proc.stdout[-8000:] + proc.stderr[-2000:]
     assert proc.returncode == 0, report
     passed = re.search(r"(\d+) passed", proc.stdout)
-    assert passed and int(passed.group(1)) >= 20 and "skipped" not in proc.stdout, report
+    assert passed and int(passed.group(1)) >= at_least and "skipped" not in proc.stdout, report
+
+
+def test_kernels_match_the_references_under_the_interpreter():
+    _interpreted(HERE / "_triton_kernel_checks.py", "not slow", 20)
+
+
+def test_the_device_tiers_kernel_tests_pass_under_the_interpreter():
+    """The harness of tests/device/test_triton_kernels_on_device.py (the same checks on the GPU or
+    NPU itself) on CPU tensors: its gate, its odd shapes at the kernels' real block caps, and the
+    fused-op rule offering each kernel where Triton runs."""
+    _interpreted(ROOT / "tests" / "device" / "test_triton_kernels_on_device.py", "device", 25)
 
 
 def test_import_without_triton_leaves_available_false():
