@@ -194,9 +194,19 @@ def assert_parity(base: dict, run: dict, tol: float = BF16_TOL) -> float:
     return gap
 
 
+#: set by `make device-report`, which runs the tier in several processes on one device (their
+#: memory is per process, their step times are not): the time comparisons are left to the
+#: report's own sequential runs
+SHARED_ENV = "NPUSPEED_DEVICE_TIER_SHARED"
+
+
 def assert_not_slower(base: dict, run: dict, slack: float = TIME_SLACK) -> None:
     """The median step (first step excluded) with the flag is not above the one without it."""
     if not device_only("step time (a shared CPU host's wall time is noise)"):
+        return
+    if os.environ.get(SHARED_ENV) == "1":  # `make device-report` times each flag in runs of its own
+        warnings.warn(f"{SHARED_ENV}=1: step time not compared (the tier shares the device with its other "
+                      "workers; the device report measures it in runs of its own)", stacklevel=2)
         return
     ratio = run["median_step_ms"] / base["median_step_ms"]
     assert ratio <= 1 + slack, (f"the flag made a step slower: {run['median_step_ms']:.1f} ms vs "
