@@ -39,7 +39,7 @@ TRITON_TESTS := tests/unit/test_triton_kernels.py tests/unit/test_reuse_fp32_tri
                 tests/unit/test_moe_permute_triton_choice.py tests/unit/test_rope_qk_triton_wiring.py
 
 .PHONY: deps311 deps312 install install-test install-test-311 install-test-312 example \
-        test test-311 test-312 test-triton versions test-device device-report readme-device bench clean
+        test test-311 test-312 test-triton versions test-device test-device-host device-report readme-device bench clean
 
 # A venv per Python, from the interpreter found (or named), with current packaging tools.
 $(PY311):
@@ -129,6 +129,12 @@ DEVICE_SETUP = py=$$(DEVICE_PY="$(DEVICE_PY)" scripts/device_python.sh "$(CURDIR
 test-device:
 	@$(DEVICE_SETUP); echo "device tier: $$py"; \
 	$(DEVICE_ENV) "$$py" -m pytest -q -m device tests/device
+
+# The device tier's own code on this CPU with a tiny model (the tests' keys, counters and runs
+# checked before a device is lent; device-only checks skipped with the reason): 12-16 minutes
+# on a 2-core host, so not part of `make test`.
+test-device-host: install-test
+	NPUSPEED_DEVICE_TIER_HOST=cpu $(VPY) -m pytest -q -m device tests/device
 
 # The accelerator figures in one command (at most 8 minutes on one H100): the tier, the example's
 # end-to-end and per-flag runs at 709M parameters, the fused-op tables -> runs/device-report/

@@ -42,7 +42,7 @@ def _python(args: list[str], budget: Budget, cap: float, env: dict | None = None
 #: the tier's share of the default 8 minutes (the training runs need most of the rest)
 TIER_CAP_S = 240
 #: pytest-xdist processes for the tier on one device (where xdist is installed)
-TIER_WORKERS = 4
+TIER_WORKERS = 6
 
 
 def tier(budget: Budget, out: Path, smoke: bool) -> dict:
