@@ -10,9 +10,8 @@ import re
 
 import pytest
 
-from device_runs import (
-    ITERS, LAYERS, MICRO_BATCHES, MODEL, NO_DROPOUT, ON_HOST, assert_on_device, assert_parity, counters, train,
-)
+from device_checks import assert_on_device, assert_parity, counters
+from device_runs import ITERS, LAYERS, MICRO_BATCHES, MODEL, NO_DROPOUT, ON_HOST, train
 
 pytestmark = pytest.mark.device
 COVERS = ("--adaptive-recompute-device-size", "--adaptive-memory-optimization", "--adaptive-policy",

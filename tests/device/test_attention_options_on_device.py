@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from device_runs import (
-    ATTENTION_KERNEL, MODEL, NO_DROPOUT, ON_HOST, SEQ, accelerator, assert_on_device, assert_parity,
-    assert_sxs_saved, attention_calls, device_only, layer_calls, train,
-)
+from device_checks import assert_on_device, assert_parity, assert_sxs_saved, attention_calls, layer_calls
+from device_runs import ATTENTION_KERNEL, MODEL, NO_DROPOUT, ON_HOST, SEQ, accelerator, device_only, train
 
 pytestmark = pytest.mark.device
 COVERS = ("--pre-tockens", "--next-tockens", "--sparse-mode", "--flash-attn-fallback")

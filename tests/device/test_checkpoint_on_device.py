@@ -7,9 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from device_runs import (
-    ATTENTION_KERNEL, DETERMINISTIC, ITERS, MODEL, accelerator, assert_deterministic, assert_on_device, train,
-)
+from device_checks import assert_deterministic, assert_on_device
+from device_runs import ATTENTION_KERNEL, DETERMINISTIC, ITERS, MODEL, accelerator, train
 
 pytestmark = pytest.mark.device
 

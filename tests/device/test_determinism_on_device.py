@@ -7,10 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from device_runs import (
-    ATTENTION_KERNEL, DETERMINISTIC, MODEL, NO_DROPOUT, ON_HOST, accelerator, assert_deterministic, assert_on_device,
-    attention_calls, layer_calls, train,
-)
+from device_checks import assert_deterministic, assert_on_device, attention_calls, layer_calls
+from device_runs import ATTENTION_KERNEL, DETERMINISTIC, MODEL, NO_DROPOUT, ON_HOST, accelerator, train
 
 pytestmark = pytest.mark.device
 COVERS = ("--deterministic-mode", "--npuspeed-device")

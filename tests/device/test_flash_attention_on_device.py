@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import pytest
 
+from device_checks import (
+    assert_not_slower, assert_on_device, assert_parity, assert_sxs_saved, attention_calls, layer_calls,
+)
 from device_runs import (
-    ATTENTION_KERNEL, DOCUMENT_KERNEL, DOCUMENTS, MODEL, NO_DROPOUT, BF16_TOL, accelerator, assert_not_slower,
-    assert_on_device, assert_parity, assert_sxs_saved, attention_calls, layer_calls, train,
+    ATTENTION_KERNEL, DOCUMENT_KERNEL, DOCUMENTS, MODEL, NO_DROPOUT, BF16_TOL, accelerator, train,
 )
 from launch import max_abs_diff
 

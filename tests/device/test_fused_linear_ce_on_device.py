@@ -10,9 +10,8 @@ import math
 
 import pytest
 
-from device_runs import (
-    ITERS, MICRO, MICRO_BATCHES, MODEL, NO_DROPOUT, SEQ, assert_on_device, assert_parity, counters, train,
-)
+from device_checks import assert_on_device, assert_parity, counters
+from device_runs import ITERS, MICRO, MICRO_BATCHES, MODEL, NO_DROPOUT, SEQ, train
 
 pytestmark = pytest.mark.device
 COVERS = ("--use-fused-linear-cross-entropy", "--fused-linear-cross-entropy-chunk-size",

@@ -11,10 +11,8 @@ import importlib.util
 
 import pytest
 
-from device_runs import (
-    FORCE_NPUSPEED, FUSED_KERNEL, MODEL, NO_DROPOUT, accelerator, assert_device_impl, assert_not_slower,
-    assert_on_device, assert_parity, op_impls, train,
-)
+from device_checks import assert_device_impl, assert_not_slower, assert_on_device, assert_parity, op_impls
+from device_runs import FORCE_NPUSPEED, FUSED_KERNEL, MODEL, NO_DROPOUT, accelerator, train
 
 pytestmark = pytest.mark.device
 COVERS = ("--use-fused-rmsnorm", "--use-fused-swiglu", "--use-fused-rotary-pos-emb")

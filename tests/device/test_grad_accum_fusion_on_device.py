@@ -7,10 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from device_runs import (
-    ITERS, LAYERS, MICRO_BATCHES, MODEL, NO_DROPOUT, ON_HOST, accelerator, assert_on_device, assert_parity,
-    counters, device_only, train,
-)
+from device_checks import assert_on_device, assert_parity, counters
+from device_runs import ITERS, LAYERS, MICRO_BATCHES, MODEL, NO_DROPOUT, ON_HOST, accelerator, device_only, train
 
 pytestmark = pytest.mark.device
 COVERS = ("--gradient-accumulation-fusion",)

@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from device_runs import (
-    FORCE_NPUSPEED, MODEL, NO_DROPOUT, accelerator, assert_device_impl, assert_not_slower, assert_on_device,
-    assert_parity, counters, train,
-)
+from device_checks import assert_device_impl, assert_not_slower, assert_on_device, assert_parity, counters
+from device_runs import FORCE_NPUSPEED, MODEL, NO_DROPOUT, accelerator, train
 
 pytestmark = pytest.mark.device
 COVERS = ("--moe-grouped-gemm", "--use-fused-moe-token-permute-and-unpermute")

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from device_runs import MODEL, NO_DROPOUT, assert_on_device, plan_peak, train
+from device_checks import assert_on_device
+from device_runs import MODEL, NO_DROPOUT, plan_peak, train
 
 pytestmark = pytest.mark.device
 COVERS = ()  # `npuspeed plan`: no flag of its own

@@ -6,10 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from device_runs import (
-    DETERMINISTIC, ITERS, MICRO_BATCHES, MODEL, NO_DROPOUT, assert_deterministic, assert_on_device, counters,
-    layer_calls, train,
-)
+from device_checks import assert_deterministic, assert_on_device, counters, layer_calls
+from device_runs import DETERMINISTIC, ITERS, MICRO_BATCHES, MODEL, NO_DROPOUT, train
 
 pytestmark = pytest.mark.device
 COVERS = ("--recompute-activation-function", "--recompute-activation-function-num-layers")

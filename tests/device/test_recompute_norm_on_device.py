@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from device_runs import (
-    DETERMINISTIC, HIDDEN, ITERS, LAYERS, MICRO, MICRO_BATCHES, MODEL, NO_DROPOUT, SEQ, assert_deterministic,
-    assert_on_device, counters, layer_calls, train,
-)
+from device_checks import assert_deterministic, assert_on_device, counters, layer_calls
+from device_runs import DETERMINISTIC, HIDDEN, ITERS, LAYERS, MICRO, MICRO_BATCHES, MODEL, NO_DROPOUT, SEQ, train
 
 pytestmark = pytest.mark.device
 COVERS = ("--recompute-norm", "--recompute-norm-num-layers")

@@ -9,9 +9,8 @@ import pytest
 from npuspeed.features.reuse_fp32_param import triton_codec
 from npuspeed.features.reuse_fp32_param.codec import DENSE
 
-from device_runs import (
-    DETERMINISTIC, MODEL, NO_DROPOUT, accelerator, assert_deterministic, assert_on_device, counters, device_only, train,
-)
+from device_checks import assert_deterministic, assert_on_device, counters
+from device_runs import DETERMINISTIC, MODEL, NO_DROPOUT, accelerator, device_only, train
 
 pytestmark = pytest.mark.device
 COVERS = ("--reuse-fp32-param",)

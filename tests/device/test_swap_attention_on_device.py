@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from device_runs import (
-    DETERMINISTIC, ITERS, LAYERS, MICRO_BATCHES, MODEL, NO_DROPOUT, assert_deterministic, assert_on_device, counters,
-    device_only, layer_calls, train,
-)
+from device_checks import assert_deterministic, assert_on_device, counters, layer_calls
+from device_runs import DETERMINISTIC, ITERS, LAYERS, MICRO_BATCHES, MODEL, NO_DROPOUT, device_only, train
 
 pytestmark = pytest.mark.device
 COVERS = ("--swap-attention", "--swap-modules")

@@ -11,10 +11,8 @@ import importlib.util
 
 import pytest
 
-from device_runs import (
-    DETERMINISTIC, ITERS, MODEL, NO_DROPOUT, ON_HOST, assert_deterministic, assert_on_device, counters,
-    device_only, refused, train,
-)
+from device_checks import assert_deterministic, assert_on_device, counters
+from device_runs import DETERMINISTIC, ITERS, MODEL, NO_DROPOUT, ON_HOST, device_only, refused, train
 
 pytestmark = pytest.mark.device
 COVERS = ("--swap-optimizer", "--swap-optimizer-chunk-mb", "--optimizer-cpu-offload", "--optimizer-offload-fraction")

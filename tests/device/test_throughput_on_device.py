@@ -9,9 +9,8 @@ import statistics
 
 import pytest
 
-from device_runs import (
-    FFN, GLOBAL, GROUPS, HEADS, HIDDEN, ITERS, LAYERS, MODEL, NO_DROPOUT, SEQ, VOCAB, assert_on_device, train,
-)
+from device_checks import assert_on_device
+from device_runs import FFN, GLOBAL, GROUPS, HEADS, HIDDEN, ITERS, LAYERS, MODEL, NO_DROPOUT, SEQ, VOCAB, train
 from megatron_flops_by_hand import megatron_args, megatron_by_hand
 
 pytestmark = pytest.mark.device
