@@ -23,7 +23,8 @@ CASES = {
     "sequential-n2": dict(grouped=False, chunks=2, experts=4, shared=False, starve=None),
     "sequential-n3-shared": dict(grouped=False, chunks=3, experts=4, shared=True, starve=None),
     "grouped-n2-starved-expert": dict(grouped=True, chunks=2, experts=4, shared=False, starve=1),
-    "grouped-n2-one-local-expert-shared": dict(grouped=True, chunks=2, experts=2, shared=True, starve=0),
+    # one expert per rank, top-1, so that rank 0's expert can get no token at all
+    "grouped-n2-one-local-expert-shared": dict(grouped=True, chunks=2, experts=2, shared=True, starve=0, topk=1),
 }
 
 
@@ -44,7 +45,8 @@ def _layer(c: dict):
 
     config = TransformerConfig(
         num_layers=1, hidden_size=16, num_attention_heads=4, ffn_hidden_size=24, num_moe_experts=c["experts"],
-        moe_router_topk=2, moe_ffn_hidden_size=24, expert_model_parallel_size=WORLD,
+        moe_router_topk=c.get("topk", 2), moe_router_pre_softmax=c.get("topk", 2) == 1, moe_ffn_hidden_size=24,
+        expert_model_parallel_size=WORLD,
         moe_token_dispatcher_type="alltoall", gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
         bias_activation_fusion=False, use_cpu_initialization=True, moe_aux_loss_coeff=0.0,
         moe_grouped_gemm=c["grouped"], moe_shared_expert_intermediate_size=32 if c["shared"] else None)
@@ -55,12 +57,18 @@ def _layer(c: dict):
 
 
 def _starve(layer, expert: int) -> None:
-    """The router never picks `expert` (its column of the routing map is cleared)."""
+    """The router never picks `expert`: a row that picked it takes the lowest expert it had not
+    picked instead, with the same probability, so every row still selects top-k experts (the
+    dispatcher sizes its buffers as tokens x top-k; since 0.17 Megatron's unfused permute honours
+    that size, so a row left with fewer would not be a routing Megatron can make)."""
     route = layer.route
 
     def starved(hidden_states, padding_mask=None):
         probs, routing_map = route(hidden_states, padding_mask)
-        routing_map = routing_map.clone()
+        routing_map, probs = routing_map.clone(), probs.clone()
+        for row in routing_map[:, expert].nonzero().flatten().tolist():
+            spare = next(e for e in range(routing_map.shape[1]) if e != expert and not routing_map[row, e])
+            routing_map[row, spare], probs[row, spare] = True, probs[row, expert]
         routing_map[:, expert] = False
         return probs * routing_map, routing_map
 
