@@ -203,11 +203,10 @@ class Chooser:
         for name, reason in choice.dropped.items():
             self._note(f"{op}:{name}", f"fused {op}: {name} dropped for {choice.label}: {reason}; another "
                        f"path runs there (`npuspeed report` lists every shape)")
-        if choice.impl == MEGATRON and choice.ms and self.notify is not None and op not in self._noted:
-            self._noted.add(op)
+        if choice.impl == MEGATRON and choice.ms:
             timings = choice.why.split(": ", 1)[-1]
-            self.notify(f"fused {op}: Megatron's own path runs for {choice.label}, measured faster than "
-                        f"the fused kernels there ({timings}); `npuspeed report` lists every shape")
+            self._note(op, f"fused {op}: Megatron's own path runs for {choice.label}, measured faster than "
+                       f"the fused kernels there ({timings}); `npuspeed report` lists every shape")
         return choice
 
     def _note(self, what: str, message: str) -> None:
