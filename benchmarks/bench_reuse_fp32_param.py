@@ -98,11 +98,11 @@ def codec_only(params: int, impls: list[str], contiguous: bool) -> list[dict]:
         finally:
             if impl is not None:
                 os.environ.pop(codec.FORCE_ENV, None)
+        gb_per_s = params * CODEC_BYTES_PER_PARAM / ms / 1e6
         print(f"[reuse_fp32_param codec] {device} {ran}: {params} masters, "
-              f"{'one buffer' if contiguous else 'separate 1 Mi tensors'}: {ms:.2f} ms per step, "
-              f"{params * CODEC_BYTES_PER_PARAM / ms / 1e6:.1f} GB/s")
+              f"{'one buffer' if contiguous else 'separate 1 Mi tensors'}: {ms:.2f} ms per step, {gb_per_s:.1f} GB/s")
         records.append({"device": device, "codec": ran, "forced": impl, "params": params, "one_buffer": contiguous,
-                        "ms_per_step": ms, "gb_per_s": params * CODEC_BYTES_PER_PARAM / ms / 1e6})
+                        "ms_per_step": ms, "gb_per_s": gb_per_s})
     return records
 
 

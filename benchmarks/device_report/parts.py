@@ -84,18 +84,22 @@ def _rows(csv_path: Path) -> list[dict]:
     return rows
 
 
+def _bench(name: str, args: list[str], budget: Budget, out: Path, cap: float) -> dict:
+    """benchmarks/<name>.py with its harness rows written under out/<name>: the rows, or the error."""
+    results = out / name
+    proc = _python([f"benchmarks/{name}.py", *args, "--results-dir", str(results)], budget, cap=cap)
+    (out / f"{name}.log").write_text(proc.stdout + proc.stderr)
+    if proc.returncode:
+        return {"error": (proc.stdout + proc.stderr)[-1500:]}
+    return {"rows": [r for p in results.glob("*.csv") for r in _rows(p)]}
+
+
 def fused_ops(budget: Budget, out: Path, smoke: bool) -> dict:
     """bench_fused_ops.py: RMSNorm / SwiGLU / RoPE fwd+bwd, npuspeed's chosen path and
     torch.compile against Megatron's default (torch's native op where it has one); bf16, the
     training dtype on a device (the budget has no room for fp32's compiles)."""
-    results = out / "bench_fused_ops"
-    args = ["benchmarks/bench_fused_ops.py", "--peers", "chosen" if smoke else "chosen,compile",
-            "--results-dir", str(results)] + (["--quick", "--dtypes", "bf16"] if smoke else ["--dtypes", "bf16"])
-    proc = _python(args, budget, cap=180)
-    (out / "bench_fused_ops.log").write_text(proc.stdout + proc.stderr)
-    if proc.returncode:
-        return {"error": (proc.stdout + proc.stderr)[-1500:]}
-    return {"rows": [r for p in results.glob("*.csv") for r in _rows(p)]}
+    args = ["--peers", "chosen" if smoke else "chosen,compile", "--dtypes", "bf16"] + (["--quick"] if smoke else [])
+    return _bench("bench_fused_ops", args, budget, out, cap=180)
 
 
 def triton_ops(budget: Budget, out: Path, smoke: bool) -> dict:
@@ -103,13 +107,7 @@ def triton_ops(budget: Budget, out: Path, smoke: bool) -> dict:
     Megatron's default and torch.compile; MoE permute/unpermute too. Accelerators only."""
     if smoke:
         return {"skipped": "the Triton kernels are timed on an accelerator only"}
-    results = out / "bench_triton_ops"
-    proc = _python(["benchmarks/bench_triton_ops.py", "--repeat", "5", "--iters", "10", "--dtypes", "bf16",
-                    "--results-dir", str(results)], budget, cap=150)
-    (out / "bench_triton_ops.log").write_text(proc.stdout + proc.stderr)
-    if proc.returncode:
-        return {"error": (proc.stdout + proc.stderr)[-1500:]}
-    return {"rows": [r for p in results.glob("*.csv") for r in _rows(p)]}
+    return _bench("bench_triton_ops", ["--repeat", "5", "--iters", "10", "--dtypes", "bf16"], budget, out, cap=150)
 
 
 KEEP = ("losses", "tokens_per_s", "median_step_ms", "mean_step_ms", "peak_mem_bytes", "forward_backward_peak_bytes",
