@@ -211,6 +211,12 @@ class Accelerator(ABC):
         """A page-locked host byte buffer of `nbytes` (for copies overlapped with compute)."""
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
+    def host_link_bytes_per_s(self) -> float:
+        """Bytes per second of a host<->device copy (npuspeed/accelerator/host_link.py)."""
+        from npuspeed.accelerator.host_link import host_link_bytes_per_s
+
+        return host_link_bytes_per_s(self.name)
+
     def record_stream(self, tensor: torch.Tensor, stream) -> None:
         """Tell the caching allocator `tensor` is in use on `stream` (a side-stream copy)."""
         tensor.record_stream(stream)
