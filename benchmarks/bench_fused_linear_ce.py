@@ -83,7 +83,7 @@ def main() -> None:
         run_layouts(args)
         return
     state = init_single_rank_megatron(["--use-fused-linear-cross-entropy"])
-    from npuspeed.features.fused_linear_ce.choice import PathChooser
+    from npuspeed.features.fused_linear_ce.choice import LossPaths
 
     bench = Bench("fused_linear_ce", warmup=1, repeat=5)
     for case in args.cases:
@@ -91,7 +91,7 @@ def main() -> None:
         for name in args.dtypes:
             h, w, labels, g = _inputs(tokens, hidden, vocab, DTYPES[name])
             megatron, chunked = _steps(h, w, labels, g)
-            chooser = PathChooser("auto")
+            chooser = LossPaths("auto")
             picks = chooser.choose(tokens, h, w, None, state.accelerator)
             row = bench.compare(case, name, baseline=megatron, feature=chunked,
                                 extra={"auto_picks": picks, "trial": chooser.choices[chooser.key(tokens, h, w)]["why"]})

@@ -45,6 +45,9 @@ def collect(measure_peak: bool = False) -> dict:
         "counters": telemetry.snapshot(),
         "attention_calls": _attention_calls(),
         "fused_op_choices": _fused_op_choices(),
+        # every path choice in the process, one record shape (npuspeed.ops.choose.record.Choice):
+        # the fused ops, fused attention's fallback, the weight gradient, fused linear cross-entropy
+        "path_choices": _path_choices(),
         # on an NPU: torch_npu's release and, per op npuspeed calls, whether it has it (None elsewhere)
         "torch_npu": _torch_npu(acc),
         # the table's bf16 dense peak for this device (None: not in the table, e.g. CPU) and,
@@ -75,6 +78,14 @@ def _fused_op_choices() -> list[dict]:
     from npuspeed.ops import fused_choice
 
     return [dict(c.as_dict(), line=c.line()) for c in fused_choice.choices()]
+
+
+def _path_choices() -> list[dict]:
+    """Every chooser's records, named by the chooser (the one rule: npuspeed.ops.choose)."""
+    from npuspeed.ops.choose.chooser import all_choosers
+
+    return [dict(c.as_dict(), chooser=chooser.name, line=c.line())
+            for chooser in sorted(all_choosers(), key=lambda ch: ch.name) for c in chooser.choices.values()]
 
 
 def _attention_calls() -> dict:
@@ -113,6 +124,10 @@ def render(data: dict) -> str:
     if data.get("fused_op_choices"):
         out += ["", "fused op choices (op [shape dtype device]: implementation (why)):"]
         out += [f"  - {c['line']}" for c in data["fused_op_choices"]]
+    others = [c for c in data.get("path_choices") or [] if c["chooser"] != "fused ops"]
+    if others:
+        out += ["", "other path choices (chooser: op [key]: path (why)):"]
+        out += [f"  - {c['chooser']}: {c['line']}" for c in others]
     out += ["", *_torch_npu_lines(data)]
     out += ["", _peak_line(data)]
     if data["notes"]:

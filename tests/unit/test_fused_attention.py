@@ -448,15 +448,28 @@ def test_fallback_choice_takes_no_timing_under_deterministic_mode(megatron_mp, m
     the trial's memory alone, which is the same in every run); without the mode both count."""
     from npuspeed import get_accelerator
     from npuspeed.features.fused_attention import fallback
+    from npuspeed.features.fused_ops import measure
 
     # SDPA measured slower but smaller: a timing would pick unfused, memory alone SDPA
     fake = {SDPA: (2.0, 100), UNFUSED: (1.0, 200)}
-    monkeypatch.setattr(fallback, "_trial", lambda run, inputs, acc: fake[run])
-    inputs = (torch.zeros(2, 2),)
-    plain = fallback.FallbackChooser().choose(("k",), SDPA, UNFUSED, inputs, get_accelerator())
+    ran = []  # the trial's bytes are those of the candidate that ran last
+    monkeypatch.setattr(measure.AcceleratorGuard, "meter", lambda self: ((lambda: 0), (lambda base: fake[ran[-1]][1])))
+
+    def candidate(name):
+        def run(x):
+            ran.append(name)
+            return x * 1.0
+        return run
+
+    def choose(timing):
+        made = fallback.AttentionFallback()
+        made.chooser.trial = timing
+        return made.choose(("k",), candidate(SDPA), candidate(UNFUSED), (torch.zeros(2, 2),), get_accelerator())
+
+    plain = choose(lambda name, run: fake[name][0])
     torch.use_deterministic_algorithms(True)
     try:
-        det = fallback.FallbackChooser().choose(("k",), SDPA, UNFUSED, inputs, get_accelerator())
+        det = choose(lambda name, run: pytest.fail("timed under --deterministic-mode"))
     finally:
         torch.use_deterministic_algorithms(False)
     assert plain["kernel"] == UNFUSED and det["kernel"] == SDPA and "--deterministic-mode" in det["why"]

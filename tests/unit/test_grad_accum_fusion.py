@@ -18,9 +18,9 @@ FLAG = "--gradient-accumulation-fusion"
 
 def _chooser(fixed=None):
     from npuspeed import get_accelerator
-    from npuspeed.features.grad_accum_fusion.chooser import PathChooser
+    from npuspeed.features.grad_accum_fusion.paths import WgradPaths
 
-    return PathChooser(get_accelerator(), fixed=fixed)
+    return WgradPaths(get_accelerator(), fixed=fixed)
 
 
 def _inputs(rows, n, k, dtype, grad_dtype):
@@ -91,12 +91,13 @@ def test_deterministic_mode_decides_without_timing(npuspeed_runtime, monkeypatch
     """--deterministic-mode promises the same bits on every run and rank: the fused and the
     unfused weight gradient round differently, so no timing may pick between them. The path
     follows from the shape alone (the fused one unless it holds more temporary bytes)."""
-    from npuspeed.features.grad_accum_fusion import chooser as chooser_mod, kernels
+    from npuspeed.features.grad_accum_fusion import paths as chooser_mod, kernels
+    from npuspeed.ops.choose.trial import Clock
 
     def no_timing(*_a, **_k):
         raise AssertionError("timed a weight-gradient path under --deterministic-mode")
 
-    monkeypatch.setattr(chooser_mod, "_time", no_timing)
+    monkeypatch.setattr(Clock, "time", no_timing)
     chooser = _chooser()
     before = telemetry.snapshot("grad_accum_fusion.")
     torch.use_deterministic_algorithms(True)
@@ -116,9 +117,13 @@ def test_unmeasured_device_never_takes_a_larger_fused_path(npuspeed_runtime, mon
     the shape: an NPU without torch_npu's matmul-add kernel has only the upcast fp32 GEMM, whose
     fp32 copies of dY and X (rows x (n + k) x 4 bytes) exceed the unfused n x k product when the
     rows outnumber n and k; there the unfused path runs. A kernel with no temporaries is taken."""
-    from npuspeed.features.grad_accum_fusion import chooser as chooser_mod, kernels
+    from npuspeed.features.grad_accum_fusion import paths as chooser_mod, kernels
+    from npuspeed.ops.choose.trial import Clock
 
     class NoKernelNpu:
+        def host_is_device(self):
+            return False
+
         def has_matmul_add_fp32(self):
             return False
 
@@ -126,12 +131,12 @@ def test_unmeasured_device_never_takes_a_larger_fused_path(npuspeed_runtime, mon
         def has_matmul_add_fp32(self):
             return True
 
-    monkeypatch.setattr(chooser_mod, "_time", lambda *a, **k: pytest.fail("timed on a device"))
+    monkeypatch.setattr(Clock, "time", lambda *a, **k: pytest.fail("timed on a device"))
     # an fp32 main_grad on an NPU (only its device type and dtype are read)
     fake_grad = type("MainGrad", (), {"device": type("Npu", (), {"type": "npu"})(), "dtype": torch.float32})()
-    without = chooser_mod.PathChooser(NoKernelNpu()).choose_shape(4096, 64, 64, torch.bfloat16, fake_grad)
-    few_rows = chooser_mod.PathChooser(NoKernelNpu()).choose_shape(4, 64, 64, torch.bfloat16, fake_grad)
-    native = chooser_mod.PathChooser(KernelNpu()).choose_shape(4096, 64, 64, torch.bfloat16, fake_grad)
+    without = chooser_mod.WgradPaths(NoKernelNpu()).choose_shape(4096, 64, 64, torch.bfloat16, fake_grad)
+    few_rows = chooser_mod.WgradPaths(NoKernelNpu()).choose_shape(4, 64, 64, torch.bfloat16, fake_grad)
+    native = chooser_mod.WgradPaths(KernelNpu()).choose_shape(4096, 64, 64, torch.bfloat16, fake_grad)
     assert (without, few_rows, native) == (kernels.MM_ADD, kernels.ADDMM_UPCAST, kernels.NATIVE)
 
 
@@ -197,7 +202,7 @@ def test_npu_matmul_add_without_nnal_takes_the_portable_path(npuspeed_runtime):
     missing: the name is there, the kernel is not. The accelerator probes it once and reports it
     absent; the chooser takes the portable path (no crash at the first backward) and says why,
     once in the log and in the report line."""
-    from npuspeed.features.grad_accum_fusion import chooser as chooser_mod, kernels
+    from npuspeed.features.grad_accum_fusion import paths as chooser_mod, kernels
 
     probes = []
 
@@ -209,7 +214,7 @@ def test_npu_matmul_add_without_nnal_takes_the_portable_path(npuspeed_runtime):
     assert not acc.has_matmul_add_fp32() and not acc.has_matmul_add_fp32()
     assert probes == [1] and "NNAL/ATB" in acc.matmul_add_fp32_missing()
     notes = []
-    chooser = chooser_mod.PathChooser(acc, notes.append)
+    chooser = chooser_mod.WgradPaths(acc, notes.append)
     fake_grad = type("MainGrad", (), {"device": type("Npu", (), {"type": "npu"})(), "dtype": torch.float32})()
     paths = {chooser.choose_shape(rows, 64, 64, torch.bfloat16, fake_grad) for rows in (4096, 4)}
     assert paths == {kernels.MM_ADD, kernels.ADDMM_UPCAST}

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 
 from npuspeed.features.base import Feature, FeatureError
-from npuspeed.features.fused_attention.fallback import FallbackChooser
+from npuspeed.features.fused_attention.fallback import AttentionFallback
 from npuspeed.features.fused_attention.forward import KernelChoice, init_wrapper, kernel_calls, make_forward
 from npuspeed.features.fused_attention.plan import BandOptions
 from npuspeed.ops import flash_attention as cpu_flash
@@ -107,7 +107,7 @@ class FusedAttentionFeature(Feature):
             band=BandOptions(args.pre_tockens, args.next_tockens),
             sparse_mode=args.sparse_mode,
             accelerator=accelerator,
-            fallback=FallbackChooser(None if fixed in (None, "auto") else fixed),
+            fallback=AttentionFallback(None if fixed in (None, "auto") else fixed),
         )
         registry.register(f"{TARGET}.forward", make_forward(choice), feature=self.name, megatron=MEGATRON_RANGE)
         registry.register(f"{TARGET}.__init__", wrapper=init_wrapper, feature=self.name, megatron=MEGATRON_RANGE)

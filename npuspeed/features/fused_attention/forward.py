@@ -24,7 +24,7 @@ import torch
 from npuspeed import telemetry
 from npuspeed.features.base import FeatureError
 from npuspeed.features.context_parallel import attention as cp_attention
-from npuspeed.features.fused_attention.fallback import UNFUSED, FallbackChooser
+from npuspeed.features.fused_attention.fallback import UNFUSED, AttentionFallback
 from npuspeed.features.fused_attention.kernel_rows import cpu_flash_run, kernel_rows
 from npuspeed.features.fused_attention.npu import npu_attention
 from npuspeed.features.fused_attention.plan import BandOptions, plan_masks
@@ -62,7 +62,7 @@ class KernelChoice:
     band: BandOptions
     sparse_mode: int | None
     accelerator: object
-    fallback: FallbackChooser = field(default_factory=FallbackChooser, compare=False)
+    fallback: AttentionFallback = field(default_factory=AttentionFallback, compare=False)
 
 
 def check_module(module) -> None:

@@ -55,7 +55,7 @@ class FusedLinearCrossEntropyFeature(Feature):
         from npuspeed.features.fused_linear_ce import choice, postprocess
 
         args = ctx.args
-        self.chooser = choice.PathChooser(args.fused_linear_cross_entropy_fallback or "auto",
+        self.chooser = choice.LossPaths(args.fused_linear_cross_entropy_fallback or "auto",
                                           args.fused_linear_cross_entropy_chunk_size)
         registry.register(postprocess.TARGET,
                           wrapper=postprocess.make_postprocess(self.chooser, ctx.accelerator, ctx.note),

@@ -99,7 +99,7 @@ def _logit_scale(model):
 
 
 def make_postprocess(chooser, accelerator, note):
-    """The wrapper of `_postprocess`; `chooser` (choice.PathChooser) picks the path per shape,
+    """The wrapper of `_postprocess`; `chooser` (choice.LossPaths) picks the path per shape,
     `note` records a fallback once (the run's ctx.note)."""
 
     def wrapper(original):

@@ -41,10 +41,23 @@ class AcceleratorGuard:
                 tracker.set_states(tracker_states)
             acc.set_rng_state(device_state)
             torch.set_rng_state(host_state)
-            if acc.name == "cpu":  # device allocators cannot set a peak back (see the module doc)
+            if acc.host_is_device():  # device allocators cannot set a peak back (see the module doc)
                 from npuspeed.ops import memory_tracker
 
                 memory_tracker.restore_peak(peak, peak_reserved)
+
+    def meter(self):
+        """A trial's peak bytes, where the peak can be put back afterwards (the host's tracker;
+        zeros while it is off); None on a device (its allocator's peak cannot be set back)."""
+        if not self.acc.host_is_device():
+            return None
+        acc = self.acc
+
+        def start() -> int:
+            acc.reset_peak_memory_stats()
+            return acc.memory_allocated()
+
+        return start, lambda base: acc.max_memory_allocated() - base
 
 
 #: ops every TP rank must run with the same kernel: RMSNorm's weight is replicated on the TP ranks
@@ -93,8 +106,15 @@ def configure(ctx) -> None:
     """Point the process's fused-op chooser at this run's accelerator and note sink (idempotent)."""
     from npuspeed.ops import fused_choice
 
-    fused_choice.CHOOSER.configure(sync=ctx.accelerator.synchronize, guard=AcceleratorGuard(ctx.accelerator),
-                                   notify=ctx.note, agree=TensorParallelAgreement(ctx.accelerator))
+    fused_choice.CHOOSER.configure(notify=ctx.note, agree=TensorParallelAgreement(ctx.accelerator))
+    on_accelerator(fused_choice.CHOOSER, ctx.accelerator)
+
+
+def on_accelerator(chooser, acc) -> None:
+    """Point a chooser at the run's accelerator: its synchronize, its events for device timing
+    (not on the host, where the process's CPU time is the clock) and the guard above."""
+    chooser.configure(sync=acc.synchronize, guard=AcceleratorGuard(acc),
+                      events=None if acc.host_is_device() else acc.Event)
 
 
 def choice_lines(op: str) -> str:

@@ -52,9 +52,9 @@ class GradAccumFusionFeature(Feature):
                      "accumulation themselves; npuspeed's path serves Megatron's local linears only")
 
     def prepare(self, ctx) -> None:
-        from npuspeed.features.grad_accum_fusion.chooser import PathChooser
+        from npuspeed.features.grad_accum_fusion.paths import WgradPaths
 
-        self.chooser = PathChooser(ctx.accelerator, ctx.note)
+        self.chooser = WgradPaths(ctx.accelerator, ctx.note)
 
     def register_patches(self, registry, ctx) -> None:
         from npuspeed.features.grad_accum_fusion import placeholder
@@ -90,7 +90,7 @@ class GradAccumFusionFeature(Feature):
         if apex_kernel_installed():
             return "apex's fused_weight_gradient_mlp_cuda (installed; Megatron uses it directly)"
         from npuspeed import telemetry
-        from npuspeed.features.grad_accum_fusion.chooser import PREFIX
+        from npuspeed.features.grad_accum_fusion.paths import PREFIX
 
         calls = telemetry.snapshot(PREFIX)
         choices = self.chooser.summary() if self.chooser is not None else "not prepared"
