@@ -138,13 +138,13 @@ test-device-host: install-test
 
 # The accelerator figures in one command (at most 8 minutes on one H100): the tier, the example's
 # end-to-end and per-flag runs at 709M parameters, the fused-op tables -> runs/device-report/
-# (report.json, report.md, PNGs). `make readme-device` then puts report.md into the README.
+# (report.json, report.md, PNGs). `make readme-device` then puts report.md into docs/accelerators.md.
 device-report:
 	@$(DEVICE_SETUP); echo "device report: $$py"; \
 	$(DEVICE_ENV) "$$py" benchmarks/device_report/run.py --out runs/device-report
 
 readme-device:
-	python3 benchmarks/device_report/readme.py runs/device-report README.md
+	python3 benchmarks/device_report/readme.py runs/device-report docs/accelerators.md
 
 bench: install-test
 	$(VPY) -m pytest -q -m slow tests
