@@ -90,11 +90,13 @@ def _check_env_spelling(parser: argparse.ArgumentParser) -> None:
 
 
 def features_help(features) -> str:
-    lines = ["npuspeed features and their flags:"]
+    """Each feature, whether it is opt-in, its flags and the module that owns them."""
+    lines = ["npuspeed features and their flags (and the module that owns them):"]
     for feature in features:
         flags = ", ".join(feature.flags) or "(no flags)"
         state = "always on" if feature.always_on else "opt-in"
-        lines.append(f"  {feature.name:<28} {state:<9} {flags}")
+        owner = (feature.Config or type(feature)).__module__
+        lines.append(f"  {feature.name:<28} {state:<9} {flags}  [{owner}]")
     lines.append("")
     lines.append(build_parser(features).format_help())
     return "\n".join(lines)

@@ -55,18 +55,31 @@ class FeatureError(UserError, ValueError):
 
 
 class Feature:
-    #: short name used in the registry and the report
+    #: short name used in the registry and the report (= its folder under npuspeed/features/)
     name: str = ""
-    #: flags this feature owns (for --npuspeed-help)
+    #: flags this feature owns (for --npuspeed-help); derived from `Config` where it has one
     flags: tuple[str, ...] = ()
+    #: the typed flags (npuspeed/features/config.py): its fields generate the argparse group
+    Config: type | None = None
     #: True for features that apply whatever the flags say (the device layer)
     always_on: bool = False
     #: True for features that change neither memory nor time the planner models (and so do
     #: not override `plan_effect`); a test checks every feature says one or the other
     plan_neutral: bool = False
 
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if cls.__dict__.get("Config") is not None and "flags" not in cls.__dict__:
+            cls.flags = cls.Config.flags()
+
     def add_arguments(self, group: argparse._ArgumentGroup) -> None:
-        """Add this feature's flags to the npuspeed argument group."""
+        """Add this feature's flags to the npuspeed argument group (from `Config` by default)."""
+        if self.Config is not None:
+            self.Config.add_arguments(group)
+
+    def config(self, args: argparse.Namespace):
+        """This feature's typed flags in `args` (an instance of `Config`)."""
+        return self.Config.from_args(args)
 
     def enabled(self, args: argparse.Namespace) -> bool:
         return self.always_on

@@ -1,0 +1,68 @@
+"""Norm recompute (`--recompute-norm [--recompute-norm-num-layers N]`, MindSpeed's names).
+
+Each selected layer's input norm and pre-MLP norm outputs (tokens x hidden each) are kept
+only because the next linear's backward reads them. Here they are computed without a graph,
+freed once that linear has run and recomputed into the same storage just before its backward
+(norms.py): two hidden-sized activations per layer, plus the norms' own saved statistics, go
+for one norm's recompute in backward. The mechanism is activation recompute's checkpoint
+(recompute_activation/checkpoint.py), reused with its own counters.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from npuspeed.features.base import Feature, FeatureError
+from npuspeed.features.config import FeatureConfig, flag
+
+MAIN, NUM = "--recompute-norm", "--recompute-norm-num-layers"
+
+
+@dataclass(frozen=True)
+class Config(FeatureConfig):
+    recompute_norm: bool = flag(MAIN, False)
+    """Free the input and pre-MLP norms' outputs once the next linear has used them and
+    recompute them in backward (saves 2 x tokens x hidden per layer)."""
+    recompute_norm_num_layers: int | None = flag(NUM, None, type=int, metavar="N")
+    """With --recompute-norm: only the first N layers of each pipeline stage (interleaved order
+    across virtual chunks); default all."""
+
+
+class RecomputeNormFeature(Feature):
+    name = "recompute_norm"
+    Config = Config
+
+    def enabled(self, args) -> bool:
+        config = self.config(args)
+        return config.recompute_norm or config.recompute_norm_num_layers is not None
+
+    def validate(self, ctx) -> None:
+        config = self.config(ctx.args)
+        num = config.recompute_norm_num_layers
+        if not config.recompute_norm:
+            raise FeatureError(f"{NUM} {num} is given without {MAIN}; add {MAIN} (or drop {NUM})")
+        if num is not None and num < 1:
+            raise FeatureError(f"{NUM} must be a positive number of layers per pipeline stage, got {num}; "
+                               "drop it to recompute the norms of every layer")
+
+    def register_patches(self, registry, ctx) -> None:
+        from npuspeed.features.recompute_norm import patches
+
+        patches.register(registry, ctx, self.config(ctx.args), self.name)
+
+    def plan_effect(self, model, ctx):
+        from npuspeed.features.recompute_norm import plan
+
+        return plan.effect(model, self.config(ctx.args))
+
+    def path(self, ctx) -> str:
+        config = self.config(ctx.args)
+        if not config.recompute_norm:
+            return "off"
+        from npuspeed import telemetry
+        from npuspeed.features.recompute_norm.norms import SELECTED
+
+        num = config.recompute_norm_num_layers
+        which = "all layers" if num is None else f"first {num} layers of each pipeline stage"
+        return (f"the activation-recompute checkpoint (Megatron-Core's CheckpointWithoutOutput, fp8=None): norm "
+                f"output freed after linear_qkv / linear_fc1 ran, recomputed from a grad hook on their output; "
+                f"{which}; norms selected in this process: {telemetry.get(SELECTED)}")
