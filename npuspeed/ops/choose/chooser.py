@@ -112,7 +112,10 @@ class Chooser:
                                    candidates, inputs)
         else:
             self._inputs = inputs
-            choice = measure.timed(self, op, text, candidates, inputs, grads, nbytes)
+            try:
+                choice = measure.timed(self, op, text, candidates, inputs, grads, nbytes)
+            finally:
+                self._inputs = ()  # the trial's inputs are not kept alive by the cache
         self.choices[key] = choice
         self._say(choice)
         return choice

@@ -1,0 +1,92 @@
+"""Issue 35: a feature has one shape. Each feature lives in npuspeed/features/<name>/ (name =
+folder) with <name>_feature.py (the class and its typed Config: one field per flag, the
+docstring under it the flag's --help), patches.py and plan.py beside the implementation, and
+reads its flags from the typed config, not with getattr. NOT_YET lists the features still in
+the old shape (issue 35 is converting them): a converted feature must leave it (a stale entry
+fails), so the list only shrinks."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+FEATURES = Path(__file__).resolve().parents[2] / "npuspeed" / "features"
+NOT_YET = {"device", "fused_attention", "context_parallel", "fused_rmsnorm", "fused_swiglu", "fused_rotary_pos_emb",
+           "fused_linear_ce", "reuse_fp32_param", "recompute_activation", "swap_attention", "swap_optimizer",
+           "grad_accum_fusion", "coc_overlap", "adaptive_memory", "moe_tp_extend_ep", "moe_grouped_gemm",
+           "moe_fused_permute", "moe_alltoall_overlap", "megatron_lm"}
+SHAPE = ("{name}_feature.py", "patches.py", "plan.py")
+
+
+def _features():
+    from npuspeed.features import all_features
+
+    return {f.name: f for f in all_features()}
+
+
+def shape_problems(feature) -> list[str]:
+    """What keeps `feature` from the one shape (empty when it has it)."""
+    folder = FEATURES / feature.name
+    problems = [f"no file {folder.name}/{f.format(name=feature.name)}" for f in SHAPE
+                if not (folder / f.format(name=feature.name)).is_file()]
+    module = f"npuspeed.features.{feature.name}.{feature.name}_feature"
+    if type(feature).__module__ != module:
+        problems.append(f"class in {type(feature).__module__}, not {module}")
+    if feature.Config is None or feature.Config.__module__ != module:
+        problems.append(f"no typed Config in {module}")
+    elif set(feature.flags) != set(feature.Config.flags()):
+        problems.append(f"flags {feature.flags} are not its Config's {feature.Config.flags()}")
+    return problems + getattr_reads(folder)
+
+
+def getattr_reads(folder: Path) -> list[str]:
+    """`getattr(<...>args, "flag", ...)` reads of flags in the folder's modules."""
+    hits = []
+    for path in sorted(folder.glob("*.py")) if folder.is_dir() else []:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr" \
+                    and node.args and "args" in ast.unparse(node.args[0]):
+                hits.append(f"{path.name}:{node.lineno} {ast.unparse(node)}")
+    return hits
+
+
+@pytest.mark.parametrize("name", sorted(_features()))
+def test_feature_has_the_one_shape(name):
+    problems = shape_problems(_features()[name])
+    if name in NOT_YET:
+        assert problems, f"{name} has the one shape now: remove it from NOT_YET"
+    else:
+        assert problems == [], f"{name}: " + "; ".join(problems)
+
+
+def test_each_flags_owner_is_found_by_its_folder_name():
+    """A flag's owner is the feature in npuspeed/features/<name>/<name>_feature.py."""
+    for name, feature in _features().items():
+        if name in NOT_YET:
+            continue
+        text = (FEATURES / name / f"{name}_feature.py").read_text()
+        for flag in feature.flags:
+            assert flag in text or flag.lstrip("-").replace("-", "_") in text, (name, flag)
+
+
+def test_help_names_each_flags_module():
+    from npuspeed import arguments
+
+    lines = arguments.features_help(list(_features().values())).splitlines()
+    line = next(line for line in lines if line.strip().startswith("recompute_norm "))
+    assert "--recompute-norm" in line and "[npuspeed.features.recompute_norm.recompute_norm_feature]" in line
+
+
+def test_a_flag_without_a_docstring_is_refused():
+    import argparse
+    from dataclasses import dataclass
+
+    from npuspeed.features.config import FeatureConfig, flag
+
+    @dataclass(frozen=True)
+    class Bad(FeatureConfig):
+        x: bool = flag("--x", False)
+
+    with pytest.raises(TypeError, match="needs a docstring"):
+        Bad.add_arguments(argparse.ArgumentParser())
