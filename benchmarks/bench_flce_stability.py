@@ -61,7 +61,10 @@ def main() -> None:
                                  name=f"{name}-forced", timeout=1200)
             peak = lambda s: s["forward_backward_peak_bytes"] / off["forward_backward_peak_bytes"]  # noqa: E731
             speed = lambda s: s["tokens_per_s"] / off["tokens_per_s"]  # noqa: E731
-            print(f"  {name}: forced chunked: peak {peak(forced):.3f}x, tokens/s {speed(forced):.3f}x "
+            # tokens per CPU-second: the step's process CPU time, steadier than wall time under load
+            cpu = lambda s: off["median_step_cpu_ms"] / s["median_step_cpu_ms"]  # noqa: E731
+            print(f"  {name}: forced chunked: peak {peak(forced):.3f}x, tokens/s {speed(forced):.3f}x, "
+                  f"tokens per CPU-second {cpu(forced):.3f}x "
                   f"(flag off: peak {off['forward_backward_peak_bytes'] / 2**20:.1f} MiB)", flush=True)
             paths = []
             for run in range(args.runs):
@@ -74,7 +77,7 @@ def main() -> None:
                         proc.wait()
                 paths.append(path_taken(auto))
                 print(f"    auto run {run + 1} (load {os.getloadavg()[0]:.1f}): {paths[-1]}, peak {peak(auto):.3f}x, "
-                      f"tokens/s {speed(auto):.3f}x", flush=True)
+                      f"tokens/s {speed(auto):.3f}x, tokens per CPU-second {cpu(auto):.3f}x", flush=True)
                 bench.add(f"{name} auto run {run + 1}", "fp32", baseline_ms=off["median_step_ms"],
                           feature_ms=auto["median_step_ms"], baseline_peak_bytes=off["forward_backward_peak_bytes"],
                           feature_peak_bytes=auto["forward_backward_peak_bytes"],
