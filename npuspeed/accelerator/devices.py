@@ -2,8 +2,8 @@
 
 `for_device(t.device).host_is_device()` instead of `t.device.type == "cpu"`: the device names
 are compared here only, so a feature asks what a device can do and a new backend is answered
-in one place. The NPU kernels' device types come from the ops layer's list, which the NPU
-contract tier widens so CPU tensors play NPU tensors.
+in one place. The host's device types come from the ops layer's table (ops sit below the
+accelerator and ask `_dispatch.on_host` / `on_npu` themselves).
 """
 from __future__ import annotations
 
@@ -42,10 +42,6 @@ class DeviceTraits:
     def has_vendor_kernels(self) -> bool:
         """The device's vendor library (torch_npu) brings its own fused kernels (npuspeed.ops.npu)."""
         return self.type == "npu"
-
-    def takes_vendor_kernels(self) -> bool:
-        """The vendor kernels take these tensors (the NPU contract tier adds the CPU, see ops/_dispatch)."""
-        return self.type in _dispatch.NPU_DEVICE_TYPES
 
     def has_sdpa_kernels(self) -> bool:
         """torch's flash / memory-efficient scaled_dot_product_attention kernels serve this device."""

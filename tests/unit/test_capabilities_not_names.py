@@ -116,6 +116,8 @@ def test_capabilities_answer_per_device_type():
     assert for_device(torch.zeros(1)) is cpu
     acc = get_accelerator()  # NPUSPEED_DEVICE=cpu in the suite
     assert acc.host_is_device() and not acc.has_streams() and acc.kernel("npu_fusion_attention") is None
+    assert not (acc.has_vendor_kernels() or acc.has_sdpa_kernels() or acc.runs_cuda_code())
+    assert acc.triton_available() == cpu.triton_available()
 
 
 def test_one_triton_answer_for_the_kernels_and_the_codec(monkeypatch):
