@@ -134,9 +134,11 @@ def measure_gemm_tflops(device, synchronize, *, n: int | None = None, dtype=None
 
     import torch
 
+    from npuspeed.ops._dispatch import HOST_DEVICE_TYPES
+
     device = torch.device(device)
     dtype = dtype or torch.bfloat16
-    n = n or (2048 if device.type == "cpu" else 8192)
+    n = n or (2048 if device.type in HOST_DEVICE_TYPES else 8192)
     gen = torch.Generator().manual_seed(0)
     a = torch.randn(n, n, generator=gen).to(device=device, dtype=dtype)
     b = torch.randn(n, n, generator=gen).to(device=device, dtype=dtype)

@@ -12,6 +12,7 @@ import os
 import torch
 
 from npuspeed.accelerator.base import Accelerator, AcceleratorError, NullEvent, NullStream
+from npuspeed.accelerator.devices import for_device
 
 log = logging.getLogger("npuspeed")
 
@@ -102,6 +103,7 @@ __all__ = [
     "DEVICES",
     "NullEvent",
     "NullStream",
+    "for_device",
     "get_accelerator",
     "reset_accelerator",
     "select_device_name",

@@ -11,6 +11,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from npuspeed.accelerator.capabilities import Capabilities
 from npuspeed.errors import UserError
 
 
@@ -79,11 +80,11 @@ class NullEvent:
         return (end._time - self._time) * 1000.0
 
 
-class Accelerator(ABC):
+class Accelerator(Capabilities, ABC):
     """Device questions, answered for one backend.
 
     `name` is the torch device type ("cpu", "cuda", "npu"); `dist_backend` the collective
-    library that goes with it.
+    library that goes with it. Features ask capabilities (capabilities.py), never the name.
     """
 
     name: str = ""

@@ -29,11 +29,16 @@ class NpuAccelerator(CudaAccelerator):
     def is_bf16_supported(self) -> bool:
         return True
 
+    def kernel(self, name: str):
+        """torch_npu's op `name` (npu_fusion_attention, npu_swiglu, ...), or None where this
+        release has none."""
+        return getattr(self.torch_npu, name, None)
+
     def has_fused_attention(self) -> bool:
-        return hasattr(self.torch_npu, npu_ops.FUSION_ATTENTION)
+        return self.kernel(npu_ops.FUSION_ATTENTION) is not None
 
     def has_mc2(self) -> bool:
-        return hasattr(self.torch_npu, npu_ops.ALL_GATHER_MM) and hasattr(self.torch_npu, npu_ops.MM_REDUCE_SCATTER)
+        return all(self.kernel(op) is not None for op in (npu_ops.ALL_GATHER_MM, npu_ops.MM_REDUCE_SCATTER))
 
     #: torch_npu's fused matmul-accumulate: op-plugin's ATB kernel, `_npu_matmul_add_fp32` in
     #: every torch_npu wheel 2.6.0-2.14.0 (no build names it without the underscore)
@@ -51,7 +56,7 @@ class NpuAccelerator(CudaAccelerator):
         libop_plugin_atb.so on their first call: the name exists even where the NNAL package
         (libatb.so) is missing, and then the first call raises OSError. One tiny call, once,
         tells whether the kernel runs."""
-        op = getattr(self.torch_npu, self._MATMUL_ADD, None)
+        op = self.kernel(self._MATMUL_ADD)
         if op is None:
             return None, None
         try:

@@ -14,7 +14,6 @@ Autograd and fake (meta) kernels of the C++ ops are registered on first use, not
 from __future__ import annotations
 
 import contextlib
-import sys
 from typing import Callable
 
 import torch
@@ -29,6 +28,13 @@ _QUIET = [0]  # > 0 while a trial or a chosen call runs: record() counts nothing
 #: device types whose tensors take torch_npu's kernels: an NPU's; the NPU contract tier
 #: (tests/npu_contract/) adds "cpu" so the NPU branches run on CPU tensors through a stand-in
 NPU_DEVICE_TYPES = ["npu"]
+#: device types whose tensors live in host memory: the `npuspeed::` C++ kernels and Triton's
+#: interpreter take them (the ops layer sits below the accelerator, so it keeps this table;
+#: npuspeed.accelerator.devices answers from it for everything above)
+HOST_DEVICE_TYPES = ["cpu"]
+#: the implementation label of torch_npu's kernels (telemetry `ops.<op>.npu`, report keys): a
+#: label of what ran, not a device name
+NPU_IMPL = "npu"
 
 
 def calls() -> dict[tuple[str, str], int]:
@@ -45,14 +51,19 @@ def on_npu(*tensors: torch.Tensor) -> bool:
     return all(t.device.type in NPU_DEVICE_TYPES for t in tensors)
 
 
+def on_host(*tensors: torch.Tensor) -> bool:
+    """All of `tensors` live in host memory (see HOST_DEVICE_TYPES)."""
+    return all(t.device.type in HOST_DEVICE_TYPES for t in tensors)
+
+
 def implementation(op: str, *tensors: torch.Tensor) -> str:
     """The implementation `op` runs for these tensors: npu, cpp or reference."""
     device_types = {t.device.type for t in tensors}
     one_dtype = len({t.dtype for t in tensors}) == 1
     if on_npu(*tensors) and len(device_types) == 1:
         # torch_npu's fused ops take one dtype (npu_rms_norm: "gamma的数据类型需要和x保持一致")
-        return "npu" if one_dtype else "reference"
-    if device_types == {"cpu"} and all(t.dtype in CPP_DTYPES for t in tensors) and one_dtype and has_op(op):
+        return NPU_IMPL if one_dtype else "reference"
+    if on_host(*tensors) and all(t.dtype in CPP_DTYPES for t in tensors) and one_dtype and has_op(op):
         return "cpp"
     return "reference"
 
@@ -75,16 +86,6 @@ def quiet():
         yield
     finally:
         _QUIET[0] -= 1
-
-
-def torch_npu():
-    """The loaded torch_npu. NPU tensors exist only once the accelerator imported it, so the
-    ops read it from sys.modules instead of importing anything (the accelerator, above the
-    ops, is the only importer)."""
-    module = sys.modules.get("torch_npu")
-    if module is None:
-        raise RuntimeError("npuspeed: an NPU op was called but torch_npu is not loaded")
-    return module
 
 
 def ensure_registered(op: str, register: Callable[[], None]) -> None:

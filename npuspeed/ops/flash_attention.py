@@ -81,7 +81,7 @@ def unsupported(query: torch.Tensor, key: torch.Tensor, *, masked: bool, dropout
     """Why this call cannot run a kernel here ([s, b, h, d] tensors), or None when it can.
 
     `masked`: the call has a mask that is not per-row key ranges (those the kernels take)."""
-    if query.device.type != "cpu" or key.device.type != "cpu":
+    if not _dispatch.on_host(query, key):
         return "the kernels run CPU tensors"
     if query.dtype != key.dtype or query.dtype not in (torch.bfloat16, torch.float32):
         return "the kernels run bf16 or fp32 tensors"

@@ -17,9 +17,10 @@ import torch
 
 from npuspeed.ops import _dispatch
 from npuspeed.ops._extension import has_op
+from npuspeed.ops.npu import moe as npu_moe
+from npuspeed.ops.npu.moe import NPU_PERMUTE, NPU_UNPERMUTE  # noqa: F401  (their names, re-exported)
 
 OP = "moe_permute"
-NPU_PERMUTE, NPU_UNPERMUTE = "npu_moe_token_permute_with_routing_map", "npu_moe_token_unpermute_with_routing_map"
 
 
 def permute_reference(tokens, routing_map):
@@ -91,8 +92,8 @@ def _register() -> None:
 def implementation(tokens: torch.Tensor) -> str:
     """npu, cpp or reference, for tokens on this device and of this dtype."""
     if _dispatch.on_npu(tokens):
-        return "npu" if hasattr(_dispatch.torch_npu(), NPU_PERMUTE) else "reference"
-    if tokens.device.type == "cpu" and tokens.dtype in _dispatch.CPP_DTYPES and has_op(OP):
+        return _dispatch.NPU_IMPL if npu_moe.has_permute() else "reference"
+    if _dispatch.on_host(tokens) and tokens.dtype in _dispatch.CPP_DTYPES and has_op(OP):
         return "cpp"
     return "reference"
 
@@ -121,14 +122,14 @@ def moe_permute(tokens, routing_map, probs=None, *, num_out_tokens=None, drop_an
     """(permuted [N, H], permuted_probs [N] or None, sorted_indices [N], tokens_per_expert [E]).
     `checked`: the caller already knows npu_accepts() holds (no second host sync)."""
     impl = implementation(tokens)
-    if impl == "npu" and not checked and not npu_accepts(routing_map, num_out_tokens, drop_and_pad, tokens, probs):
+    if impl == _dispatch.NPU_IMPL and not checked and not npu_accepts(routing_map, num_out_tokens, drop_and_pad, tokens, probs):
         impl = "reference"  # rows of different expert counts: not torch_npu's contract
     _dispatch.record(OP, impl)
-    if impl == "npu":
+    if impl == _dispatch.NPU_IMPL:
         if num_out_tokens is None and not drop_and_pad:  # torch_npu would read it as topK 1
             num_out_tokens = int(routing_map.sum())
-        permuted, permuted_probs, sorted_indices = _dispatch.torch_npu().npu_moe_token_permute_with_routing_map(
-            tokens, routing_map, probs=probs, num_out_tokens=num_out_tokens, drop_and_pad=drop_and_pad)
+        permuted, permuted_probs, sorted_indices = npu_moe.permute(tokens, routing_map, probs, num_out_tokens,
+                                                                   drop_and_pad)
         return permuted, permuted_probs, sorted_indices, routing_map.sum(dim=0).long()
     if impl == "cpp":
         _dispatch.ensure_registered(OP, _register)
@@ -146,13 +147,11 @@ def moe_unpermute(permuted, sorted_indices, num_tokens: int, probs=None, routing
     if probs is not None and routing_map is None:
         raise ValueError("moe_unpermute: weighting by probs needs the routing_map that permuted the tokens")
     impl = implementation(permuted)
-    if impl == "npu" and sorted_indices.dtype != torch.int32:
+    if impl == _dispatch.NPU_IMPL and sorted_indices.dtype != torch.int32:
         impl = "reference"  # torch_npu's sorted_indices are int32: these came from the reference permute
     _dispatch.record("moe_unpermute", impl)
-    if impl == "npu":
-        return _dispatch.torch_npu().npu_moe_token_unpermute_with_routing_map(
-            permuted, sorted_indices, [num_tokens, permuted.shape[1]], probs=probs, routing_map=routing_map,
-            drop_and_pad=drop_and_pad)
+    if impl == _dispatch.NPU_IMPL:
+        return npu_moe.unpermute(permuted, sorted_indices, num_tokens, probs, routing_map, drop_and_pad)
     row_probs = None
     if probs is not None:
         row_probs = probs[sorted_indices, _row_experts(routing_map.sum(dim=0), probs.device)]

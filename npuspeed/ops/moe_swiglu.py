@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from npuspeed.ops import _dispatch
+from npuspeed.ops.npu import elementwise as npu_kernels
 
 OP = "moe_weighted_swiglu"
 
@@ -45,8 +46,8 @@ def _register() -> None:
 
 def implementation(x: torch.Tensor) -> str:
     if _dispatch.on_npu(x):
-        return "npu"
-    if x.device.type == "cpu" and x.dtype in _dispatch.CPP_DTYPES and _dispatch.has_op(OP):
+        return _dispatch.NPU_IMPL
+    if _dispatch.on_host(x) and x.dtype in _dispatch.CPP_DTYPES and _dispatch.has_op(OP):
         return "cpp"
     return "reference"
 
@@ -60,6 +61,6 @@ def weighted_swiglu(x: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
     if impl == "cpp":
         _dispatch.ensure_registered(OP, _register)
         return torch.ops.npuspeed.moe_weighted_swiglu(x, probs)
-    if impl == "npu":
-        return (_dispatch.torch_npu().npu_swiglu(x, dim=-1) * probs.unsqueeze(-1)).to(x.dtype)
+    if impl == _dispatch.NPU_IMPL:
+        return (npu_kernels.swiglu(x) * probs.unsqueeze(-1)).to(x.dtype)
     return weighted_swiglu_reference(x, probs)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from npuspeed.ops import _dispatch, fused_choice
+from npuspeed.ops.npu import elementwise as npu_kernels
 
 OP = "rms_norm"
 
@@ -56,7 +57,11 @@ def _cpp(x, weight, eps):
 
 
 def _npu(x, weight, eps):
-    return _dispatch.torch_npu().npu_rms_norm(x, weight, epsilon=float(eps))[0]
+    return npu_kernels.rms_norm(x, weight, eps)
+
+
+#: the device kernel per implementation (`_dispatch.implementation`); else the reference
+_KERNELS = {"cpp": _cpp, _dispatch.NPU_IMPL: _npu}
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 1e-5) -> torch.Tensor:
@@ -65,11 +70,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 1e-5) ->
         weight = torch.ones(x.shape[-1], dtype=x.dtype, device=x.device)
     impl = _dispatch.implementation(OP, x, weight)
     _dispatch.record(OP, impl)
-    if impl == "cpp":
-        return _cpp(x, weight, eps)
-    if impl == "npu":
-        return _npu(x, weight, eps)
-    return rms_norm_reference(x, weight, eps)
+    return _KERNELS.get(impl, rms_norm_reference)(x, weight, eps)
 
 
 def candidates(x: torch.Tensor, weight: torch.Tensor, eps: float, megatron) -> dict:
@@ -80,10 +81,9 @@ def candidates(x: torch.Tensor, weight: torch.Tensor, eps: float, megatron) -> d
     twice); npuspeed's C++ kernel on CPU, Triton on CUDA/NPU, torch_npu's kernel on an NPU."""
     found = {"megatron": megatron}
     impl = _dispatch.implementation(OP, x, weight)
-    if impl == "cpp":
-        found["cpp"] = lambda x, w: _cpp(x, w, eps)
-    elif impl == "npu":
-        found["npu"] = lambda x, w: _npu(x, w, eps)
+    kernel = _KERNELS.get(impl)
+    if kernel is not None:
+        found[impl] = lambda x, w: kernel(x, w, eps)
     triton = fused_choice.triton_kernel("rms_norm", "rms_norm", x, weight)
     if triton is not None:
         found["triton"] = lambda x, w: triton(x, w, eps)

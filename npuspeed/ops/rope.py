@@ -15,6 +15,7 @@ import weakref
 import torch
 
 from npuspeed.ops import _dispatch, fused_choice
+from npuspeed.ops.npu import elementwise as npu_kernels
 
 OP = "rotary_pos_emb"
 
@@ -108,14 +109,22 @@ def rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, interleaved: bool = Fal
     """Megatron's rotary embedding of t [s, b, h, d] by the angles `freqs` (see the module doc)."""
     fits = supported(t, freqs) and freqs.device == t.device
     impl = _dispatch.implementation(OP, t) if fits else "reference"
-    if impl == "npu" and (interleaved or not npu_fits(t, freqs)):  # npu_rotary_mul: rotate-half, its limits
+    if not _takes(impl, t, freqs, interleaved):  # npu_rotary_mul: rotate-half, its limits
         impl = "reference"
     _dispatch.record(OP, impl)
-    if impl == "reference":
-        return rotary_pos_emb_reference(t, freqs, interleaved, mscale)
-    if impl == "cpp":
-        return _cpp(t, freqs, interleaved, mscale)
-    return _npu(t, freqs, interleaved, mscale)
+    return _kernels().get(impl, rotary_pos_emb_reference)(t, freqs, interleaved, mscale)
+
+
+def _kernels() -> dict:
+    """The device kernel per implementation (`_dispatch.implementation`); else the reference."""
+    return {"cpp": _cpp, _dispatch.NPU_IMPL: _npu}
+
+
+def _takes(impl: str, t, freqs, interleaved: bool) -> bool:
+    """Whether implementation `impl` takes this call: npu_rotary_mul is rotate-half only, within
+    its limits (npu_fits); the others take what `supported` let through."""
+    limits = {_dispatch.NPU_IMPL: lambda: not interleaved and npu_fits(t, freqs)}
+    return limits.get(impl, lambda: True)()
 
 
 def _cpp(t, freqs, interleaved, mscale):
@@ -129,7 +138,7 @@ def _npu(t, freqs, interleaved, mscale):
     # npu_rotary_mul's cos/sin must lie in [-1, 1] ("r1: 数据范围：[-1, 1]"): mscale is applied to its output
     cos, sin = cached_cos_sin(t, freqs, 1.0, t.dtype)
     rot = freqs.shape[-1]
-    out = _dispatch.torch_npu().npu_rotary_mul(t[..., :rot], cos, sin)
+    out = npu_kernels.rotary_mul(t[..., :rot], cos, sin)
     if mscale != 1.0:
         out = out * mscale
     return out if rot == t.shape[-1] else torch.cat((out, t[..., rot:]), dim=-1)
@@ -143,10 +152,9 @@ def candidates(t: torch.Tensor, freqs: torch.Tensor, interleaved: bool, mscale: 
     if not (supported(t, freqs) and freqs.device == t.device):
         return found
     impl = _dispatch.implementation(OP, t)
-    if impl == "cpp":
-        found["cpp"] = lambda t: _cpp(t, freqs, interleaved, mscale)
-    elif impl == "npu" and not interleaved and npu_fits(t, freqs):
-        found["npu"] = lambda t: _npu(t, freqs, interleaved, mscale)
+    kernel = _kernels().get(impl)
+    if kernel is not None and _takes(impl, t, freqs, interleaved):
+        found[impl] = lambda t: kernel(t, freqs, interleaved, mscale)
     triton = fused_choice.triton_kernel("rope", "rotary_pos_emb", t, freqs)
     if triton is not None:
         found["triton"] = lambda t: triton(t, freqs, interleaved, mscale)

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from npuspeed.ops import _dispatch, fused_choice
+from npuspeed.ops.npu import elementwise as npu_kernels
 
 OP = "swiglu"
 
@@ -44,11 +45,7 @@ def swiglu(x: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"swiglu: the last dimension must be even (gate and linear halves), got {tuple(x.shape)}")
     impl = _dispatch.implementation(OP, x)
     _dispatch.record(OP, impl)
-    if impl == "cpp":
-        return _cpp(x)
-    if impl == "npu":
-        return _npu(x)
-    return swiglu_reference(x)
+    return _kernels().get(impl, swiglu_reference)(x)
 
 
 def _cpp(x):
@@ -57,7 +54,12 @@ def _cpp(x):
 
 
 def _npu(x):
-    return _dispatch.torch_npu().npu_swiglu(x, dim=-1)
+    return npu_kernels.swiglu(x)
+
+
+def _kernels() -> dict:
+    """The device kernel per implementation (`_dispatch.implementation`); else the reference."""
+    return {"cpp": _cpp, _dispatch.NPU_IMPL: _npu}
 
 
 def candidates(x: torch.Tensor, megatron: dict) -> dict:
@@ -69,10 +71,8 @@ def candidates(x: torch.Tensor, megatron: dict) -> dict:
     if x.dim() == 0 or x.shape[-1] % 2:
         return found
     impl = _dispatch.implementation(OP, x)
-    if impl == "cpp":
-        found["cpp"] = _cpp
-    elif impl == "npu":
-        found["npu"] = _npu
+    if impl in _kernels():
+        found[impl] = _kernels()[impl]
     triton = fused_choice.triton_kernel("swiglu", "swiglu", x)
     if triton is not None:
         found["triton"] = triton

@@ -77,7 +77,7 @@ def test_first_release_of_each_new_argument():
         assert first == release, name
     assert [schemas[r]["npu_fusion_attention_grad"][1].count("Tensor") for r in wheel.RELEASES] == [4, 5, 5]
     assert "2.9.0" in emu.__doc__ and "7.2" not in emu.__doc__
-    from npuspeed.features.context_parallel import npu_varlen
+    from npuspeed.ops.npu import varlen as npu_varlen
     assert "2.9.0" in npu_varlen.__doc__ and "7.2" not in npu_varlen.__doc__
 
 

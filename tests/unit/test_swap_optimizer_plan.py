@@ -81,11 +81,14 @@ def test_step_time_cost_per_backend(monkeypatch):
     monkeypatch.setenv("NPUSPEED_SWAP_OPTIMIZER", "run")  # the CPU row: the mechanics' copies
     from npuspeed.plan.speed import swap_seconds
 
+    from npuspeed.accelerator.host_link import HOST_LINK_BYTES_PER_S
+
+    link = HOST_LINK_BYTES_PER_S["cuda"]  # the one CUDA figure (was this file's own 20e9)
     p, _ = _rank(CUDA + ["--swap-optimizer"])
     moved = p.ranks[0].swapped_optimizer
     # hidden behind a long enough update: only the first chunk in and the last out remain
-    assert swap_seconds(p.spec, p.effects, optimizer_s=10.0) == pytest.approx(2 * moved / 20e9)
-    assert swap_seconds(p.spec, p.effects, optimizer_s=0.0) == pytest.approx(3 * moved / 20e9)
+    assert swap_seconds(p.spec, p.effects, optimizer_s=10.0) == pytest.approx(2 * moved / link)
+    assert swap_seconds(p.spec, p.effects, optimizer_s=0.0) == pytest.approx(3 * moved / link)
     cpu, _ = _rank(["--swap-optimizer"])
     assert swap_seconds(cpu.spec, cpu.effects, optimizer_s=10.0) == pytest.approx(2 * moved / 5e9)
     off, _ = _rank(CUDA)

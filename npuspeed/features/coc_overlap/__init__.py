@@ -15,6 +15,7 @@ default). Shapes N does not divide use the nearest divisor, logged (chunking.py)
 """
 from __future__ import annotations
 
+from npuspeed.accelerator.devices import for_device
 from npuspeed.features.base import Feature, FeatureError
 from npuspeed.features.coc_overlap.layers import (
     Settings, build_module_wrapper, check_linear_class, column_forward_wrapper, init_wrapper, row_forward_wrapper,
@@ -110,7 +111,7 @@ class CocFeature(Feature):
             return (f"torch_npu MC2 fused npu_all_gather_base_mm / npu_mm_reduce_scatter_base "
                     f"(chunked N={n} where a shape does not fit MC2); {target}")
         where = ("as async work handles, waited per chunk (no streams on this device)"
-                 if accelerator.name == "cpu" else "on a separate communication stream")
+                 if not for_device(accelerator.name).has_streams() else "on a separate communication stream")
         mc2 = "; --use-ascend-mc2 given but no MC2 kernels here" if args.use_ascend_mc2 else ""
         return (f"chunked all-gather+matmul / matmul+reduce-scatter / matmul+all-reduce, N={n} row chunks, "
                 f"{accelerator.dist_backend} collectives {where}{mc2}; {target}")

@@ -23,6 +23,7 @@ from npuspeed.features.base import FeatureError
 from npuspeed.features.coc_overlap.comm import ChunkedEngine, Collectives
 from npuspeed.features.coc_overlap.functions import ColumnLinear, LinearSpec, RowLinear
 from npuspeed.features.coc_overlap.mc2 import Mc2Engine
+from npuspeed.ops import npu
 
 log = logging.getLogger("npuspeed")
 FLAG = "--use-coc"
@@ -52,13 +53,13 @@ def tp_group(layer):
 
 def use_mc2(settings: Settings) -> bool:
     acc = settings.accelerator
-    return settings.mc2 and getattr(acc, "torch_npu", None) is not None and acc.has_mc2()
+    return settings.mc2 and npu.of(acc) is not None and acc.has_mc2()
 
 
 def make_engine(group, settings: Settings):
     chunked = ChunkedEngine(settings.n, Collectives(group, settings.accelerator), settings.note)
     if use_mc2(settings):
-        return Mc2Engine(settings.accelerator.torch_npu, chunked, group, settings.accelerator)
+        return Mc2Engine(npu.of(settings.accelerator), chunked, group, settings.accelerator)
     return chunked
 
 

@@ -8,8 +8,8 @@ They pipeline internally; rows come out in the unchunked collective's order. `hc
 HCCL communicator name of the tensor-parallel group.
 
 The kernels take fp16/bf16 2-D inputs with k in [256, 65535) on 2, 4 or 8 ranks; any other
-call goes to the chunked engine (one log line per shape). torch_npu is reached only through
-`get_accelerator().torch_npu`, so a unit test can stand a fake in for it.
+call goes to the chunked engine (one log line per shape). The kernels are called by
+npuspeed.ops.npu.mc2 on the op library the engine is given, so a unit test can stand a fake in.
 """
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ import torch
 from npuspeed import telemetry
 from npuspeed.accelerator import npu_ops
 from npuspeed.features.coc_overlap.comm import COLLECTIVE, ChunkedEngine, Pending
+from npuspeed.ops.npu import mc2 as npu_mc2
 
 log = logging.getLogger("npuspeed")
 OPS = (npu_ops.ALL_GATHER_MM, npu_ops.MM_REDUCE_SCATTER)
@@ -52,8 +53,9 @@ class Mc2Engine:
 
     name = "mc2"
 
-    def __init__(self, torch_npu, chunked: ChunkedEngine, group, acc):
-        self.npu, self.chunked, self.group, self.acc = torch_npu, chunked, group, acc
+    def __init__(self, lib, chunked: ChunkedEngine, group, acc):
+        # lib: the op library npuspeed.ops.npu.mc2 calls (None: the loaded torch_npu; a test's stand-in)
+        self.lib, self.chunked, self.group, self.acc = lib, chunked, group, acc
         self.comm = chunked.comm
         self.size = chunked.comm.size
         self._hcom = None
@@ -65,7 +67,7 @@ class Mc2Engine:
         return self._hcom
 
     def _usable(self, op: str, x, w_t) -> bool:
-        why = None if hasattr(self.npu, op) else f"this torch_npu has no {op}"
+        why = None if npu_mc2.has(self.lib, op) else f"this torch_npu has no {op}"
         why = why or unsupported(x, w_t, self.size, op)
         if why is None:
             telemetry.count(f"{COLLECTIVE}mc2:{op}")
@@ -78,19 +80,15 @@ class Mc2Engine:
     def ag_mm(self, x, w_t, keep_gathered: bool = False):
         if not self._usable(npu_ops.ALL_GATHER_MM, x, w_t):
             return self.chunked.ag_mm(x, w_t, keep_gathered)
-        out, gathered = self.npu.npu_all_gather_base_mm(
-            x.contiguous(), w_t, self.hcom, self.size, bias=None, gather_index=0,
-            gather_output=keep_gathered, comm_turn=0)
+        out, gathered = npu_mc2.all_gather_mm(self.lib, x.contiguous(), w_t, self.hcom, self.size, keep_gathered)
         return out, (gathered if keep_gathered else None)
 
     def mm_rs(self, x, w_t) -> Pending:
         if not self._usable(npu_ops.MM_REDUCE_SCATTER, x, w_t):
             return self.chunked.mm_rs(x, w_t)
-        return Pending(self.npu.npu_mm_reduce_scatter_base(
-            x.contiguous(), w_t, self.hcom, self.size, reduce_op="sum", bias=None, comm_turn=0))
+        return Pending(npu_mc2.mm_reduce_scatter(self.lib, x.contiguous(), w_t, self.hcom, self.size))
 
     def mm_ar(self, x, w_t) -> Pending:
         if not self._usable(npu_ops.MM_ALL_REDUCE, x, w_t):
             return self.chunked.mm_ar(x, w_t)
-        return Pending(self.npu.npu_mm_all_reduce_base(
-            x.contiguous(), w_t, self.hcom, reduce_op="sum", bias=None, comm_turn=0))
+        return Pending(npu_mc2.mm_all_reduce(self.lib, x.contiguous(), w_t, self.hcom))

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 
+from npuspeed.accelerator.devices import for_device
 from npuspeed.features.base import Feature
 from npuspeed.features.context_parallel import patches, validate
 from npuspeed.features.context_parallel.attention import ATTR
@@ -54,7 +55,7 @@ class ContextParallelFeature(Feature):
         validate.check(ctx, self.layout(ctx.args))
 
     def prepare(self, ctx) -> None:
-        if ctx.accelerator.name != "cpu":
+        if not for_device(ctx.accelerator.name).host_is_device():
             return
         if ctx.megatron.bf16 and cpu_flash.machine_reason():
             ctx.note("context parallelism: bf16 blocks run PyTorch's CPU flash kernel, not npuspeed's: "
@@ -112,8 +113,9 @@ class ContextParallelFeature(Feature):
                         "block), partial outputs merged by log-sum-exp, dK/dV back around the ring",
                 "ulysses": "Ulysses: all-to-all sequence -> heads before attention and back after",
                 "hybrid": f"hybrid: Ulysses all-to-all in groups of {cp.ulysses}, ring across {cp.ring} groups"}
-        kernel = ("npu_fusion_attention blocks" if ctx.accelerator.name == "npu" else
-                  "PyTorch flash/efficient blocks" if ctx.accelerator.name == "cuda" else
+        traits = for_device(ctx.accelerator.name)
+        kernel = ("npu_fusion_attention blocks" if traits.has_vendor_kernels() else
+                  "PyTorch flash/efficient blocks" if traits.has_sdpa_kernels() else
                   "npuspeed::flash_attention(_fp32) blocks (PyTorch's CPU flash kernel where they cannot run)")
         size = ctx.args.context_parallel_size or "from the model config"
         return (f"{cp.algo} ({what[cp.short]}), CP {size}, Megatron's "

@@ -11,6 +11,7 @@ import contextlib
 
 import torch
 
+from npuspeed.accelerator.devices import for_device
 from npuspeed.features.base import FeatureError
 from npuspeed.features.context_parallel import documents, groups
 from npuspeed.features.context_parallel.blocks import CallSpec
@@ -19,6 +20,7 @@ from npuspeed.features.context_parallel.layout import CPLayout, ulysses_order
 from npuspeed.features.context_parallel.ring import RingAttention, RingPlan
 from npuspeed.features.context_parallel.ulysses import HeadToSeq, SeqToHead
 from npuspeed.features.fused_attention.dropout import draw_seed_offset, global_head0
+from npuspeed.ops import npu
 
 ATTR = "npuspeed_cp_layout"  # set on DotProductAttention by the CP feature's __init__ wrapper
 NO_CP = CPLayout("megatron_cp_algo", 1, 1, 1)
@@ -29,15 +31,16 @@ def active(module, packed_seq_params=None) -> bool:
 
 
 def _kernel(query, key, dropout_p: float, accelerator):
-    if accelerator is not None and accelerator.name == "npu" and accelerator.has_fused_attention():
+    if accelerator is not None and for_device(accelerator.name).has_vendor_kernels() \
+            and accelerator.has_fused_attention():
         from npuspeed.features.context_parallel.kernels_device import NpuFusion
 
-        return NpuFusion(accelerator.torch_npu), "the NPU's fused kernel"
-    if query.device.type == "cuda":
+        return NpuFusion(npu.of(accelerator)), "the NPU's fused kernel"
+    if for_device(query).has_sdpa_kernels():
         from npuspeed.features.context_parallel.kernels_device import CudaAten
 
         return CudaAten(query.dtype), "PyTorch's CUDA kernel"
-    if query.device.type != "cpu":
+    if not for_device(query).host_is_device():
         raise FeatureError(f"context parallelism / packed documents on {query.device.type} need a kernel that "
                            "returns the log-sum-exp (npu_fusion_attention on NPU, PyTorch's flash/efficient on "
                            "CUDA); this one has none: update torch_npu or drop --context-parallel-size")

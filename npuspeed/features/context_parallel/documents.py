@@ -17,7 +17,7 @@ already carries to every core attention call. npuspeed reads two forms:
 Each position then sees keys [start, end) of its own document (clipped by causality).
 Kernels that take per-row key ranges get them as int32 [b, sq] slices (`ranges`); the others
 get the block's document pieces (`tiles`): NPU's npu_fusion_attention takes them all in one
-TND (varlen) call (npu_varlen.py), a kernel without varlen runs one dense call per piece.
+TND (varlen) call (npuspeed/ops/npu/varlen.py), a kernel without varlen runs one dense call per piece.
 """
 from __future__ import annotations
 

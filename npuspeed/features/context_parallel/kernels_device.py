@@ -6,7 +6,8 @@ ring passes the final LSE as the max and ones as the sum (P = exp(s - lse)), wit
 output as `attention_in`. Causal diagonal blocks use the compressed 2048 x 2048 mask with
 sparse_mode 2 (no S x S tensor). A block of packed documents is ONE call in the op's TND
 (varlen) layout, each document piece a sequence of actual_seq_qlen / actual_seq_kvlen
-(npu_varlen.py), not one call per piece.
+(npuspeed/ops/npu/varlen.py), not one call per piece. The calls themselves are
+npuspeed.ops.npu's (`lib`: torch_npu, or a test's stand-in).
 
 CUDA: `_scaled_dot_product_flash_attention` (bf16/fp16) or
 `_scaled_dot_product_efficient_attention` (fp32), both returning the LSE and taking it back
@@ -22,8 +23,9 @@ import torch
 
 from npuspeed.accelerator import npu_ops
 from npuspeed.features.base import FeatureError
-from npuspeed.features.context_parallel import npu_varlen
 from npuspeed.features.context_parallel.blocks import Block, BlockKernel, CallSpec, expand_kv, reduce_kv_grad
+from npuspeed.ops.npu import attention as npu_attention
+from npuspeed.ops.npu import varlen as npu_varlen
 
 NPU = npu_ops.FUSION_ATTENTION
 CUDA_FLASH, CUDA_EFFICIENT = "aten_flash_cuda", "aten_efficient_cuda"
@@ -38,8 +40,8 @@ class NpuFusion(BlockKernel):
     varlen = True
     per_call_dropout = True
 
-    def __init__(self, torch_npu):
-        self.torch_npu = torch_npu
+    def __init__(self, lib=None):
+        self.lib = lib  # the op library (None: the loaded torch_npu)
         self._mask = None
         self._rng: dict[tuple, list] = {}
 
@@ -58,16 +60,16 @@ class NpuFusion(BlockKernel):
         states = self._rng.setdefault(_place(q, k, block), []) if spec.dropout_p > 0 else None
         if block.tiles is not None:
             calls = [] if states is not None else None
-            result = npu_varlen.forward(self.torch_npu, q, k, v, block.causal, block.tiles, spec.scale,
+            result = npu_varlen.forward(self.lib, q, k, v, block.causal, block.tiles, spec.scale,
                                         self._compressed(q.device), keep, calls)
             if states is not None:
                 states.append(calls)
             return result
         sq, b, hq, d = q.shape
         sk, hk = k.shape[0], k.shape[2]
-        res = self.torch_npu.npu_fusion_attention(
-            q.reshape(sq, b, hq * d), k.reshape(sk, b, hk * d), v.reshape(sk, b, hk * d), hq, "SBH",
-            scale=spec.scale, keep_prob=keep, **self._mask_args(block, q.device))
+        res = npu_attention.sbh(self.lib, q.reshape(sq, b, hq * d), k.reshape(sk, b, hk * d),
+                                v.reshape(sk, b, hk * d), hq, scale=spec.scale, keep_prob=keep,
+                                mask_args=self._mask_args(block, q.device))
         if states is not None:
             states.append(npu_varlen.rng_kwargs(res))
         out, smax, ssum = res[0], res[1], res[2]
@@ -78,16 +80,15 @@ class NpuFusion(BlockKernel):
         keep = 1.0 - spec.dropout_p
         state = self._rng[_place(q, k, block)].pop(0) if spec.dropout_p > 0 else None
         if block.tiles is not None:
-            return npu_varlen.backward(self.torch_npu, dout, q, k, v, out, lse, block.causal, block.tiles,
+            return npu_varlen.backward(self.lib, dout, q, k, v, out, lse, block.causal, block.tiles,
                                        spec.scale, self._compressed(q.device), keep, state)
         sq, b, hq, d = q.shape
         sk, hk = k.shape[0], k.shape[2]
         smax = lse.float().unsqueeze(-1).expand(b, hq, sq, 8).contiguous()
-        grads = self.torch_npu.npu_fusion_attention_grad(
-            q.reshape(sq, b, hq * d), k.reshape(sk, b, hk * d), v.reshape(sk, b, hk * d),
-            dout.reshape(sq, b, hq * d), hq, "SBH", softmax_max=smax, softmax_sum=torch.ones_like(smax),
-            attention_in=out.reshape(sq, b, hq * d), scale_value=spec.scale, keep_prob=keep,
-            **self._mask_args(block, q.device), **(state or {}))
+        grads = npu_attention.sbh_grad(
+            self.lib, q.reshape(sq, b, hq * d), k.reshape(sk, b, hk * d), v.reshape(sk, b, hk * d),
+            dout.reshape(sq, b, hq * d), hq, softmax_max=smax, attention_in=out.reshape(sq, b, hq * d),
+            scale=spec.scale, keep_prob=keep, extra={**self._mask_args(block, q.device), **(state or {})})
         return grads[0].view_as(q), grads[1].view_as(k), grads[2].view_as(v)
 
 

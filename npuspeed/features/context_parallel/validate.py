@@ -7,6 +7,7 @@ Ulysses degree does not divide, and a hybrid degree that does not divide the CP 
 """
 from __future__ import annotations
 
+from npuspeed.accelerator.devices import for_device
 from npuspeed.features.base import FeatureError
 from npuspeed.features.context_parallel import patches
 from npuspeed.features.context_parallel.layout import CPLayout
@@ -47,7 +48,7 @@ def check(ctx, cp: CPLayout) -> None:
     if getattr(args, "pre_tockens", None) is not None or getattr(args, "next_tockens", None) is not None:
         raise FeatureError("--pre-tockens/--next-tockens (band attention) are not supported with "
                            "--context-parallel-size > 1; drop them or CP")
-    if (meg.attention_dropout or 0.0) > 0 and ctx.accelerator.name != "cpu":
+    if (meg.attention_dropout or 0.0) > 0 and not for_device(ctx.accelerator.name).host_is_device():
         raise FeatureError(f"--attention-dropout {meg.attention_dropout} under --context-parallel-size on "
                            f"{ctx.accelerator.name}: its kernels do not draw dropout at global positions, so "
                            "CP would change the masks; set --attention-dropout 0")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 
+from npuspeed.accelerator.devices import for_device
 from npuspeed.features.base import Feature
 from npuspeed.features.device import (
     cuda_shim, determinism, dist_backend, distopt_fixes, gloo_collectives, megatron_compat, megatron_fixes, rng,
@@ -58,9 +59,10 @@ class DeviceFeature(Feature):
         if warning and warning not in ctx.notes:
             ctx.notes.append(warning)
         determinism.apply(ctx)
-        if accelerator.name == "npu":
+        traits = for_device(accelerator.name)
+        if traits.maps_cuda_itself():
             accelerator.transfer_to_npu()
-        if accelerator.name == "cpu":
+        if traits.host_is_device():
             _cache_triton_probe()
         # every backend answers these (no-ops where the device allocator counts by itself)
         accelerator.enable_memory_tracking()
@@ -83,14 +85,15 @@ class DeviceFeature(Feature):
         gloo_collectives.register(registry, self.name)  # MoE's uneven expert-TP gather on gloo
         # DistributedOptimizer with torch's Adam (no apex/TE): checkpoint save/load bugs.
         distopt_fixes.register(registry, self.name, ">=0.16,<0.20")  # upstream bugs unchanged through 0.19
-        if accelerator.name == "cuda":
+        traits = for_device(accelerator.name)
+        if traits.runs_cuda_code():
             return
         registry.register(
             "megatron.core.transformer.moe.moe_utils.maybe_move_tensor_to_cpu",
             megatron_fixes.maybe_move_tensor_to_cpu, feature=self.name,
         )
         dist_backend.register(registry, self.name)
-        if accelerator.name == "cpu":
+        if traits.host_is_device():
             cuda_shim.register(registry, accelerator, self.name)
             rng.register(registry, self.name)
             megatron_fixes.register(registry, accelerator, self.name)

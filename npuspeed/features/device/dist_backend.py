@@ -36,7 +36,7 @@ def map_backend(backend):
 def _map_device_id(kwargs):
     device_id = kwargs.get("device_id")
     if isinstance(device_id, torch.device) and device_id.type != get_accelerator().name:
-        kwargs["device_id"] = None if get_accelerator().name == "cpu" else get_accelerator().device(device_id.index)
+        kwargs["device_id"] = None if get_accelerator().host_is_device() else get_accelerator().device(device_id.index)
 
 
 def init_process_group_wrapper(fn):

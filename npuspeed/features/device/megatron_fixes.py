@@ -11,6 +11,7 @@ import functools
 import torch
 
 from npuspeed.accelerator import get_accelerator
+from npuspeed.accelerator.devices import for_device
 from npuspeed.features.device.module_proxy import DeviceMappedTorch
 from npuspeed.features.device.redirect import on_device
 from npuspeed.features.device.rng import in_device_rng_scope
@@ -95,7 +96,7 @@ def maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
     receives tensors instead of numpy split sizes. Convert whatever the device."""
     if not torch.is_tensor(tensor):
         return tensor
-    on_device_tensor = tensor.device.type != "cpu"
+    on_device_tensor = not for_device(tensor).host_is_device()
     result = tensor.to(torch.device("cpu"), non_blocking=on_device_tensor)
     if as_numpy:
         result = result.numpy()

@@ -20,6 +20,7 @@ import threading
 import torch
 from torch.overrides import TorchFunctionMode
 
+from npuspeed.accelerator.devices import for_device, names_cuda
 from npuspeed.patching.wrappers import within
 
 _lock = threading.Lock()
@@ -71,9 +72,7 @@ _TYPE_SUFFIX = {
 
 
 def _names_cuda(device) -> bool:
-    if isinstance(device, str):
-        return device.split(":")[0] == "cuda"
-    return isinstance(device, torch.device) and device.type == "cuda"
+    return names_cuda(device)
 
 
 class CudaToDevice(TorchFunctionMode):
@@ -104,7 +103,7 @@ class CudaToDevice(TorchFunctionMode):
                 return f"torch.cuda.{_TYPE_SUFFIX[tensor.dtype]}"
         if "device" in kwargs and _names_cuda(kwargs["device"]):
             kwargs["device"] = self.device
-        if kwargs.get("pin_memory") and self.device.type == "cpu":
+        if kwargs.get("pin_memory") and for_device(self.device).host_is_device():
             # the host is the device: nothing to pin for, and a CPU-only (or GPU-less) torch
             # refuses it (0.12-0.13 get_batch_on_this_cp_rank pins an index it then moves)
             kwargs["pin_memory"] = False

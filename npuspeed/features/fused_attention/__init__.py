@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 
+from npuspeed.accelerator.devices import for_device
 from npuspeed.features.base import Feature, FeatureError
 from npuspeed.features.fused_attention.fallback import AttentionFallback
 from npuspeed.features.fused_attention.forward import KernelChoice, init_wrapper, kernel_calls, make_forward
@@ -77,25 +78,26 @@ class FusedAttentionFeature(Feature):
 
     def prepare(self, ctx) -> None:
         accelerator = ctx.accelerator
-        if accelerator.name == "npu" and not accelerator.has_fused_attention():
+        host = for_device(accelerator.name).host_is_device()
+        if for_device(accelerator.name).has_vendor_kernels() and not accelerator.has_fused_attention():
             ctx.note("--use-flash-attn: this torch_npu has no npu_fusion_attention; attention runs "
                          "torch's scaled_dot_product_attention on the NPU instead.")
         elif not accelerator.has_fused_attention():
             ctx.note(f"--use-flash-attn: {accelerator.name} has no fused attention kernel; "
                          "scaled_dot_product_attention runs its math backend (S x S scores).")
-        reason = cpu_flash.machine_reason() if accelerator.name == "cpu" and ctx.megatron.bf16 else None
+        reason = cpu_flash.machine_reason() if host and ctx.megatron.bf16 else None
         if reason:
             instead = ("npuspeed's portable fp32 kernel on fp32 copies of q/k/v" if cpu_flash.fp32_reason() is None
                        else "scaled_dot_product_attention or Megatron's unfused path (measured)")
             ctx.note(f"--use-flash-attn: bf16 attention runs {instead}, not npuspeed's bf16 CPU kernel: {reason}.")
-        fp32 = cpu_flash.fp32_reason() if accelerator.name == "cpu" else None
+        fp32 = cpu_flash.fp32_reason() if host else None
         if fp32:
             ctx.note("--use-flash-attn: fp32 attention runs scaled_dot_product_attention or Megatron's "
                      f"unfused path (measured), not npuspeed's fp32 CPU kernel: {fp32}.")
 
     @staticmethod
     def _kernel(accelerator) -> str:
-        if accelerator.name == "npu" and accelerator.has_fused_attention():
+        if for_device(accelerator.name).has_vendor_kernels() and accelerator.has_fused_attention():
             return "npu_fusion_attention"
         return "sdpa"
 
@@ -132,7 +134,7 @@ class FusedAttentionFeature(Feature):
             variants={"core_attention": "flash"}, kernels={"attention": "flash"},
             summary="no S x S tensors: the score buffer, softmax, dropout mask and dropped probabilities "
                     "of every layer go; q, k, v, the output and a [b, heads, s] log-sum-exp stay")
-        if ctx.accelerator.name != "cpu":
+        if not for_device(ctx.accelerator.name).host_is_device():
             return flash
         bf16 = model.batch.dtype == "bf16"
         reason = cpu_flash.machine_reason() if bf16 else cpu_flash.fp32_reason()
@@ -157,7 +159,7 @@ class FusedAttentionFeature(Feature):
                     "DotProductAttention.forward: --use-flash-attn on an NPU with the fused kernel")
         kind = "fused kernel" if accelerator.has_fused_attention() else "math backend, no fused kernel here"
         sdpa = f"scaled_dot_product_attention ({kind}; is_causal, enable_gqa, boolean masks"
-        if accelerator.name != "cpu":
+        if not for_device(accelerator.name).host_is_device():
             return f"{sdpa}{band}) replaces DotProductAttention.forward: --use-flash-attn on {accelerator.name}"
         reason, fp32 = cpu_flash.machine_reason(), cpu_flash.fp32_reason()
         kernels = [("bf16: npuspeed::flash_attention (AVX512-BF16 tiles)" if reason is None

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from npuspeed import telemetry
+from npuspeed.accelerator.devices import for_device
 from npuspeed.features.base import FeatureError
 from npuspeed.features.context_parallel import attention as cp_attention
 from npuspeed.features.fused_attention.fallback import UNFUSED, AttentionFallback
@@ -29,6 +30,7 @@ from npuspeed.features.fused_attention.kernel_rows import cpu_flash_run, kernel_
 from npuspeed.features.fused_attention.npu import npu_attention
 from npuspeed.features.fused_attention.plan import BandOptions, plan_masks
 from npuspeed.features.fused_attention.sdpa import sdpa_attention
+from npuspeed.ops import npu
 from npuspeed.ops import flash_attention as cpu_flash
 
 SUPPORTED_MASK_TYPES = ("causal", "padding", "no_mask", "arbitrary")
@@ -102,7 +104,7 @@ def _fp32_takes_bf16(query, key, rows, dropout_p: float) -> bool:
     """bf16 calls the bf16 kernel cannot take (no AVX512-BF16, an Arm host, a head dim it does
     not tile) run the portable fp32 kernel on fp32 copies: O(S x d), not S x S."""
     return (rows is not None and query.dtype == torch.bfloat16 and key.dtype == torch.bfloat16
-            and query.device.type == "cpu" and key.device.type == "cpu"
+            and for_device(query).host_is_device() and for_device(key).host_is_device()
             and cpu_flash.fp32_reason() is None and 0.0 <= dropout_p < 1.0)
 
 
@@ -141,7 +143,7 @@ def make_forward(choice: KernelChoice):
         kernel, why, fork = choice.kernel, "", dropout_p > 0.0 and not self.config.sequence_parallel
         if kernel == "npu_fusion_attention":
             why = "the NPU's fused kernel"
-            run = functools.partial(npu_attention, choice.accelerator.torch_npu, query, key, value, plan,
+            run = functools.partial(npu_attention, npu.of(choice.accelerator), query, key, value, plan,
                                     scale=scale, dropout_p=dropout_p, sparse_mode=choice.sparse_mode)
         else:
             rows = kernel_rows(plan, attention_mask, query.shape[1], sq, sk)

@@ -1,4 +1,4 @@
-"""The Ascend kernel: `torch_npu.npu_fusion_attention`, reached through the accelerator.
+"""The Ascend kernel: `torch_npu.npu_fusion_attention`, called by npuspeed.ops.npu.attention.
 
 Megatron's [s, b, h, d] is the op's "SBH" layout after a free reshape, so nothing is
 transposed. `head_num` is the query heads; K/V with fewer heads are GQA, which the op takes
@@ -15,6 +15,7 @@ import torch
 
 from npuspeed.features.base import FeatureError
 from npuspeed.features.fused_attention.plan import UNBOUNDED, MaskPlan, band_keep, fix_dead_rows
+from npuspeed.ops.npu.attention import sbh
 
 COMPRESSED_SIZE = 2048  # the op's optimised causal mask for sparse_mode 2, 3, 4
 
@@ -98,7 +99,7 @@ def _check_negative_tockens(pre: int, nxt: int, sq: int, sk: int) -> None:
 
 
 def npu_attention(
-    torch_npu,
+    lib,
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
@@ -108,20 +109,13 @@ def npu_attention(
     dropout_p: float,
     sparse_mode: int | None,
 ) -> torch.Tensor:
-    """query [sq, b, hq, d], key/value [sk, b, hk, d] -> context [sq, b, hq * d]."""
+    """query [sq, b, hq, d], key/value [sk, b, hk, d] -> context [sq, b, hq * d]; `lib` the op
+    library (npuspeed.ops.npu.library: None is the loaded torch_npu, a test passes a stand-in)."""
     sq, b, hq, d = query.shape
     sk, hk = key.shape[0], key.shape[2]
     mask_args = mask_arguments(plan, sparse_mode, sq, sk, hq, query.device, b)
-    outputs = torch_npu.npu_fusion_attention(
-        query.reshape(sq, b, hq * d),
-        key.reshape(sk, b, hk * d),
-        value.reshape(sk, b, hk * d),
-        hq,
-        "SBH",
-        scale=scale,
-        keep_prob=1.0 - dropout_p,
-        **mask_args,
-    )
+    outputs = sbh(lib, query.reshape(sq, b, hq * d), key.reshape(sk, b, hk * d), value.reshape(sk, b, hk * d),
+                  hq, scale=scale, keep_prob=1.0 - dropout_p, mask_args=mask_args)
     out = outputs[0]  # (attention_out, softmax_max, softmax_sum, softmax_in, seed, offset, numels)
     if plan.dead_rows is not None:
         bhsd = out.view(sq, b, hq, d).permute(1, 2, 0, 3)

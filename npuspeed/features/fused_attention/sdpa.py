@@ -13,6 +13,7 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
+from npuspeed.accelerator.devices import for_device
 from npuspeed.features.fused_attention.plan import MaskPlan, band_keep, fix_dead_rows
 
 # A builtin has no inspectable signature; its docstring states the parameters (torch >= 2.5).
@@ -58,7 +59,7 @@ def _deterministic_backends(device: torch.device):
     """Under --deterministic-mode on CUDA, only SDPA kernels whose backward is deterministic:
     flash (torch runs its deterministic backward then) and math; the memory-efficient and
     cuDNN kernels accumulate dQ with atomics."""
-    if device.type != "cuda" or not torch.are_deterministic_algorithms_enabled():
+    if not for_device(device).has_sdpa_kernels() or not torch.are_deterministic_algorithms_enabled():
         return contextlib.nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel
 

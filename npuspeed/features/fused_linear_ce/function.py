@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from npuspeed import telemetry
+from npuspeed.accelerator.devices import for_device
 
 #: counters: calls of the fused path, and chunks issued (forward and backward)
 CALLS, CHUNKS = "fused_linear_ce.calls", "fused_linear_ce.chunks"
@@ -48,7 +49,7 @@ MIN_VOCAB_CHUNK = 256
 
 
 def default_chunk(device_type: str) -> int:
-    return DEFAULT_CHUNK if device_type == "cpu" else DEVICE_CHUNK
+    return DEFAULT_CHUNK if for_device(device_type).host_is_device() else DEVICE_CHUNK
 
 
 def tile(tokens: int, vocab_local: int, chunk: int | None, device_type: str = "cpu") -> tuple[int, int]:
@@ -99,7 +100,7 @@ def _exp_(x: torch.Tensor) -> torch.Tensor:
     of every logit, twice per call, is the largest elementwise cost of the tiles. The extra
     rounding of the scaled exponent keeps it within about 1e-6 of exp, relative to the result,
     for |x| <= 20 (the terms that matter in a sum of exps). Elsewhere torch.exp (not measured)."""
-    if x.device.type == "cpu":
+    if for_device(x).host_is_device():
         return x.mul_(LOG2E).exp2_()
     return x.exp_()
 

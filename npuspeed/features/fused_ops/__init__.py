@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from npuspeed import telemetry
 from npuspeed.accelerator import npu_ops
+from npuspeed.accelerator.devices import for_device
 from npuspeed.features.base import FeatureError
 from npuspeed.features.fused_ops import rmsnorm, rope, swiglu
 from npuspeed.features.fused_ops.base import FusedOpFeature
@@ -61,7 +62,7 @@ class FusedRoPEFeature(FusedOpFeature):
 
     def candidates(self, accelerator) -> list[str]:
         found = super().candidates(accelerator)
-        if accelerator.name in ("cuda", "npu") and any(c.startswith("npuspeed Triton kernel") for c in found):
+        if not for_device(accelerator.name).host_is_device() and any(c.startswith("npuspeed Triton kernel") for c in found):
             found.insert(-1, "an attention's q and k in one Triton launch (rotary_pos_emb_qk, against the "
                              "one-tensor paths twice and Megatron's)")
         return found

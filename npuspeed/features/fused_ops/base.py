@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import argparse
 
+from npuspeed.accelerator.devices import for_device
 from npuspeed.features.base import Feature
+from npuspeed.ops import npu
 
 
 class FusedOpFeature(Feature):
@@ -86,10 +88,11 @@ class FusedOpFeature(Feature):
     def candidates(self, accelerator) -> list[str]:
         """What this flag chooses among on this accelerator, with why a kernel is absent."""
         found = []
-        if accelerator.name == "npu":
-            found.append(f"torch_npu.{self.npu_kernel}" if hasattr(accelerator.torch_npu, self.npu_kernel)
+        traits = for_device(accelerator.name)
+        if traits.has_vendor_kernels():
+            found.append(f"torch_npu.{self.npu_kernel}" if npu.has(accelerator, self.npu_kernel)
                          else f"no native op (this torch_npu has no {self.npu_kernel})")
-        if accelerator.name in ("cuda", "npu"):
+        if not traits.host_is_device():
             found.append(_triton_state(self.triton_module))
         else:
             from npuspeed.ops._extension import has_op, load_library

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from npuspeed.accelerator.devices import for_device
+
 #: GEMM accumulating in place in main_grad's dtype (fp32 inputs, or 16-bit inputs and grads)
 ADDMM = "addmm_inplace"
 #: 16-bit inputs upcast to fp32, then ADDMM (CPU; any device without a mixed-dtype GEMM)
@@ -53,10 +55,11 @@ def candidates(device_type: str, in_dtype: torch.dtype, grad_dtype: torch.dtype,
     """The correct paths for these dtypes on this device, preferred first."""
     if in_dtype == grad_dtype:
         return (ADDMM, MM_ADD)
-    if device_type == "npu" and accelerator is not None and accelerator.has_matmul_add_fp32() \
+    traits = for_device(device_type)
+    if traits.has_vendor_kernels() and accelerator is not None and accelerator.has_matmul_add_fp32() \
             and grad_dtype == torch.float32 and in_dtype in (torch.float16, torch.bfloat16):
         return (NATIVE, MM_ADD)
-    if device_type == "cuda" and grad_dtype == torch.float32 and in_dtype in (torch.float16, torch.bfloat16):
+    if traits.has_out_dtype_matmul() and grad_dtype == torch.float32 and in_dtype in (torch.float16, torch.bfloat16):
         return (OUT_DTYPE, MM_ADD)
     return (ADDMM_UPCAST, MM_ADD)
 

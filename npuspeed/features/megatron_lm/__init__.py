@@ -18,10 +18,11 @@ the report says so (MEGATRON_LM_RANGE).
 """
 from __future__ import annotations
 
+from npuspeed.accelerator.devices import for_device
 from npuspeed.features.base import Feature, FeatureError
 from npuspeed.features.device.module_proxy import DeviceMappedTorch
-from npuspeed.features.megatron_lm import build_helpers, device_fixes, load_stubs, parser, targets, validate
 from npuspeed.features.device.redirect import cuda_calls_on_device
+from npuspeed.features.megatron_lm import build_helpers, device_fixes, load_stubs, parser, targets, validate
 from npuspeed.patching.versions import importable, in_range
 
 #: Megatron-LM versions (read from the checkout's megatron/core/package_info.py) whose
@@ -66,13 +67,14 @@ class MegatronLMFeature(Feature):
             feature=name, megatron=MEGATRON_LM_RANGE)
         reg("megatron.core.datasets.utils.compile_helpers", build_helpers.compile_helpers,
             feature=name, megatron=MEGATRON_LM_RANGE)
-        if accelerator.name == "cuda":
+        traits = for_device(accelerator.name)
+        if traits.runs_cuda_code():
             return
         reg("megatron.legacy.fused_kernels.load", device_fixes.fused_kernels_skipper(ctx.note),
             feature=name, megatron=targets.FUSED_KERNELS)
         for target, rng in targets.DEVICE_ARCH.items():  # moved between releases (targets.py)
             reg(f"{MLT}.{target}", validate.device_arch_version, feature=name, megatron=rng)
-        if accelerator.name != "cpu":
+        if not traits.host_is_device():
             return  # NPU: transfer_to_npu maps factories and Tensor.cuda itself
         for module, rng in targets.TORCH_MODULES.items():
             reg(f"{MLT}.{module}.torch", DeviceMappedTorch(accelerator.device), feature=name, megatron=rng)

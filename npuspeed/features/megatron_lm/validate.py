@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import os
 
+from npuspeed.accelerator.devices import for_device
 from npuspeed.patching.versions import importable
 
 _CONNECTIONS = "CUDA_DEVICE_MAX_CONNECTIONS"
@@ -96,7 +97,7 @@ def portable_defaults(args, accelerator_name: str, note=None) -> list[str]:
     needs_connections = (args.tensor_model_parallel_size > 1 or args.context_parallel_size > 1) \
         and not (args.use_torch_fsdp2 or args.use_megatron_fsdp) \
         and not getattr(args, "overlap_moe_expert_parallel_comm", False)
-    if accelerator_name == "cpu" and needs_connections and _CONNECTIONS not in os.environ:
+    if for_device(accelerator_name).host_is_device() and needs_connections and _CONNECTIONS not in os.environ:
         os.environ[_CONNECTIONS] = "1"
         notes.append(f"npuspeed: {_CONNECTIONS}=1 set for TP/CP (the CPU runs collectives and "
                      "compute in one in-order queue, which is what the variable asks of a GPU)")

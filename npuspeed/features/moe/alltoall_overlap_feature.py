@@ -2,6 +2,7 @@
 all-to-all needs (the all-to-all dispatcher, expert parallelism, whole experts per rank)."""
 from __future__ import annotations
 
+from npuspeed.accelerator.devices import for_device
 from npuspeed.features.base import Feature, FeatureError
 from npuspeed.features.moe import overlap
 from npuspeed.features.moe.layout import Layout, layers_of, needs_experts, needs_release
@@ -76,7 +77,7 @@ class AllToAllOverlapFeature(Feature):
         if not self.enabled(ctx.args):
             return "off"
         acc = ctx.accelerator
-        where = ("async work handles on gloo, waited per chunk" if acc.name == "cpu"
+        where = ("async work handles on gloo, waited per chunk" if not for_device(acc.name).has_streams()
                  else f"async {acc.dist_backend} collectives on the backend's communication stream")
         return (f"MoELayer.forward: dispatch/experts/combine in {self.chunks(ctx)} chunks, {where}; shared experts "
                 "during the first chunk's all-to-all")

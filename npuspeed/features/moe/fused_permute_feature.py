@@ -2,9 +2,11 @@
 dispatchers and accelerators they cannot serve."""
 from __future__ import annotations
 
+from npuspeed.accelerator.devices import for_device
 from npuspeed.features.base import Feature, FeatureError
 from npuspeed.features.moe import permute
 from npuspeed.features.moe.layout import Layout, needs_experts, needs_release
+from npuspeed.ops import npu
 
 
 class FusedPermuteFeature(Feature):
@@ -31,7 +33,7 @@ class FusedPermuteFeature(Feature):
     def prepare(self, ctx) -> None:
         m = ctx.megatron
         dropping = getattr(m, "moe_expert_capacity_factor", None) and not getattr(m, "moe_pad_expert_input_to_capacity", None)
-        if ctx.accelerator.name == "npu" and dropping:
+        if for_device(ctx.accelerator.name).has_vendor_kernels() and dropping:
             ctx.note("--use-fused-moe-token-permute-and-unpermute: torch_npu's permute needs the same number of "
                      "experts per token; with a capacity factor and no --moe-pad-expert-input-to-capacity, "
                      "dropped tokens make that false (add the padding flag)")
@@ -66,23 +68,24 @@ class FusedPermuteFeature(Feature):
         rule = ("; Megatron's own permute/unpermute where that measured faster (once per shape, fwd+bwd round trip)"
                 + choice_lines("moe_permute"))
         triton = _triton_state()
-        if acc.name == "npu":
+        traits = for_device(acc.name)
+        if traits.has_vendor_kernels():
             from npuspeed.ops.moe_permute import NPU_PERMUTE
 
-            if hasattr(acc.torch_npu, NPU_PERMUTE):
+            if npu.has(acc, NPU_PERMUTE):
                 return ("torch_npu npu_moe_token_permute_with_routing_map / npu_moe_token_unpermute_with_routing_map"
                         + rule)
             if triton:
                 return f"{triton} (this torch_npu has no {NPU_PERMUTE})" + rule
             return f"Megatron's own permute/unpermute (no npuspeed kernel: this torch_npu has no {NPU_PERMUTE}, " \
                    "and no Triton)"
-        if acc.name == "cuda":
+        if not traits.host_is_device():
             if triton:
                 return triton + rule
             return "Megatron's own permute/unpermute (no npuspeed kernel for this device: triton does not run here)"
         from npuspeed.ops._extension import has_op, load_library
 
-        if acc.name == "cpu" and has_op("moe_permute"):
+        if has_op("moe_permute"):
             return (f"npuspeed::moe_permute / moe_unpermute (C++ csrc/cpu/moe_permute.cpp, "
                     f"{load_library()['source']})" + rule)
         return "Megatron's own permute/unpermute (no npuspeed kernel for this device)"

@@ -33,14 +33,14 @@ to autograd, instead of autograd adding one full weight-sized gradient per chunk
 """
 from __future__ import annotations
 
-import sys
-
 import torch
 
 from npuspeed import telemetry
+from npuspeed.accelerator.devices import for_device
 from npuspeed.ops import _dispatch
+from npuspeed.ops.npu import moe as npu_moe
 
-BACKENDS = ("npu", "torch", "loop", "loop_fp32")
+BACKENDS = (_dispatch.NPU_IMPL, "torch", "loop", "loop_fp32")
 UPCAST = "loop_fp32"
 _CHOSEN: dict[tuple[str, torch.dtype], str] = {}
 
@@ -69,9 +69,8 @@ def torch_grouped_mm_runs(device: torch.device, dtype: torch.dtype) -> bool:
 def backend_for(x: torch.Tensor) -> str:
     key = (x.device.type, x.dtype)
     if key not in _CHOSEN:
-        npu = sys.modules.get("torch_npu")
-        if _dispatch.on_npu(x) and npu is not None and hasattr(npu, "npu_grouped_matmul"):
-            _CHOSEN[key] = "npu"
+        if _dispatch.on_npu(x) and npu_moe.has_grouped_matmul():
+            _CHOSEN[key] = _dispatch.NPU_IMPL
         elif torch_grouped_mm_runs(x.device, x.dtype):
             _CHOSEN[key] = "torch"
         else:
@@ -81,7 +80,7 @@ def backend_for(x: torch.Tensor) -> str:
 
 def upcast_is_candidate(x: torch.Tensor) -> bool:
     """fp32 copies only pay where low-precision GEMMs may lack hardware units: the CPU."""
-    return x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16)
+    return for_device(x).host_is_device() and x.dtype in (torch.bfloat16, torch.float16)
 
 
 def choose_backend(x: torch.Tensor, w: torch.Tensor, counts: list[int]) -> str:
@@ -243,10 +242,7 @@ class _NpuGMM(torch.autograd.Function):
 def _npu_gmm(x, w, counts):
     if len(counts) == 1:  # one local expert: torch_npu refuses a group_list of length 1 under
         return torch.mm(x, w[0])  # group_list_type=1 ("且长度不能为1"); one group is one matmul
-    npu = sys.modules["torch_npu"]
-    group_list = torch.tensor(counts, dtype=torch.int64, device=x.device)
-    return npu.npu_grouped_matmul([x], [w], group_list=group_list, split_item=3, group_type=0,
-                                  group_list_type=1)[0]
+    return npu_moe.grouped_matmul(x, w, torch.tensor(counts, dtype=torch.int64, device=x.device))
 
 
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts, backend: str | None = None,
@@ -264,6 +260,6 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts, backend: str | None = N
     if backend == "torch":
         offs = torch.tensor(counts, dtype=torch.int64).cumsum(0).to(device=x.device, dtype=torch.int32)
         return _TorchGMM.apply(x, w, offs, counts, sink)
-    if backend == "npu":
+    if backend == _dispatch.NPU_IMPL:
         return _NpuGMM.apply(x, w, counts, sink)
     return _LoopGMM.apply(x, w, counts, sink, backend == UPCAST)

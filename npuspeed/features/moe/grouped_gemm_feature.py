@@ -2,6 +2,7 @@
 a model that built SequentialMLP experts anyway; reports which grouped matmul runs."""
 from __future__ import annotations
 
+from npuspeed.accelerator.devices import for_device
 from npuspeed.features.base import Feature, FeatureError
 from npuspeed.features.moe import grouped_experts, grouped_mlp
 from npuspeed.features.moe.layout import Layout, layers_of, needs_experts, needs_release
@@ -79,14 +80,15 @@ class GroupedGemmFeature(Feature):
         if not self.enabled(ctx.args):
             return "off"
         acc = ctx.accelerator
-        if acc.name == "npu":
+        traits = for_device(acc.name)
+        if traits.has_vendor_kernels():
             kernel = "torch_npu.npu_grouped_matmul (weight gradients per expert)"
         else:
             import torch
 
             from npuspeed.features.moe.grouped_gemm import torch_grouped_mm_runs
 
-            usable = torch_grouped_mm_runs(acc.device(), torch.float32) if acc.name == "cpu" else None
+            usable = torch_grouped_mm_runs(acc.device(), torch.float32) if traits.host_is_device() else None
             kernel = ("torch._grouped_mm (torch grouped mm) where the device/dtype runs it, else one mm per expert"
                       if usable is not False else "one mm per expert into one output (no torch grouped mm here)")
         from npuspeed.ops.moe_swiglu import OP
@@ -98,5 +100,5 @@ class GroupedGemmFeature(Feature):
                   "npuspeed's GroupedSequentialMLP (SequentialMLP's parameters and checkpoint layout)")
         return (f"{module} with {kernel}; the grouped kernel only where it beats one mm per expert "
                 f"(Megatron's SequentialMLP matmuls, `megatron` below), measured once per shape fwd+bwd; "
-                f"SwiGLU x router prob: {describe(OP) if acc.name == 'cpu' else acc.name}"
+                f"SwiGLU x router prob: {describe(OP) if traits.host_is_device() else acc.name}"
                 f"; GroupedMLPs built: {ctx.counters.get('moe.grouped_mlp.built')}{choice_lines('grouped_mm')}")

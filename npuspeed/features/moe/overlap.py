@@ -14,6 +14,7 @@ import functools
 import torch
 
 from npuspeed import telemetry
+from npuspeed.accelerator.devices import for_device
 from npuspeed.features.moe import pipeline
 
 MOE_LAYER = "megatron.core.transformer.moe.moe_layer"
@@ -93,7 +94,7 @@ def forward_wrapper(chunks: int, note):
             # Megatron's unfused unpermute and npuspeed's CPU op read sorted_indices as "row r
             # belongs to token idx[r]", so the chunk-major rows go straight in with the index
             # composed (no reordering copy); torch_npu's and TE's fused ops keep their own maps.
-            compose = (plan.to_chunks is not None and tokens.device.type != "npu"
+            compose = (plan.to_chunks is not None and not for_device(tokens).has_vendor_kernels()
                        and not self.config.moe_permute_fusion)
             rows, shared_out = pipeline.run(self.experts, tokens, probs, plan, disp.ep_group, shared,
                                             restore_order=not compose)

@@ -37,7 +37,7 @@ def _triton_runs(tokens, mine: str) -> bool:
     """Whether npuspeed's Triton permute pair is a candidate for these tokens: where Triton runs
     (CUDA; an NPU through triton-ascend when its torch_npu has no fused permute), not on CPU
     (the C++ kernel is the candidate there; the interpreter is a test tool)."""
-    return mine != "npu" and fused_choice.triton_kernel("moe_permute", "moe_permute", tokens) is not None
+    return mine != _dispatch.NPU_IMPL and fused_choice.triton_kernel("moe_permute", "moe_permute", tokens) is not None
 
 
 def _pair_of(impl: str):
@@ -54,7 +54,7 @@ def _choose(tokens, routing_map, probs, num_out_tokens, drop_and_pad) -> str:
     candidates are the device's op (C++ on CPU, torch_npu's on an NPU), npuspeed's Triton
     kernels where Triton runs, and Megatron's own pair; the per-shape rule picks."""
     mine = implementation(tokens)
-    if mine == "npu" and not npu_accepts(routing_map, num_out_tokens, drop_and_pad, tokens, probs):
+    if mine == _dispatch.NPU_IMPL and not npu_accepts(routing_map, num_out_tokens, drop_and_pad, tokens, probs):
         mine = "reference"
         _say_rows_vary()
     found = [] if mine == "reference" else [mine]
@@ -145,7 +145,7 @@ def permute_wrapper(original):
         else:
             if impl == "triton":  # npuspeed.ops' front ends count themselves
                 _dispatch.record("moe_permute", "triton")
-            checked = {"checked": True} if impl == "npu" else {}  # _choose checked torch_npu's row rule
+            checked = {"checked": True} if impl == _dispatch.NPU_IMPL else {}  # _choose checked torch_npu's row rule
             permuted, permuted_probs, sorted_indices, _ = _pair_of(impl)[0](
                 tokens, routing_map, probs, num_out_tokens=num_out_tokens, drop_and_pad=drop_and_pad, **checked)
         _remember(sorted_indices, impl)

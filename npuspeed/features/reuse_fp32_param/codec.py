@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from npuspeed import telemetry
+from npuspeed.accelerator.devices import for_device
 from npuspeed.ops._extension import has_op
 
 #: counter prefix: reuse.codec.<split|merge>.<cpp|reference|device|triton>, so tests can see which ran
@@ -66,7 +67,7 @@ class Exceptions:
 
 
 def _use_cpp(*tensors: torch.Tensor) -> bool:
-    return all(t.device.type == "cpu" and t.is_contiguous() for t in tensors) and has_op("fp32_split")
+    return all(for_device(t).host_is_device() and t.is_contiguous() for t in tensors) and has_op("fp32_split")
 
 
 #: what each implementation is, for `npuspeed report`
@@ -92,7 +93,7 @@ def implementation_for(device_type: str) -> str:
             raise ValueError(f"npuspeed: {FORCE_ENV}={forced!r}: use one of {', '.join(IMPLEMENTATIONS)} "
                              f"or unset it")
         return forced
-    if device_type == "cpu":
+    if for_device(device_type).host_is_device():
         return "cpp" if has_op("fp32_split") else "reference"
     from npuspeed.features.reuse_fp32_param import triton_codec
 

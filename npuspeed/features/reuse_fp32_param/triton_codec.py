@@ -12,45 +12,26 @@ Ascend NPUs (triton-ascend's `ascend` backend); on CPU tensors only under TRITON
 """
 from __future__ import annotations
 
-import functools
 import importlib
-import importlib.util
 import sys
 
 import torch
 
+from npuspeed.accelerator.devices import for_device
 from npuspeed.ops.triton._runtime import interpreting  # TRITON_INTERPRET as triton reads it
 
 #: elements per block (a multiple of 8: a block owns whole bytes of tie bits)
 BLOCK = 4096
 #: the grid is capped (Ascend launches about one program per core); programs loop beyond it
 MAX_PROGRAMS = 65535
-#: triton compiler backends per device type
-_BACKENDS = {"cuda": ("nvidia", "amd"), "npu": ("ascend",)}
 _KERNELS = "npuspeed.features.reuse_fp32_param._triton_kernels"
 
 
-@functools.lru_cache(maxsize=None)
-def importable() -> bool:
-    if importlib.util.find_spec("triton") is None:
-        return False
-    try:
-        importlib.import_module("triton")
-    except Exception:  # a broken install is the same as none: the chunked codec runs
-        return False
-    return True
-
-
-@functools.lru_cache(maxsize=None)
 def available(device_type: str) -> bool:
-    """Whether the Triton codec compiles for tensors on `device_type` (cuda or npu)."""
-    if device_type not in _BACKENDS or not importable():
-        return False
-    try:
-        from triton.backends import backends
-    except Exception:
-        return False
-    return any(name in backends for name in _BACKENDS[device_type])
+    """Whether the Triton codec runs on tensors of `device_type` off the host (CUDA, an NPU
+    through triton-ascend): npuspeed's one Triton answer (Accelerator.triton_available)."""
+    traits = for_device(device_type)
+    return not traits.host_is_device() and traits.triton_available()
 
 
 def _kernels():
@@ -72,7 +53,7 @@ def _launch(n: int, block: int, max_programs: int) -> tuple[tuple[int], int]:
 
 
 def _check(device: torch.device) -> None:
-    if device.type == "cpu" and not interpreting():
+    if for_device(device).host_is_device() and not interpreting():
         raise RuntimeError("npuspeed: the Triton reuse-fp32-param codec runs on CPU tensors only under "
                            "TRITON_INTERPRET=1 (set it, or unset NPUSPEED_REUSE_CODEC=triton)")
 

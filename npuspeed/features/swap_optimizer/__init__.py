@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import os
 
+from npuspeed.accelerator.devices import for_device
+from npuspeed.accelerator.host_link import host_link_bytes_per_s
 from npuspeed.features.base import Feature, FeatureError
 from npuspeed.patching.versions import importable, megatron_version
 
@@ -26,9 +28,6 @@ FLAG, CHUNK = "--swap-optimizer", "--swap-optimizer-chunk-mb"
 OFFLOAD, FRACTION = "--optimizer-cpu-offload", "--optimizer-offload-fraction"
 #: chunks the device holds at once in a step: one coming in, one updating, one going out
 WINDOW_CHUNKS = 3
-#: host<->device bytes per second one direction, per backend, for the planner's estimate (not
-#: calibrated: PCIe 4/5 x16 with pinned memory; on CPU a memcpy, not overlapped with the update)
-LINK_BYTES_PER_S = {"cuda": 20e9, "npu": 20e9, "cpu": 5e9}
 #: `run`: move the states even where the host is the device (tests); unset or `auto`: move them
 #: only off a device
 ENV = "NPUSPEED_SWAP_OPTIMIZER"
@@ -38,7 +37,7 @@ def host_is_device(acc) -> bool:
     """The accelerator's answer; a planned device (`npuspeed plan --npuspeed-device cuda`) is
     an accelerator with its own memory unless it is the CPU."""
     ask = getattr(acc, "host_is_device", None)
-    return ask() if ask is not None else getattr(acc, "name", "cpu") == "cpu"
+    return ask() if ask is not None else for_device(getattr(acc, "name", "cpu")).host_is_device()
 
 
 def moves(acc) -> bool:
@@ -158,14 +157,14 @@ class SwapOptimizerFeature(Feature):
             return PlanEffect(
                 swap_optimizer={"frees": False, "masters": masters,
                                 "window_bytes": WINDOW_CHUNKS * self.chunk_bytes(ctx.args),
-                                "link_bytes_per_s": LINK_BYTES_PER_S["cpu"], "overlapped": False},
+                                "link_bytes_per_s": host_link_bytes_per_s(name), "overlapped": False},
                 summary=f"{FLAG}: {what} copied to host memory between steps; the host is the device on the "
                         f"{name} backend, so it frees nothing; the step's peak gains the chunks in flight (about "
                         f"{WINDOW_CHUNKS} of {ctx.args.swap_optimizer_chunk_mb:g} MiB) and the copies cost step time")
         return PlanEffect(
             swap_optimizer={"frees": True, "masters": masters,
                             "window_bytes": WINDOW_CHUNKS * self.chunk_bytes(ctx.args),
-                            "link_bytes_per_s": LINK_BYTES_PER_S.get(name, 20e9), "overlapped": True},
+                            "link_bytes_per_s": host_link_bytes_per_s(name), "overlapped": True},
             summary=f"{FLAG}: {what} in pinned host memory between steps; the step holds about {WINDOW_CHUNKS} "
                     f"chunks of {ctx.args.swap_optimizer_chunk_mb:g} MiB (copies overlapped with the update)")
 

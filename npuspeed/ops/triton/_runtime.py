@@ -22,6 +22,8 @@ import importlib
 import os
 import types
 
+from npuspeed.ops import _dispatch
+
 _KERNELS: dict = {}
 _DEVICE_OF_BACKEND = {"cuda": "cuda", "hip": "cuda", "npu": "npu", "xpu": "xpu"}
 DTYPES = ("float32", "bfloat16", "float16")  # fp32 math inside; fp64 is left to the references
@@ -66,11 +68,17 @@ def runs_on(*tensors) -> bool:
     """Whether the kernels can take these tensors: all on the device triton targets, or all on
     the CPU under the interpreter."""
     kinds = {t.device.type for t in tensors}
-    if len(kinds) != 1 or not triton_importable():
+    return len(kinds) == 1 and runs_on_type(kinds.pop())
+
+
+def runs_on_type(kind: str) -> bool:
+    """npuspeed's one Triton-availability answer for tensors of torch device type `kind`
+    (Accelerator.triton_available() and the reuse-fp32-param codec read it): the interpreter
+    takes host tensors, else triton's active driver must target `kind`."""
+    if not triton_importable():
         return False
-    kind = kinds.pop()
     if interpreting():
-        return kind == "cpu"
+        return kind in _dispatch.HOST_DEVICE_TYPES
     return kind == device_type()
 
 

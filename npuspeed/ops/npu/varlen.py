@@ -16,7 +16,7 @@ are stored in turn as [N, len, 8] (head-major; MindSpeed's `flatten_softmax` und
 order; the token-major order needs softmax_layout="TND", first in torch_npu 2.9.0's schema).
 `stat_index` maps (token, head) to that storage, both ways. The op takes at most
 MAX_SEQUENCES sequences per call (its documented varlen batch limit); a block with more pieces
-makes more calls.
+makes more calls. `lib`: the op library (npuspeed.ops.npu.library; a stand-in in the tests).
 """
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from npuspeed import telemetry
+from npuspeed.ops.npu import library
 
 MAX_SEQUENCES = 1024
 CALLS = "cp.varlen.calls"  # npu_fusion_attention TND calls (forward)
@@ -88,7 +89,7 @@ def stats_from_lse(lse_t: torch.Tensor, p: Packing) -> torch.Tensor:
     return flat.view(t, n, 1).expand(t, n, 8).contiguous()
 
 
-def forward(torch_npu, q, k, v, causal: bool, tiles, scale: float, compressed_mask, keep_prob: float = 1.0,
+def forward(lib, q, k, v, causal: bool, tiles, scale: float, compressed_mask, keep_prob: float = 1.0,
             rng_states: list | None = None):
     """q [sq, b, hq, d], k/v [sk, b, hk, d] -> out [sq, b, hq, d], lse [b, hq, sq] fp32.
     With keep_prob < 1 the op draws dropout itself; each call's (seed, offset, numels) is
@@ -99,7 +100,7 @@ def forward(torch_npu, q, k, v, causal: bool, tiles, scale: float, compressed_ma
     lse = torch.full((sq * b, hq), float("-inf"), dtype=torch.float32, device=q.device)
     qf, kf, vf = q.reshape(sq * b, hq, d), k.reshape(sk * b, hk, d), v.reshape(sk * b, hk, d)
     for p in pack(tiles, b, hq, q.device):
-        res = torch_npu.npu_fusion_attention(
+        res = library(lib).npu_fusion_attention(
             qf.index_select(0, p.q_index), kf.index_select(0, p.k_index), vf.index_select(0, p.k_index), hq, "TND",
             scale=scale, keep_prob=keep_prob, actual_seq_qlen=p.cu_q, actual_seq_kvlen=p.cu_k,
             **mask_args(causal, compressed_mask))
@@ -117,7 +118,7 @@ def rng_kwargs(res) -> dict:
     return {"seed": res[4], "offset": res[5], "numels": res[6]}
 
 
-def backward(torch_npu, dout, q, k, v, out, lse, causal: bool, tiles, scale: float, compressed_mask,
+def backward(lib, dout, q, k, v, out, lse, causal: bool, tiles, scale: float, compressed_mask,
              keep_prob: float = 1.0, rng_states: list | None = None):
     """Gradients from the final out / LSE (FlashAttention-2's backward), one call per Packing;
     `rng_states`: the forward's per-call dropout states, in call order."""
@@ -131,7 +132,7 @@ def backward(torch_npu, dout, q, k, v, out, lse, causal: bool, tiles, scale: flo
     lse_sb = lse.permute(2, 0, 1).reshape(sq * b, hq)
     for i, p in enumerate(pack(tiles, b, hq, q.device)):
         smax = stats_from_lse(lse_sb.index_select(0, p.q_index), p)
-        grads = torch_npu.npu_fusion_attention_grad(
+        grads = library(lib).npu_fusion_attention_grad(
             qf.index_select(0, p.q_index), kf.index_select(0, p.k_index), vf.index_select(0, p.k_index),
             gf.index_select(0, p.q_index), hq, "TND", softmax_max=smax, softmax_sum=torch.ones_like(smax),
             attention_in=of.index_select(0, p.q_index), scale_value=scale, keep_prob=keep_prob,
