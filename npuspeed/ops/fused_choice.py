@@ -92,17 +92,25 @@ def choices() -> list[Choice]:
     return list(CHOOSER.choices.values())
 
 
-#: device types whose tensors may take npuspeed's Triton kernels (not CPU: the interpreter is
-#: a test tool, not a fast path)
-TRITON_DEVICES = {"cuda", "npu"}
+#: whether host tensors may take npuspeed's Triton kernels: only where a test runs them under
+#: the interpreter (a test tool, not a fast path)
+TRITON_ON_HOST = False
+
+
+def triton_takes(*tensors: torch.Tensor) -> bool:
+    """Whether these tensors may go to a Triton kernel: all on one accelerator (its kernel's
+    `available()` and `supports()` decide the rest), or all on the host where TRITON_ON_HOST."""
+    if not tensors or any(t.is_meta for t in tensors) or len({t.device.type for t in tensors}) != 1:
+        return False
+    return TRITON_ON_HOST if _dispatch.on_host(*tensors) else True
 
 
 def triton_kernel(module: str, name: str, *tensors: torch.Tensor, check: str = "supports"):
     """npuspeed's Triton kernel `npuspeed.ops.triton.<module>.<name>` for these accelerator
-    tensors, or None (CPU tensors, triton not importable, its `available()` says no, or its
+    tensors, or None (host tensors, triton not importable, its `available()` says no, or its
     `supports(*tensors)`, or the function named by `check`, refuses the call, where it would run
     a reference). Imported lazily: triton is an optional dependency and takes seconds to import."""
-    if not tensors or {t.device.type for t in tensors} - TRITON_DEVICES:
+    if not triton_takes(*tensors):
         return None
     try:
         import importlib

@@ -103,7 +103,7 @@ def test_the_rule_and_the_codec_offer_the_triton_kernels_here(monkeypatch):
     candidate at the model's sizes, and --reuse-fp32-param takes the Triton codec on CUDA
     (the chunked fallback cost +83% of a step on an H100)."""
     if DEVICE == "cpu":  # the harness: the interpreter stands in for the device
-        monkeypatch.setattr(fused_choice, "TRITON_DEVICES", {"cpu"})
+        monkeypatch.setattr(fused_choice, "TRITON_ON_HOST", True)
     x = torch.zeros(4, MICRO, HIDDEN, dtype=torch.bfloat16, device=DEVICE)
     q = torch.zeros(4, MICRO, HEADS, HIDDEN // HEADS, dtype=torch.bfloat16, device=DEVICE)
     k = torch.zeros(4, MICRO, GROUPS, HIDDEN // HEADS, dtype=torch.bfloat16, device=DEVICE)

@@ -15,11 +15,6 @@ NAMES = {"npu", "cpu", "cuda"}
 
 #: the lead's chooser rewrite removes these (their device-name comparisons go with it)
 EXEMPT = {
-    "npuspeed/ops/fused_choice.py",
-    "npuspeed/features/fused_attention/fallback.py",
-    "npuspeed/features/grad_accum_fusion/chooser.py",
-    "npuspeed/features/fused_linear_ce/choice.py",
-    "npuspeed/features/fused_ops/measure.py",
     # the planner is another helper's part (it moves to accelerator/host_link.py)
     "npuspeed/plan/recompute_cost.py",
     "npuspeed/plan/planner.py",

@@ -113,7 +113,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 import torch, torch.nn.functional as F
 from megatron.core.models.common.embeddings import rope_utils
 from npuspeed.ops import fused_choice, rms_norm as R, swiglu as S, rope as P
-fused_choice.TRITON_DEVICES = {"cpu"}  # the interpreter runs the kernels on CPU tensors
+fused_choice.TRITON_ON_HOST = True  # the interpreter runs the kernels on CPU tensors
 x, w = torch.randn(6, 64, requires_grad=True), torch.randn(64, requires_grad=True)
 y = torch.randn(6, 64, requires_grad=True)
 t, fr = torch.randn(8, 1, 2, 32, requires_grad=True), torch.randn(8, 1, 1, 32)

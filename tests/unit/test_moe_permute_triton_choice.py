@@ -4,7 +4,7 @@ runs, measures it with the others, and runs it when it wins or is forced: Megatr
 
 A Triton-capable device is simulated on CPU: the script runs in a fresh process with
 TRITON_INTERPRET=1 (set before triton is imported) and lets CPU tensors take the Triton kernels
-(`fused_choice.TRITON_DEVICES`); on a real CPU run they are not a candidate (last test).
+(`fused_choice.TRITON_ON_HOST`); on a real CPU run they are not a candidate (last test).
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ import torch
 from megatron.core.transformer.moe import moe_utils
 from npuspeed.features.moe import permute as feature
 from npuspeed.ops import _dispatch, fused_choice
-fused_choice.TRITON_DEVICES = {"cpu"}  # the interpreter runs the kernels on CPU tensors
+fused_choice.TRITON_ON_HOST = True  # the interpreter runs the kernels on CPU tensors
 
 class Times:  # injected timings: triton fastest, so the rule's decision is deterministic
     def __call__(self, name, run):

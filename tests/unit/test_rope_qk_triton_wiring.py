@@ -5,7 +5,7 @@ rule (with Megatron's path, the one-tensor kernels twice), runs when it wins or 
 loss and every gradient match unpatched Megatron.
 
 A Triton-capable device is simulated on CPU: a fresh process with TRITON_INTERPRET=1 (set
-before triton is imported) lets CPU tensors take the Triton kernels (`fused_choice.TRITON_DEVICES`).
+before triton is imported) lets CPU tensors take the Triton kernels (`fused_choice.TRITON_ON_HOST`).
 On a real CPU run the pair path is not taken (last test: the one-tensor rule runs, as before).
 """
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch.distributed as dist
 from npuspeed import runtime
 from npuspeed.ops import _dispatch, fused_choice
 from npuspeed.ops.triton import rope as trope
-fused_choice.TRITON_DEVICES = {"cpu"}  # the interpreter runs the kernels on CPU tensors
+fused_choice.TRITON_ON_HOST = True  # the interpreter runs the kernels on CPU tensors
 runtime.initialize([])
 from launch import free_port
 from feature_ctx import features_enabled
@@ -137,7 +137,7 @@ def test_pairing_is_by_identity_and_falls_back_to_megatron(monkeypatch):
     from npuspeed.features.fused_ops import rope_qk
     from npuspeed.ops import fused_choice, rope
 
-    monkeypatch.setattr(fused_choice, "TRITON_DEVICES", {"cpu"})
+    monkeypatch.setattr(fused_choice, "TRITON_ON_HOST", True)
     config = types.SimpleNamespace(rotary_interleaved=False)
     attn = types.SimpleNamespace(config=config)
     f, g = torch.randn(4, 1, 1, 8), torch.randn(4, 1, 1, 8)

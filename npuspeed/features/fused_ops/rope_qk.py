@@ -52,7 +52,7 @@ def _shared_freqs(module, bound: dict):
     emb = bound.get("rotary_pos_emb")
     if isinstance(emb, tuple):
         emb = emb[0] if len(emb) == 2 and emb[0] is emb[1] else None
-    if emb is None or emb.device.type not in fused_choice.TRITON_DEVICES:
+    if emb is None or not fused_choice.triton_takes(emb):
         return None
     if any(bound.get(name) is not None for name in ("key_value_states", "inference_context", "inference_params",
                                                     "packed_seq_params", "rotary_pos_cos", "rotary_pos_sin",
