@@ -49,6 +49,7 @@ class SwapAttentionFeature(Feature):
 
     def validate(self, ctx) -> None:
         # the other features' flags this one cannot combine with, read through their own Config
+        from npuspeed.features.adaptive_memory.adaptive_memory_feature import Config as Adaptive
         from npuspeed.features.recompute_activation.recompute_activation_feature import Config as Recompute
 
         config = self.config(ctx.args)
@@ -58,8 +59,8 @@ class SwapAttentionFeature(Feature):
         if "mlp" in names and Recompute.from_args(ctx.args).recompute_activation_function:
             raise FeatureError(f"{MODS} mlp with --recompute-activation-function: the recompute frees the "
                                "activation the swap would copy; drop one of them")
-        args = ctx.args  # adaptive_memory's flags, until it has its Config
-        if getattr(args, "adaptive_recompute_device_size", None) is not None and not getattr(args, "adaptive_swap", False):
+        adaptive = Adaptive.from_args(ctx.args)
+        if adaptive.adaptive_recompute_device_size is not None and not adaptive.adaptive_swap:
             raise FeatureError(f"{MAIN} with --adaptive-recompute-device-size: the adaptive policy chooses swap "
                                f"itself (MindSpeed refuses the pair too); drop {MAIN}")
         acc = ctx.accelerator
