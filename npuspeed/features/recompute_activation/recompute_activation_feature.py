@@ -1,0 +1,73 @@
+"""Activation-function recompute (`--recompute-activation-function
+[--recompute-activation-function-num-layers N]`).
+
+The MLP's activation output (tokens x ffn_hidden per layer) is kept only because fc2's
+backward reads it. Here it is computed without a graph, its storage released once fc2 has
+saved it, and recomputed into the same storage by a hook on fc2's output, just before fc2's
+backward runs: the activation memory of the selected layers goes for one extra activation
+per layer in backward. Built on Megatron-Core's own CheckpointWithoutOutput (checkpoint.py),
+the MLP path (mlp.py) and the choice of layers (layers.py).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from npuspeed.features.base import Feature, FeatureError
+from npuspeed.features.config import FeatureConfig, flag
+
+MAIN, NUM = "--recompute-activation-function", "--recompute-activation-function-num-layers"
+
+
+@dataclass(frozen=True)
+class Config(FeatureConfig):
+    recompute_activation_function: bool = flag(MAIN, False)
+    """Free the MLP activation's output after fc2 used it and recompute it in backward (saves
+    tokens x ffn_hidden per layer)."""
+    recompute_activation_function_num_layers: int | None = flag(NUM, None, type=int, metavar="N")
+    """With --recompute-activation-function: only the first N layers of each pipeline stage
+    (interleaved order across virtual chunks); default all."""
+
+
+class RecomputeActivationFeature(Feature):
+    name = "recompute_activation"
+    Config = Config
+
+    def enabled(self, args) -> bool:
+        # N alone counts as asking for the feature, so that validate() can refuse it clearly.
+        config = self.config(args)
+        return config.recompute_activation_function or config.recompute_activation_function_num_layers is not None
+
+    def validate(self, ctx) -> None:
+        config = self.config(ctx.args)
+        num = config.recompute_activation_function_num_layers
+        if not config.recompute_activation_function:
+            raise FeatureError(f"{NUM} {num} is given without {MAIN}; add {MAIN} (or drop {NUM})")
+        if num is not None and num < 1:
+            raise FeatureError(
+                f"{NUM} must be a positive number of layers per pipeline stage, got {num}; "
+                f"drop it to recompute the activation of every layer"
+            )
+
+    def register_patches(self, registry, ctx) -> None:
+        from npuspeed.features.recompute_activation import patches
+
+        patches.register(registry, ctx, self.config(ctx.args), self.name)
+
+    def plan_effect(self, model, ctx):
+        from npuspeed.features.recompute_activation import plan
+
+        return plan.effect(model, self.config(ctx.args))
+
+    def path(self, ctx) -> str:
+        config = self.config(ctx.args)
+        if not config.recompute_activation_function:
+            return "off"
+        from npuspeed import telemetry
+        from npuspeed.features.recompute_activation.layers import SELECTED
+
+        num = config.recompute_activation_function_num_layers
+        which = "all layers" if num is None else f"first {num} layers of each pipeline stage"
+        return (f"megatron.core.tensor_parallel.CheckpointWithoutOutput, reused (fp8=None; storage "
+                f"resize_(0) after fc2, recompute from a grad hook on fc2's output, early release of "
+                f"fc1's output and the recomputed copy); {which}; MLPs selected in this process: "
+                f"{telemetry.get(SELECTED)}")

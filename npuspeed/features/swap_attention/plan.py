@@ -1,0 +1,17 @@
+"""--swap-attention in `npuspeed plan`: the chosen modules' saved activations live in host memory
+between forward and backward; where the host is the device that frees nothing, so no slot moves."""
+from __future__ import annotations
+
+
+def effect(model, config, accelerator):
+    from npuspeed.features.base import PlanEffect
+    from npuspeed.features.swap_attention.swap_attention_feature import MAIN, parse_modules
+
+    names = parse_modules(config.swap_modules)
+    if accelerator.host_is_device():
+        return PlanEffect(summary=f"{MAIN}: saved activations of {', '.join(names)} copied to host memory; the "
+                                  "host is the device here: nothing leaves it")
+    return PlanEffect(swap_modules=tuple(names),
+                      summary=f"{MAIN}: saved activations of {', '.join(names)} kept in host memory between "
+                              "forward and backward; on the device: the layer in backward and the one fetched "
+                              "ahead")

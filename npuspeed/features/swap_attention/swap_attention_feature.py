@@ -1,0 +1,99 @@
+"""Attention activation swap (`--swap-attention [--swap-modules LIST]`, MindSpeed's names).
+
+The activations autograd saves inside the chosen modules of every layer (default: the
+attention block) are copied to pinned host memory on a side stream during forward, their
+device storage freed, and fetched back in backward one layer ahead, overlapped with compute
+(swap.py; which modules: modules.py). A norm output that `--recompute-norm` frees and
+recomputes (linear_qkv saves the input norm's) is left to it, not copied as well. On the CPU backend the host is the device: the
+mechanics run (and are tested), nothing is saved, and the log and report say so.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from npuspeed.features.base import Feature, FeatureError
+from npuspeed.features.config import FeatureConfig, flag
+
+MAIN, MODS = "--swap-attention", "--swap-modules"
+
+
+@dataclass(frozen=True)
+class Config(FeatureConfig):
+    swap_attention: bool = flag(MAIN, False)
+    """Copy the activations saved inside the chosen modules (default the attention block) to
+    pinned host memory in forward, free them on the device, and fetch them back one layer ahead
+    in backward."""
+    swap_modules: str | None = flag(MODS, None, type=str, metavar="LIST")
+    """With --swap-attention: comma list of self_attention, core_attention, input_norm,
+    post_attention_norm, mlp (default self_attention)."""
+
+
+def parse_modules(raw: str | None) -> list[str]:
+    from npuspeed.features.swap_attention.modules import DEFAULT, MODULES
+
+    names = [n.strip() for n in (raw or DEFAULT).split(",") if n.strip()]
+    bad = [n for n in names if n not in MODULES]
+    if bad or not names:
+        raise FeatureError(f"{MODS} {raw!r}: unknown module {', '.join(bad) or '(none)'}; give a comma list of "
+                           f"{', '.join(MODULES)}")
+    return names
+
+
+class SwapAttentionFeature(Feature):
+    name = "swap_attention"
+    Config = Config
+
+    def enabled(self, args) -> bool:
+        config = self.config(args)
+        return config.swap_attention or config.swap_modules is not None
+
+    def validate(self, ctx) -> None:
+        # the other features' flags this one cannot combine with, read through their own Config
+        from npuspeed.features.adaptive_memory.adaptive_memory_feature import Config as Adaptive
+        from npuspeed.features.recompute_activation.recompute_activation_feature import Config as Recompute
+
+        config = self.config(ctx.args)
+        if not config.swap_attention:
+            raise FeatureError(f"{MODS} {config.swap_modules} is given without {MAIN}; add {MAIN} (or drop {MODS})")
+        names = parse_modules(config.swap_modules)
+        if "mlp" in names and Recompute.from_args(ctx.args).recompute_activation_function:
+            raise FeatureError(f"{MODS} mlp with --recompute-activation-function: the recompute frees the "
+                               "activation the swap would copy; drop one of them")
+        adaptive = Adaptive.from_args(ctx.args)
+        if adaptive.adaptive_recompute_device_size is not None and not adaptive.adaptive_swap:
+            raise FeatureError(f"{MAIN} with --adaptive-recompute-device-size: the adaptive policy chooses swap "
+                               f"itself (MindSpeed refuses the pair too); drop {MAIN}")
+        acc = ctx.accelerator
+        if acc.host_is_device():
+            ctx.note(f"{MAIN}: the host is the device on the {acc.name} backend: activations are copied to "
+                     "another place in the same memory and nothing is saved; the mechanics run, the gain is "
+                     "measured on an accelerator")
+        elif not acc.has_pinned_memory():
+            raise FeatureError(f"{MAIN} needs page-locked host memory for overlapped copies, which the "
+                               f"{acc.name} backend does not offer here; drop {MAIN}")
+
+    def register_patches(self, registry, ctx) -> None:
+        from npuspeed.features.swap_attention import patches
+
+        patches.register(registry, ctx, self.config(ctx.args), self.name)
+
+    def plan_effect(self, model, ctx):
+        from npuspeed.features.swap_attention import plan
+
+        return plan.effect(model, self.config(ctx.args), ctx.accelerator)
+
+    def path(self, ctx) -> str:
+        config = self.config(ctx.args)
+        if not config.swap_attention:
+            return "off"
+        from npuspeed import telemetry
+        from npuspeed.features.swap_attention.modules import SELECTED
+        from npuspeed.features.swap_attention.swap import PREFIX
+
+        acc = ctx.accelerator
+        where = ("host is the device (CPU backend): copies run, nothing is saved" if acc.host_is_device()
+                 else f"pinned host memory, side stream on {acc.name}")
+        counts = ", ".join(f"{k} {telemetry.get(PREFIX + k)}" for k in
+                           ("groups", "out_bytes", "in_bytes", "prefetched", "on_demand"))
+        return (f"saved_tensors_hooks on {', '.join(parse_modules(config.swap_modules))}; {where}; modules wrapped "
+                f"in this process: {telemetry.get(SELECTED)}; {counts}")
