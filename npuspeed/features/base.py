@@ -8,46 +8,9 @@ from __future__ import annotations
 
 import argparse
 import functools
-from dataclasses import dataclass, field
-
-
-@dataclass(frozen=True)
-class PlanEffect:
-    """What a feature changes in a run's memory or time, stated once, for `npuspeed plan`.
-
-    The planner replays Megatron's ops (npuspeed/plan/ops.py); a feature names the op-graph
-    slots it swaps (`variants`, e.g. {"core_attention": "flash"}), which calibrated kernel
-    times an op kind (`kernels`), how much of a parallel dimension's communication it hides
-    (`overlap`, e.g. {"tp": 0.5}) and what the fp32 master keeps between steps. A slot or
-    value the planner does not know is an error there, so the two cannot drift apart.
-    """
-
-    #: op-graph slot -> variant (npuspeed/plan/ops.py VARIANTS)
-    variants: dict = field(default_factory=dict)
-    #: slot -> how many layers of each pipeline stage it applies to (None/absent: all)
-    variant_layers: dict = field(default_factory=dict)
-    #: bytes per parameter the fp32 master keeps between optimizer steps (None: unchanged)
-    master_bytes_per_param: float | None = None
-    #: op kind -> the calibrated kernel that runs it (npuspeed/plan/speed.py KERNELS)
-    kernels: dict = field(default_factory=dict)
-    #: parallel dimension ("tp", "dp", "pp", "cp", "ep") -> fraction of its time hidden
-    overlap: dict = field(default_factory=dict)
-    #: settings of the variants it names (npuspeed/plan/ops.py OPTIONS, e.g. {"cp_ulysses": 2})
-    options: dict = field(default_factory=dict)
-    #: parallel dimension -> bytes one rank sends per layer and micro-batch, forward and backward
-    #: (replaces the planner's own estimate for that dimension)
-    comm_per_layer: dict = field(default_factory=dict)
-    #: optimizer states (and masters where "masters") off the device between steps
-    #: (--swap-optimizer): {"frees": bool, "masters": bool, "window_bytes": int held during the
-    #: step, "link_bytes_per_s": float, "overlapped": bool (copies hidden behind the update)}
-    swap_optimizer: dict = field(default_factory=dict)
-    #: --swap-modules names whose saved activations are kept in host memory between forward
-    #: and backward (npuspeed/plan/ops.py SWAP_PARTS); empty where the host is the device
-    swap_modules: tuple = ()
-    #: one line for the plan: what it removes or costs
-    summary: str = ""
 
 from npuspeed.errors import UserError
+from npuspeed.plan_vocabulary import PlanEffect  # noqa: F401  (re-exported: a feature's plan_effect returns one)
 
 
 class FeatureError(UserError, ValueError):

@@ -153,10 +153,9 @@ def choose(argv: list[str], world: int | None = None) -> Policy:
     from npuspeed.plan.planner import _device
     from npuspeed.plan.recompute_cost import layer_costs, swap_seconds, swap_unavailable
 
-    backend = _device(base).name
-    costs = layer_costs(spec, first.effects, backend)
+    costs = layer_costs(first.run, _device(base))
     mbs = spec.batch.num_microbatches(spec.layout.dp)
-    no_swap = swap_unavailable(backend) or ("" if OPT in argv else f"not considered (add {OPT})")
+    no_swap = swap_unavailable(costs) or ("" if OPT in argv else f"not considered (add {OPT})")
     best, smallest = None, None
     grid = _grid(n)
     # Megatron's recompute granularity is one value: block full recompute of the first F layers,

@@ -33,7 +33,7 @@ def _own(argv: list[str]):
 
 
 def main(argv: list[str] | None = None) -> int:
-    from npuspeed.plan.flags import PlanInputError, parse
+    from npuspeed.plan.flags import PlanInputError, megatron_args, parse
     from npuspeed.plan.planner import expand_script, plan_spec
     from npuspeed.plan.speed import load_profile
 
@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
             spec, ranked, rejected, own.top, profile is not None)
         print(json.dumps(out, indent=2) if own.json else out)
         return 0 if ranked else 1
-    result = plan_spec(spec, rest, profile)
+    result = plan_spec(spec, rest, profile, megatron=megatron_args(ns))
     if own.json:
         out = render.as_json(result)
         if policy is not None:

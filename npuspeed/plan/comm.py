@@ -13,19 +13,18 @@
 """
 from __future__ import annotations
 
-from npuspeed.plan.dims import dims
-from npuspeed.plan.params import buffer_numel, chunk_params
-from npuspeed.plan.spec import RunSpec
+from npuspeed.plan import ops_cp, ops_moe
+from npuspeed.plan.run import ResolvedRun
 
 
 def _ring(n: int) -> float:
     return (n - 1) / n if n > 1 else 0.0
 
 
-def volume(spec: RunSpec, effects=None) -> dict:
+def volume(run: ResolvedRun) -> dict:
     """{dimension: bytes sent per rank per step} for the busiest pipeline stage."""
+    spec, effects, d, options = run.spec, run.effects, run.dims, run.options
     m, lay = spec.model, spec.layout
-    d = dims(spec)
     mbs = spec.batch.num_microbatches(lay.dp)
     layers = m.num_layers // lay.pp
     act_full = d.tokens * d.hidden * d.act
@@ -36,27 +35,18 @@ def volume(spec: RunSpec, effects=None) -> dict:
     if lay.pp > 1:
         boundaries = 2 * lay.chunks  # send forward, gradient back; per chunk
         out["pp"] = boundaries * d.h() * mbs
+    grads = max(sum(stage) for stage in run.buffers) * 4  # the busiest stage's fp32 gradient buffers
     if lay.dp > 1:
-        grads = max(sum(buffer_numel(spec, chunk_params(spec, r, c)) for c in range(lay.chunks))
-                    for r in range(lay.pp)) * 4
         out["dp"] = 2 * _ring(lay.dp) * grads
     if lay.dp * lay.cp > 1 and lay.cp > 1:  # gradients reduce over DP x CP
-        grads = max(sum(buffer_numel(spec, chunk_params(spec, r, c)) for c in range(lay.chunks))
-                    for r in range(lay.pp)) * 4
         out["dp"] = 2 * _ring(lay.dp * lay.cp) * grads
     # EP: Megatron's all-to-all dispatcher; CP (and anything a feature changes): the plan effect
     per_layer_comm = {}
     if m.num_experts:
-        from npuspeed.plan import ops_moe
-        from npuspeed.plan.spec import expert_layout
-
-        per_layer_comm.update(ops_moe.comm_per_layer(d, m, expert_layout(spec, getattr(effects, "options", None))[0]))
-    options = getattr(effects, "options", None) or {}
-    if lay.cp > 1 and "cp_ring" in options:
-        from npuspeed.plan import ops_cp
-
-        per_layer_comm.update(ops_cp.comm_per_layer(d, options["cp_ulysses"], options["cp_ring"]))
-    per_layer_comm.update(getattr(effects, "comm_per_layer", None) or {})
+        per_layer_comm.update(ops_moe.comm_per_layer(d, m, run.experts.ep))
+    if lay.cp > 1 and options.cp_ring is not None:
+        per_layer_comm.update(ops_cp.comm_per_layer(d, options.cp_ulysses, options.cp_ring))
+    per_layer_comm.update(effects.comm_per_layer)
     for dim, per_layer in per_layer_comm.items():
         out[dim] = per_layer * layers * mbs
     return out

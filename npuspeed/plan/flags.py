@@ -1,7 +1,10 @@
 """`npuspeed plan`'s command line: a training run's flags plus the world and the device.
 
 Megatron's model, parallel and batch flags keep Megatron-LM's names (so a launch script's
-argument list works as is, `--script FILE` reads one); npuspeed's feature flags are the
+argument list works as is, `--script FILE` reads one). The Megatron flags npuspeed's runtime
+reads are npuspeed/megatron_flags.py's, declared there once (given or None); the ones only the
+planner needs are declared here; one parse of the argv yields both the planner's namespace and
+the features' view of Megatron's flags (`megatron_args`). npuspeed's feature flags are the
 runtime's own parser's; flags neither knows are ignored, as a training run's launcher would
 pass them through. Defaults are Megatron-LM's where a flag is optional there (dropout 0.1,
 LayerNorm, learned absolute positions, tied embeddings, bias), the example's tokenizer
@@ -11,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 
+from npuspeed import megatron_flags
 from npuspeed.plan.spec import Batch, Layout, ModelSpec, RunSpec
 
 
@@ -18,53 +22,66 @@ class PlanInputError(ValueError):
     """A flag the planner cannot work with; the message names it and the fix."""
 
 
+#: Megatron-LM's defaults of the megatron_flags.py flags the planner reads (those parse to None
+#: when not given: "not said" to a feature, Megatron's default to the planner)
+MEGATRON_DEFAULTS = {
+    "normalization": "LayerNorm", "position_embedding_type": "learned_absolute", "attention_dropout": 0.1,
+    "moe_token_dispatcher_type": "alltoall", "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1,
+    "context_parallel_size": 1, "expert_model_parallel_size": 1,
+}
+#: values the planner models, per megatron_flags.py flag that has a closed set
+CHOICES = {"recompute_granularity": ("full", "selective")}
+
+
 def _megatron(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model and parallelism (Megatron-LM's flags)")
-    add = g.add_argument
+    for dest, (flag, kwargs) in megatron_flags.FLAGS.items():
+        g.add_argument(flag, dest=dest, default=None, **kwargs)
+    add = g.add_argument  # the Megatron flags only the planner reads
     add("--num-layers", type=int)
     add("--hidden-size", type=int)
-    add("--ffn-hidden-size", type=int)
-    add("--num-attention-heads", type=int)
     add("--group-query-attention", action="store_true")
-    add("--num-query-groups", type=int)
     add("--kv-channels", type=int)
-    add("--seq-length", type=int)
     add("--max-position-embeddings", type=int)
-    add("--normalization", default="LayerNorm")
-    add("--swiglu", action="store_true")
-    add("--position-embedding-type", default="learned_absolute")
     add("--untie-embeddings-and-output-weights", action="store_true")
-    add("--disable-bias-linear", action="store_true")
     add("--hidden-dropout", type=float, default=0.1)
-    add("--attention-dropout", type=float, default=0.1)
     add("--make-vocab-size-divisible-by", type=int, default=128)
     add("--vocab-size", type=int)
     add("--tokenizer-type", default=None)
-    add("--num-experts", type=int)
     add("--moe-router-topk", type=int, default=2)
-    add("--moe-ffn-hidden-size", type=int)
-    add("--moe-token-dispatcher-type", default="alltoall")
-    add("--moe-expert-capacity-factor", type=float)
     add("--moe-shared-expert-intermediate-size", type=int)
-    add("--expert-tensor-parallel-size", type=int)
-    add("--recompute-granularity", choices=["full", "selective"])
     add("--recompute-method", choices=["uniform", "block"])
     add("--recompute-num-layers", type=int)
-    add("--tensor-model-parallel-size", type=int, default=1)
-    add("--pipeline-model-parallel-size", type=int, default=1)
     add("--num-layers-per-virtual-pipeline-stage", type=int)
     add("--virtual-pipeline-model-parallel-size", type=int)
-    add("--context-parallel-size", type=int, default=1)
-    add("--expert-model-parallel-size", type=int, default=1)
-    add("--sequence-parallel", action="store_true")
     add("--use-distributed-optimizer", action="store_true")
     add("--overlap-grad-reduce", action="store_true")
     # Megatron-LM checks every gradient bucket for NaN before its reduction unless told not to
     add("--no-check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad", action="store_false")
     add("--micro-batch-size", type=int, default=1)
     add("--global-batch-size", type=int)
-    add("--bf16", action="store_true")
-    add("--fp16", action="store_true")
+
+
+def megatron_args(ns: argparse.Namespace) -> argparse.Namespace:
+    """The features' view of Megatron's flags (megatron_flags.parse's namespace) from this
+    parser's namespace: the same dests, None where not given."""
+    return argparse.Namespace(**{dest: getattr(ns, dest) for dest in megatron_flags.FLAGS})
+
+
+def _with_defaults(ns: argparse.Namespace) -> argparse.Namespace:
+    out = argparse.Namespace(**vars(ns))
+    for dest, value in MEGATRON_DEFAULTS.items():
+        if getattr(out, dest) is None:
+            setattr(out, dest, value)
+    for dest, (_flag, kwargs) in megatron_flags.FLAGS.items():
+        if kwargs.get("action") == "store_const":  # a switch not given is off for the planner
+            setattr(out, dest, bool(getattr(out, dest)))
+    for dest, allowed in CHOICES.items():
+        value = getattr(out, dest)
+        if value is not None and value not in allowed:
+            raise PlanInputError(f"{megatron_flags.FLAGS[dest][0]} {value}: the planner models "
+                                 f"{' or '.join(allowed)}")
+    return out
 
 
 def _plan(p: argparse.ArgumentParser) -> None:
@@ -111,11 +128,13 @@ LAYOUT = "--pipeline-model-parallel-layout"
 
 
 def parse(argv: list[str]) -> tuple[RunSpec, argparse.Namespace, list[str]]:
-    """(RunSpec, the planner's own namespace, the feature argv) from a run's flags."""
-    ns, rest = build_parser().parse_known_args(list(argv))
-    if any(a.split("=", 1)[0] == LAYOUT for a in rest):  # Megatron 0.14+: never silently ignored
+    """(RunSpec, the planner's own namespace, the feature argv) from a run's flags; the
+    namespace holds Megatron's flags as given (None: not said; `megatron_args` reads them)."""
+    raw, rest = build_parser().parse_known_args(list(argv))
+    if raw.pipeline_model_parallel_layout is not None:  # Megatron 0.14+: never silently ignored
         raise PlanInputError(f"{LAYOUT}: the planner models --num-layers / --pipeline-model-parallel-size layers "
                              "on every stage, not an explicit per-stage layout; drop the layout to plan the run")
+    ns = _with_defaults(raw)
     _required(ns, ["num_layers", "hidden_size", "num_attention_heads", "seq_length"])
     if ns.bf16 and ns.fp16:
         raise PlanInputError("--bf16 and --fp16 are exclusive; pick one")
@@ -171,4 +190,4 @@ def parse(argv: list[str]) -> tuple[RunSpec, argparse.Namespace, list[str]]:
     spec = RunSpec(model=model, layout=layout, batch=batch, feature_argv=tuple(rest), devices=devices,
                    device_memory_bytes=mem, extra={"problems": problems, "nproc_per_node": nproc,
                           "check_for_nan_in_grad": ns.check_for_nan_in_loss_and_grad and not ns.fp16})
-    return spec, ns, rest
+    return spec, raw, rest

@@ -13,10 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from npuspeed.plan import ops, schedule
-from npuspeed.plan.dims import dims
 from npuspeed.plan.graph import Graph, Op, replay
 from npuspeed.plan.params import static_memory
-from npuspeed.plan.spec import RunSpec, expert_layout
+from npuspeed.plan.run import ResolvedRun
 
 
 @dataclass
@@ -61,17 +60,16 @@ def _checkpointed(g: Graph, d, m, x: str, first: int, count: int, variants, rc_l
     return out
 
 
-def chunk_graph(spec: RunSpec, effects, pp_rank: int, chunk: int) -> Graph:
+def chunk_graph(run: ResolvedRun, pp_rank: int, chunk: int) -> Graph:
+    spec, effects, d = run.spec, run.effects, run.dims
     m, lay = spec.model, spec.layout
-    d = dims(spec)
     g = Graph()
     first = pp_rank == 0 and chunk == 0
     last = pp_rank == lay.pp - 1 and chunk == lay.chunks - 1
     x = ops.embedding_ops(g, d, m) if first else ops.recv_ops(g, d)
     n = spec.layers_per_chunk()
     variants = dict(effects.variants)
-    ep, etp, _ = expert_layout(spec, effects.options)
-    opts = {"moe_ep": ep, "moe_etp": etp, **effects.options}
+    opts = run.layer_options
     if m.recompute_granularity == "selective":
         core = variants.get("core_attention", "unfused")
         variants["core_attention"] = core if core in ("flash", "cp") else "recompute"
@@ -101,8 +99,8 @@ def chunk_graph(spec: RunSpec, effects, pp_rank: int, chunk: int) -> Graph:
     return g
 
 
-def persistent_buffers(spec: RunSpec, effects) -> int:
-    d = dims(spec)
+def persistent_buffers(run: ResolvedRun) -> int:
+    spec, effects, d = run.spec, run.effects, run.dims
     mpu = d.h(d.tokens) if d.sp else 0
     core = effects.variants.get("core_attention", "unfused")
     if core in ("unfused", "recompute") or spec.model.recompute_granularity == "selective" and core not in (
@@ -131,20 +129,20 @@ def swap_optimizer(static, step_static, effects) -> tuple[int, int]:
     return swapped, window
 
 
-def rank_memory(spec: RunSpec, effects, pp_rank: int) -> RankMemory:
+def rank_memory(run: ResolvedRun, pp_rank: int) -> RankMemory:
+    spec, effects, d = run.spec, run.effects, run.dims
     lay = spec.layout
-    d = dims(spec)
     replays = []
     terms: dict = {}
     for chunk in range(lay.chunks):
         last = pp_rank == lay.pp - 1 and chunk == lay.chunks - 1
-        r = replay(chunk_graph(spec, effects, pp_rank, chunk), output_grad=0 if last else d.h())
+        r = replay(chunk_graph(run, pp_rank, chunk), output_grad=0 if last else d.h())
         replays.append(r)
         for k, v in r.by_term.items():
             terms[k] = max(terms.get(k, 0), v)
-    static = static_memory(spec, pp_rank, effects.master_bytes, effects.options)
-    step_static = static_memory(spec, pp_rank, None, effects.options)
-    buffers = persistent_buffers(spec, effects)
+    static = static_memory(run, pp_rank, effects.master_bytes)
+    step_static = static_memory(run, pp_rank, None)
+    buffers = persistent_buffers(run)
     swapped, window = swap_optimizer(static, step_static, effects)
     held = top = count = top_count = 0
     for kind, chunk in schedule.events(lay.pp, pp_rank, lay.chunks, spec.batch.num_microbatches(lay.dp)):
@@ -177,6 +175,6 @@ def rank_memory(spec: RunSpec, effects, pp_rank: int) -> RankMemory:
     )
 
 
-def predict(spec: RunSpec, effects) -> list[RankMemory]:
+def predict(run: ResolvedRun) -> list[RankMemory]:
     """One RankMemory per pipeline stage (TP/CP/DP peers of a stage hold the same)."""
-    return [rank_memory(spec, effects, r) for r in range(spec.layout.pp)]
+    return [rank_memory(run, r) for r in range(run.spec.layout.pp)]

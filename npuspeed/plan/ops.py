@@ -20,25 +20,7 @@ from __future__ import annotations
 
 from npuspeed.plan.dims import Dims
 from npuspeed.plan.graph import Graph, Op
-
-#: op-graph slots and the variants this module knows; a feature's PlanEffect names these
-VARIANTS = {
-    "core_attention": ("unfused", "flash", "sdpa_math", "recompute", "cp"),
-    "norm": ("torch", "fused"),
-    "glu": ("unfused", "fused"),
-    "rope": ("unfused", "fused"),
-    "mlp_activation": ("keep", "recompute"),
-    "norm_output": ("keep", "recompute"),
-    "head": ("unfused", "chunked"),
-}
-#: --swap-modules name -> the parts of layer_ops' op names ("l{i}.<part>...") its module runs
-SWAP_PARTS = {
-    "input_norm": ("n1",),
-    "self_attention": ("qkv", "split", "rope_q", "rope_k", "expand", "ctx", "proj"),
-    "core_attention": ("ctx",),
-    "post_attention_norm": ("n2",),
-    "mlp": ("fc1", "fc1b", "glu", "act", "fc2"),  # a MoE layer's ops are named l{i}.fc2.*
-}
+from npuspeed.plan_vocabulary import SWAP_PARTS, PlanOptions
 
 
 def swap_layer(op_name: str, modules) -> int:
@@ -48,10 +30,6 @@ def swap_layer(op_name: str, modules) -> int:
         return -1
     part = rest.split(".", 1)[0]  # (a module's bias/dropout/add is named for its output, x1/out)
     return int(head[1:]) if any(part in SWAP_PARTS[m] for m in modules) else -1
-
-
-#: settings a PlanEffect may give with its variants (PlanEffect.options)
-OPTIONS = ("cp_ulysses", "cp_ring", "moe_ep", "moe_etp", "moe_grouped", "moe_chunks")
 
 
 def _norm_saved(d: Dims, kind: str, variant: str) -> int:
@@ -184,9 +162,8 @@ def _attention_core(g, d: Dims, q: str, k: str, v: str, out: str, p: float, vari
 
 
 def layer_ops(g: Graph, d: Dims, m, x: str, i: int, variants: dict, recompute_activation: bool,
-              options: dict | None = None, recompute_norm: bool = False) -> str:
+              options: PlanOptions = PlanOptions(), recompute_norm: bool = False) -> str:
     """One transformer layer on input `x`; returns its output's name."""
-    options = options or {}
     L = f"l{i}"
     a = d.act
     norm_v = variants.get("norm", "torch")
@@ -211,7 +188,7 @@ def layer_ops(g: Graph, d: Dims, m, x: str, i: int, variants: dict, recompute_ac
     if core == "cp":
         from npuspeed.plan import ops_cp
 
-        ops_cp.attention(g, d, q, k, v, f"{L}.ctx", options.get("cp_ulysses", 1), options.get("cp_ring", 1))
+        ops_cp.attention(g, d, q, k, v, f"{L}.ctx", options.cp_ulysses or 1, options.cp_ring or 1)
     else:
         _attention_core(g, d, q, k, v, f"{L}.ctx", m.attention_dropout, core)
     _row(g, d, f"{L}.ctx", f"{L}.proj", np_ * hn, "proj")

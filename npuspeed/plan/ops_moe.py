@@ -21,12 +21,12 @@ from npuspeed.plan.dims import Dims
 from npuspeed.plan.graph import Op
 
 
-def moe_mlp(g, d: Dims, m, x: str, out: str, opts: dict, term: str = "moe") -> None:
+def moe_mlp(g, d: Dims, m, x: str, out: str, opts, term: str = "moe") -> None:
     """`x` [t, h] (the pre-MLP norm's output) -> `out` [t, h]."""
     a = d.act
     t = d.tokens_sp
     experts, k = m.num_experts, m.moe_topk
-    ep, etp = opts.get("moe_ep", 1), opts.get("moe_etp", 1)
+    ep, etp = opts.moe_ep or 1, opts.moe_etp or 1  # PlanOptions (run.ResolvedRun.layer_options)
     local = max(experts // ep, 1)
     ffn = m.moe_ffn // etp
     glu = d.glu
@@ -54,7 +54,7 @@ def moe_mlp(g, d: Dims, m, x: str, out: str, opts: dict, term: str = "moe") -> N
     w1 = d.hidden * ffn * glu * a
     w2 = ffn * d.hidden * a
     g.add(Op(f"{out}.fc1", (y,), {f"{out}.h1": fc1_b}, saves=(y,), bwd_temp=local * w1, term=term))
-    if opts.get("moe_grouped") and m.swiglu:
+    if opts.moe_grouped and m.swiglu:
         # npuspeed's weighted SwiGLU: one op, saves its input and the probabilities
         g.add(Op(f"{out}.act", (f"{out}.h1", probs), {f"{out}.a": act_b}, saves=(f"{out}.h1", probs),
                  fwd_temp=rows * ffn * 4, bwd_temp=fc1_b + rows * ffn * 4, term=term))

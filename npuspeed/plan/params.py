@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from npuspeed.plan.spec import RunSpec, ceil_div, expert_layout, lcm
+from npuspeed.plan.spec import ExpertLayout, RunSpec, ceil_div, lcm
 
 
 @dataclass
@@ -54,29 +54,29 @@ def layer_param_sizes(spec: RunSpec) -> list[int]:
     return sizes
 
 
-def expert_param_sizes(spec: RunSpec, options: dict | None = None) -> list[int]:
+def expert_param_sizes(spec: RunSpec, experts: ExpertLayout, grouped: bool = False) -> list[int]:
     """One MoE layer's expert weights on this rank: per local expert fc1 and fc2 (SequentialMLP),
     or two grouped weights of all local experts (GroupedMLP, --moe-grouped-gemm)."""
     m = spec.model
     if not m.num_experts:
         return []
-    ep, etp, _ = expert_layout(spec, options)
+    ep, etp, _ = experts
     local, ffn = m.num_experts // ep, m.moe_ffn // etp
     w1, w2 = m.hidden * ffn * m.glu, ffn * m.hidden
-    if (options or {}).get("moe_grouped"):
+    if grouped:
         return [local * w1, local * w2]
     one = [w1] + ([ffn * m.glu] if m.bias else []) + [w2] + ([m.hidden] if m.bias else [])
     return one * local
 
 
-def chunk_params(spec: RunSpec, pp_rank: int, chunk: int, options: dict | None = None) -> ChunkParams:
+def chunk_params(spec: RunSpec, pp_rank: int, chunk: int, experts: ExpertLayout, grouped: bool = False) -> ChunkParams:
     m, lay = spec.model, spec.layout
     out = ChunkParams()
     per_layer = layer_param_sizes(spec)
     n_layers = spec.layers_per_chunk()
     out.sizes = per_layer * n_layers
     out.layers = sum(per_layer) * n_layers
-    out.expert_sizes = expert_param_sizes(spec, options) * n_layers
+    out.expert_sizes = expert_param_sizes(spec, experts, grouped) * n_layers
     out.experts = sum(out.expert_sizes)
     vocab = m.padded_vocab(lay.tp) // lay.tp
     first = pp_rank == 0 and chunk == 0
@@ -107,9 +107,9 @@ def _padded(sizes, dp: int) -> int:
     return ceil_div(numel, bucket) * bucket
 
 
-def buffer_numel(spec: RunSpec, cp: ChunkParams, options: dict | None = None) -> int:
+def buffer_numel(spec: RunSpec, cp: ChunkParams, expert_dp: int) -> int:
     """Elements of the chunk's DDP buffers (padded as Megatron pads them under the distributed
-    optimizer): the dense one, the shared embedding's bucket, the experts' own."""
+    optimizer): the dense one, the shared embedding's bucket, the experts' own (over expert DP)."""
     if not spec.layout.distributed_optimizer:
         return cp.total
     dp = spec.layout.dp_cp
@@ -117,7 +117,7 @@ def buffer_numel(spec: RunSpec, cp: ChunkParams, options: dict | None = None) ->
     if cp.shared_embedding:
         numel += _padded([cp.shared_embedding], dp)
     if cp.expert_sizes:
-        numel += _padded(cp.expert_sizes, expert_layout(spec, options)[2])
+        numel += _padded(cp.expert_sizes, expert_dp)
     return numel
 
 
@@ -135,22 +135,20 @@ class StaticMemory:
         return self.params + self.grads + self.masters + self.optimizer
 
 
-def static_memory(spec: RunSpec, pp_rank: int, master_bytes: float | None = None,
-                  options: dict | None = None) -> StaticMemory:
-    """Static bytes on a rank of pipeline stage `pp_rank` (its model chunks together).
+def static_memory(run, pp_rank: int, master_bytes: float | None = None) -> StaticMemory:
+    """Static bytes on a rank of pipeline stage `pp_rank` of a resolved run (run.py), its model
+    chunks together.
 
     `master_bytes`: bytes per parameter the fp32 master keeps between steps (None: 4, a full
     copy; --reuse-fp32-param states 2 through its plan effect)."""
-    lay, batch = spec.layout, spec.batch
+    lay, batch = run.spec.layout, run.spec.batch
     p_bytes = 4 if batch.dtype == "fp32" else 2
     mixed = batch.dtype != "fp32"
     dp = lay.dp_cp
     out = StaticMemory()
     largest = 0
-    edp = expert_layout(spec, options)[2]
-    for chunk in range(lay.chunks):
-        cp = chunk_params(spec, pp_rank, chunk, options)
-        buf = buffer_numel(spec, cp, options)
+    edp = run.experts.edp
+    for cp, buf in zip(run.stages[pp_rank], run.buffers[pp_rank]):
         out.params += (buf if lay.distributed_optimizer else cp.total) * p_bytes
         out.grads += buf * 4
         owned = ceil_div(cp.dense, dp) + ceil_div(cp.experts, edp) if lay.distributed_optimizer else cp.total

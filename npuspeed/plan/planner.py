@@ -9,7 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from npuspeed.plan import comm, effects as effects_mod, memory, speed
-from npuspeed.plan.flags import PlanInputError, parse
+from npuspeed.plan.flags import PlanInputError, build_parser, megatron_args, parse
+from npuspeed.plan.run import ResolvedRun, resolve
 from npuspeed.plan.spec import RunSpec, layout_problems
 
 
@@ -22,6 +23,8 @@ class Plan:
     comm: dict = field(default_factory=dict)
     speed: object = None  # speed.StepTime or None without a profile
     removes: dict = field(default_factory=dict)  # feature -> peak bytes it removes (+) or adds (-)
+    #: the run resolved once (run.py): what memory, communication and speed were read from
+    run: ResolvedRun | None = None
 
     @property
     def ok(self) -> bool:
@@ -37,27 +40,41 @@ class Plan:
         return None if cap is None or not self.ok else self.peak <= cap
 
 
+#: what a backend that is not this machine's can do, by backend (absent: False)
+PLANNED_CAPABILITIES = {
+    "npu": {"fused_attention": True, "bf16": True, "mc2": True, "pinned_memory": True},
+    "cuda": {"fused_attention": True, "bf16": True, "pinned_memory": True},
+    "cpu": {"fused_attention": True, "bf16": True, "host_is_device": True},
+}
+
+
 class PlannedDevice:
     """The device a plan is for when it is not this machine's (`--npuspeed-device npu|cuda`):
     what features ask of an accelerator when they state their plan effect."""
 
     def __init__(self, name: str):
         self.name = name
+        self._can = PLANNED_CAPABILITIES.get(name, {})
 
     def has_fused_attention(self) -> bool:
-        return True
+        return self._can.get("fused_attention", False)
 
     def is_bf16_supported(self) -> bool:
-        return True
+        return self._can.get("bf16", False)
 
     def has_mc2(self) -> bool:
-        return self.name == "npu"
+        return self._can.get("mc2", False)
 
     def host_is_device(self) -> bool:
-        return False
+        return self._can.get("host_is_device", False)
 
     def has_pinned_memory(self) -> bool:
-        return True
+        return self._can.get("pinned_memory", False)
+
+    def host_link_bytes_per_s(self) -> float:
+        from npuspeed.accelerator.host_link import host_link_bytes_per_s
+
+        return host_link_bytes_per_s(self.name)
 
 
 def _device(argv: list[str]):
@@ -71,12 +88,21 @@ def _device(argv: list[str]):
     return get_accelerator()
 
 
-def context_for(argv: list[str]):
-    from npuspeed import runtime
+def context_for(argv: list[str], megatron=None):
+    """The features' Context for `argv` (as runtime.make_context builds it), with Megatron's
+    flags from the planner's own parse (`megatron`: flags.megatron_args of it) when given."""
+    import functools
+
+    from npuspeed import arguments
+    from npuspeed.context import Context
     from npuspeed.features import all_features
 
-    features = all_features()
-    return runtime.make_context(features, list(argv), _device(list(argv))), features
+    features, argv = all_features(), list(argv)
+    if megatron is None:
+        megatron = megatron_args(build_parser().parse_known_args(argv)[0])
+    args = arguments.parse_args(features, argv)
+    extend = functools.partial(arguments.add_arguments, features=features)
+    return Context(args, megatron, _device(argv), tuple(argv), extend_parser=extend), features
 
 
 def _feature_problems(ctx, features) -> list[str]:
@@ -92,9 +118,10 @@ def _feature_problems(ctx, features) -> list[str]:
     return out
 
 
-def plan_spec(spec: RunSpec, argv: list[str], profile=None, with_removes: bool = True) -> Plan:
+def plan_spec(spec: RunSpec, argv: list[str], profile=None, with_removes: bool = True, megatron=None) -> Plan:
+    """The plan of `spec` (parsed from `argv`; `megatron`: flags.megatron_args of that parse)."""
     problems = layout_problems(spec)
-    ctx, features = context_for(argv)
+    ctx, features = context_for(argv, megatron)
     problems += _feature_problems(ctx, features)
     result = Plan(spec=spec, problems=problems)
     if problems:
@@ -103,17 +130,18 @@ def plan_spec(spec: RunSpec, argv: list[str], profile=None, with_removes: bool =
     result.problems += _not_modeled(spec, result.effects)
     if result.problems:
         return result
-    result.ranks = memory.predict(spec, result.effects)
-    result.comm = comm.volume(spec, result.effects)
+    result.run = run = resolve(spec, result.effects)
+    result.ranks = memory.predict(run)
+    result.comm = comm.volume(run)
     if profile is not None:
-        result.speed = speed.step_time(spec, result.effects, profile, result.comm)
+        result.speed = speed.step_time(run, profile)
     if with_removes:
         for name in result.effects.features:
             if name == "context_parallel":
                 continue  # a layout, not a memory feature: the plan at CP 1 is another layout
             without = [a for a in argv if a not in _flags_of(features, name)]
-            other = effects_mod.collect(spec, context_for(without)[0], features)
-            result.removes[name] = max(r.peak for r in memory.predict(spec, other)) - result.peak
+            other = effects_mod.collect(spec, context_for(without, ctx.megatron)[0], features)
+            result.removes[name] = max(r.peak for r in memory.predict(resolve(spec, other))) - result.peak
     return result
 
 
@@ -150,4 +178,4 @@ def plan(argv: list[str], profile=None, with_removes: bool = True) -> Plan:
     spec, ns, _rest = parse(argv)
     if profile is None and ns.profile:
         profile = speed.load_profile(ns.profile)
-    return plan_spec(spec, argv, profile, with_removes)
+    return plan_spec(spec, argv, profile, with_removes, megatron_args(ns))

@@ -13,17 +13,19 @@ The rates are nominal per backend (RATES), not timed at start-up: every rank pla
 on its own before any process group exists, and a timing would differ between ranks (two TP
 peers with different recompute would mismatch their collectives); the ranking depends on the
 rates' ratio only, and a `--profile` from `npuspeed plan --calibrate` still replaces them.
-A swap's cost is its copies over the host link (`host_link`), hidden behind the layer's own
-forward (device to host) and backward (host to device) time; where the host is the device
-(CPU) a swap frees nothing and is never a candidate.
+A swap's cost is its copies over the device's host link (the one figure per backend of
+npuspeed/accelerator/host_link.py, asked of the device), hidden behind the layer's own forward
+(device to host) and backward (host to device) time; where the host is the device (the
+device's `host_is_device()`, CPU) a swap frees nothing and is never a candidate.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from npuspeed.plan import ops
-from npuspeed.plan.dims import Dims, dims
+from npuspeed.plan.dims import Dims
 from npuspeed.plan.graph import Graph
+from npuspeed.plan.run import ResolvedRun
 
 
 @dataclass(frozen=True)
@@ -36,25 +38,24 @@ class Rates:
     memory: float
     #: seconds of framework and launch overhead per op call
     per_op: float
-    #: bytes/s between device and pinned host memory (None: the host is the device)
-    host_link: float | None
 
 
 #: Nominal rates. cpu: one thread of this project's 2-core host at the example's shapes
 #: (torch 2.13: [1024, 64] x [64, 768] matmul 52 GFLOP/s, fp32 softmax / masked_fill over
 #: 8 x 512 x 512 at 9-12 GB/s, ~3.5 us per small op plus Megatron's module overhead);
 #: cuda: an H100-class part at practical fractions of its datasheet (dense bf16 ~400 TFLOP/s,
-#: TF32 ~200, HBM3 ~2.5 TB/s, PCIe 5 pinned copies ~25 GB/s); npu: an Ascend 910B-class part
-#: (~250 TFLOP/s bf16, HBM ~1.2 TB/s, host link ~20 GB/s). Not measured here (no device).
+#: TF32 ~200, HBM3 ~2.5 TB/s); npu: an Ascend 910B-class part (~250 TFLOP/s bf16, HBM
+#: ~1.2 TB/s). Not measured here (no device). A backend without an entry is priced as cuda's.
 RATES = {
-    "cpu": Rates(matmul={4: 50e9, 2: 25e9}, memory=10e9, per_op=15e-6, host_link=None),
-    "cuda": Rates(matmul={4: 200e12, 2: 400e12}, memory=2.5e12, per_op=10e-6, host_link=25e9),
-    "npu": Rates(matmul={4: 100e12, 2: 250e12}, memory=1.2e12, per_op=15e-6, host_link=20e9),
+    "cpu": Rates(matmul={4: 50e9, 2: 25e9}, memory=10e9, per_op=15e-6),
+    "cuda": Rates(matmul={4: 200e12, 2: 400e12}, memory=2.5e12, per_op=10e-6),
+    "npu": Rates(matmul={4: 100e12, 2: 250e12}, memory=1.2e12, per_op=15e-6),
 }
+DEFAULT_RATES = RATES["cuda"]
 
 
 def rates_for(backend: str) -> Rates:
-    return RATES.get(backend, RATES["cuda"] if backend != "cpu" else RATES["cpu"])
+    return RATES.get(backend, DEFAULT_RATES)
 
 
 def _bytes(sizes: dict, op) -> int:
@@ -62,10 +63,10 @@ def _bytes(sizes: dict, op) -> int:
     return sum(sizes.get(n, 0) for n in op.inputs) + sum(op.outputs.values()) + sum(op.extras.values())
 
 
-def _layer_graph(spec, variants: dict, options: dict) -> Graph:
-    d = dims(spec)
+def _layer_graph(run: ResolvedRun, variants: dict, options) -> Graph:
+    d = run.dims
     g = Graph(inputs={"x": d.h()})
-    ops.layer_ops(g, d, spec.model, "x", 0, variants, False, options, False)
+    ops.layer_ops(g, d, run.spec.model, "x", 0, variants, False, options, False)
     return g
 
 
@@ -106,18 +107,24 @@ class LayerCosts:
     norm: float
     forward: float
     backend: str
+    #: the device's host link, bytes/s, and whether the host is the device (a swap frees nothing)
+    host_link: float = 0.0
+    host_is_device: bool = True
 
 
-def layer_costs(spec, effects, backend: str) -> LayerCosts:
-    d, m = dims(spec), spec.model
+def layer_costs(run: ResolvedRun, device) -> LayerCosts:
+    """`device`: the accelerator the run is planned for (its name, host_is_device() and
+    host_link_bytes_per_s(); planner.PlannedDevice for another machine's)."""
+    d, m, effects = run.dims, run.spec.model, run.effects
+    backend = device.name
     r = rates_for(backend)
-    variants = dict(effects.variants) if effects is not None else {}
+    variants = dict(effects.variants)
     core = variants.get("core_attention", "unfused")
     if core == "recompute":
         core = "unfused"
     variants["core_attention"] = core
-    options = dict(effects.options) if effects is not None else {}
-    g = _layer_graph(spec, variants, {"moe_ep": 1, "moe_etp": 1, **options})
+    opts = run.options  # one layer's own cost: experts as stated, else all on this rank
+    g = _layer_graph(run, variants, replace(opts, moe_ep=opts.moe_ep or 1, moe_etp=opts.moe_etp or 1))
     rate = r.matmul.get(d.act, r.matmul[2])
     sums = {"": [0, 0], "core": [0, 0], "norm": [0, 0], "act": [0, 0]}
     sizes = dict(g.inputs)
@@ -137,14 +144,16 @@ def layer_costs(spec, effects, backend: str) -> LayerCosts:
     full = cost(("", "core", "norm", "act"), _matmul_flops(d, m, "layer", core))
     # Megatron's selective recompute redoes the unfused core attention only (flash/CP keep theirs)
     selective = 0.0 if core in ("flash", "cp") else cost(("core",), _matmul_flops(d, m, "core", core)) + r.per_op
+    on_host = device.host_is_device()
     return LayerCosts(full=full + r.per_op, core=selective, act=cost(("act",), 0.0) + 2 * r.per_op,
-                      norm=cost(("norm",), 0.0) + 4 * r.per_op, forward=full, backend=backend)
+                      norm=cost(("norm",), 0.0) + 4 * r.per_op, forward=full, backend=backend,
+                      host_link=0.0 if on_host else device.host_link_bytes_per_s(), host_is_device=on_host)
 
 
-def swap_unavailable(backend: str) -> str:
-    """Why a swap is no candidate on `backend` ("" where it is one)."""
-    if rates_for(backend).host_link is None:
-        return f"not a candidate on the {backend} backend: the host is the device, a swap frees nothing"
+def swap_unavailable(costs: LayerCosts) -> str:
+    """Why a swap is no candidate on the device of `costs` ("" where it is one)."""
+    if costs.host_is_device:
+        return f"not a candidate on the {costs.backend} backend: the host is the device, a swap frees nothing"
     return ""
 
 
@@ -152,8 +161,7 @@ def swap_seconds(costs: LayerCosts, swapped_bytes: float) -> float:
     """Exposed seconds of swapping `swapped_bytes` of one layer: the device-to-host copy hidden
     behind the next layer's forward, the host-to-device fetch behind the layer above's backward
     (about twice a forward); inf where the host is the device (nothing to gain)."""
-    link = rates_for(costs.backend).host_link
-    if not link:
+    if costs.host_is_device:
         return float("inf")
-    copy = swapped_bytes / link
+    copy = swapped_bytes / costs.host_link
     return max(copy - costs.forward, 0.0) + max(copy - 2 * costs.forward, 0.0) + 2 * rates_for(costs.backend).per_op

@@ -95,7 +95,7 @@ def layout_argv(lay: Layout, gbs: int, num_layers: int) -> list[str]:
 
 def search(spec: RunSpec, argv: list[str], profile, keep_features: bool = True):
     """(ranked fitting candidates, rejected [(flag line, reason)])."""
-    from npuspeed.plan.flags import parse
+    from npuspeed.plan.flags import megatron_args, parse
     from npuspeed.plan.planner import plan_spec
 
     base = strip(argv)
@@ -106,14 +106,14 @@ def search(spec: RunSpec, argv: list[str], profile, keep_features: bool = True):
         for combo in _feature_sets(spec):
             extra = [f for name in combo for f in FEATURE_SETS[name]]
             cand_argv = base + layout_argv(lay, gbs, spec.model.num_layers) + extra
-            cspec, _, _ = parse(cand_argv + world)
+            cspec, ns, _ = parse(cand_argv + world)
             cspec = cspec.with_layout(lay)
             problems = layout_problems(cspec)
             line = " ".join(cand_argv)
             if problems:
                 rejected.append((line, problems[0]))
                 break  # the layout itself is impossible: no feature set changes that
-            p = plan_spec(cspec, cand_argv, profile, with_removes=False)
+            p = plan_spec(cspec, cand_argv, profile, with_removes=False, megatron=megatron_args(ns))
             if p.problems:
                 rejected.append((line, p.problems[0]))
                 continue

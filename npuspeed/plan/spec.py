@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
 
 @dataclass(frozen=True)
@@ -209,12 +210,17 @@ def replace_layout(spec: RunSpec, **changes) -> RunSpec:
     return replace(spec, layout=replace(spec.layout, **changes))
 
 
-def expert_layout(spec: RunSpec, options: dict | None = None) -> tuple[int, int, int]:
+class ExpertLayout(NamedTuple):
+    ep: int
+    etp: int
+    edp: int
+
+
+def expert_layout(spec: RunSpec, options=None) -> ExpertLayout:
     """(EP, expert TP, expert DP) of a MoE run: Megatron's defaults (EP as given, expert TP =
     TP, expert DP = world / (PP x EP x expert TP)) unless a feature's plan options say otherwise
-    (--moe-tp-extend-ep: EP x TP ranks, expert TP 1)."""
-    opts = options or {}
+    (--moe-tp-extend-ep: EP x TP ranks, expert TP 1). Computed once per run (run.resolve)."""
     lay = spec.layout
-    ep = int(opts.get("moe_ep", lay.ep))
-    etp = int(opts.get("moe_etp", lay.tp))
-    return ep, etp, max(lay.world // max(lay.pp * ep * etp, 1), 1)
+    ep = int(options.moe_ep if options is not None and options.moe_ep is not None else lay.ep)
+    etp = int(options.moe_etp if options is not None and options.moe_etp is not None else lay.tp)
+    return ExpertLayout(ep, etp, max(lay.world // max(lay.pp * ep * etp, 1), 1))

@@ -26,18 +26,11 @@ import json
 from dataclasses import dataclass, replace
 
 from npuspeed.plan import schedule
-from npuspeed.plan.dims import dims
-from npuspeed.plan.params import chunk_params
+from npuspeed.plan.dims import Dims
+from npuspeed.plan.params import static_memory
+from npuspeed.plan.run import ResolvedRun
 from npuspeed.plan.spec import RunSpec
 from npuspeed.throughput import FlopsModel, model_flops, tflops_per_rank
-
-#: op kind -> the kernels the calibration times (a feature's PlanEffect.kernels names these)
-KERNELS = {
-    "attention": ("unfused", "flash", "sdpa_math"),
-    "norm": ("torch", "fused"),
-    "glu": ("unfused", "fused"),
-    "rope": ("unfused", "fused"),
-}
 
 
 @dataclass
@@ -85,8 +78,7 @@ def _dt(spec: RunSpec) -> str:
     return "fp32" if spec.batch.dtype == "fp32" else "bf16"
 
 
-def _attention_s(profile, spec, kernel: str, b: int, s: int) -> float:
-    d = dims(spec)
+def _attention_s(profile, spec, d: Dims, kernel: str, b: int, s: int) -> float:
     table = profile["attention"].get(_dt(spec)) or next(iter(profile["attention"].values()))
     return table.get(kernel, table["unfused"]) * b * d.heads * s * s * d.head_dim
 
@@ -107,11 +99,11 @@ class GroupTimes:
     """Forward/backward seconds of a layer, the embedding and the head at one (b, s) for a
     group shape of the profile."""
 
-    def __init__(self, profile: dict, spec: RunSpec, key: str, kernel0: str):
+    def __init__(self, profile: dict, spec: RunSpec, d: Dims, key: str, kernel0: str):
         g = profile["groups"][key]
         self.points = [tuple(p) for p in g["tokens"]]
         cp = spec.layout.cp
-        attn = (lambda share: (lambda b, s: share * _attention_s(profile, spec, kernel0, b, s))) if cp == 1 else (
+        attn = (lambda share: (lambda b, s: share * _attention_s(profile, spec, d, kernel0, b, s))) if cp == 1 else (
             lambda share: (lambda b, s: 0.0))
         self.fits = {}
         for part in ("layer", "pre", "full"):
@@ -142,8 +134,9 @@ def group_key(tp: int, sp: bool, cp: int = 1, ep: int = 1) -> str:
     return f"tp{tp}{'-sp' if sp else ''}-cp{cp}-ep{ep}"
 
 
-def layer_seconds(profile: dict, spec: RunSpec, effects) -> tuple[float, float, float, float, float, float, str, list]:
+def layer_seconds(profile: dict, run: ResolvedRun) -> tuple[float, float, float, float, float, float, str, list]:
     """(layer f, layer b, embedding f, embedding b, head f, head b) at this run's micro-batch."""
+    spec, effects, d = run.spec, run.effects, run.dims
     lay, m = spec.layout, spec.model
     notes = []
     key = group_key(lay.tp, lay.sp, lay.cp, lay.ep)
@@ -154,8 +147,8 @@ def layer_seconds(profile: dict, spec: RunSpec, effects) -> tuple[float, float, 
         notes.append(f"group {key} not calibrated: priced from {fallback} / (TP x CP) (calibrate with these flags)")
         key, scale = fallback, 1.0 / (lay.tp * lay.cp)
     kernel0 = profile.get("variants", {}).get("core_attention", "unfused")
-    kernel = (effects.variants.get("core_attention", "unfused") if effects else "unfused")
-    g = GroupTimes(profile, spec, key, kernel0)
+    kernel = effects.variants.get("core_attention", "unfused")
+    g = GroupTimes(profile, spec, d, key, kernel0)
     # the profile's points are (micro-batch, whole sequence), a CP group's ranks holding S/CP of it
     # each (calib_worker.time_group): the fits are read at the run's whole sequence
     b, s, seq = spec.batch.micro_batch, m.seq_length // lay.cp, m.seq_length
@@ -165,31 +158,30 @@ def layer_seconds(profile: dict, spec: RunSpec, effects) -> tuple[float, float, 
     emb = (max(pre_f - lf, 0.0), max(pre_b - lb, 0.0))
     head = (max(full_f - pre_f, 0.0), max(full_b - pre_b, 0.0))
     if lay.cp == 1 and kernel != kernel0:
-        d_attn = _attention_s(profile, spec, kernel, b, s) - _attention_s(profile, spec, kernel0, b, s)
+        d_attn = _attention_s(profile, spec, d, kernel, b, s) - _attention_s(profile, spec, d, kernel0, b, s)
         lf, lb = lf + d_attn / 3, lb + 2 * d_attn / 3
         notes.append(f"attention kernel {kernel} priced against the calibrated {kernel0} by the kernels alone")
     # recompute: the calibrated layer already holds its own; add the difference
-    attn_f = _attention_s(profile, spec, kernel, b, s) / 3
+    attn_f = _attention_s(profile, spec, d, kernel, b, s) / 3
     calibrated = replace(spec, model=replace(m, recompute_granularity=profile.get("recompute_granularity")))
     extra = _recompute_extra(spec, kernel, lf, attn_f) - _recompute_extra(calibrated, kernel, lf, attn_f)
     if m.recompute_granularity == "full" and m.recompute_method == "block" and m.recompute_num_layers:
         extra *= min(m.recompute_num_layers, spec.layers_per_chunk()) / max(spec.layers_per_chunk(), 1)
     lb += extra
-    if effects is not None:
-        ew = profile["elementwise_s_per_byte"].get(_dt(spec)) or next(iter(profile["elementwise_s_per_byte"].values()))
-        d = dims(spec)
-        act = ew * 2 * d.tokens * d.ffn * d.glu * d.act  # the activation's forward again
-        # the share of a chunk's layers that recompute it (all, or the first N), against the
-        # calibrated layer's (calibrate.py times the variant on every layer it builds)
-        n = max(spec.layers_per_chunk(), 1)
-        planned = len(effects.layers_for("mlp_activation", n)) / n
-        was = profile.get("variants", {}).get("mlp_activation", "keep") != "keep"
-        lb += act * (planned - int(was))
-        # norm recompute: the two norms' forward again (read x, write the output, each)
-        norm = ew * 2 * 2 * d.h()
-        planned = len(effects.layers_for("norm_output", n)) / n
-        was = profile.get("variants", {}).get("norm_output", "keep") != "keep"
-        lb += norm * (planned - int(was))
+    # the features' recompute of the activation and the norms
+    ew = profile["elementwise_s_per_byte"].get(_dt(spec)) or next(iter(profile["elementwise_s_per_byte"].values()))
+    act = ew * 2 * d.tokens * d.ffn * d.glu * d.act  # the activation's forward again
+    # the share of a chunk's layers that recompute it (all, or the first N), against the
+    # calibrated layer's (calibrate.py times the variant on every layer it builds)
+    n = max(spec.layers_per_chunk(), 1)
+    planned = len(effects.layers_for("mlp_activation", n)) / n
+    was = profile.get("variants", {}).get("mlp_activation", "keep") != "keep"
+    lb += act * (planned - int(was))
+    # norm recompute: the two norms' forward again (read x, write the output, each)
+    norm = ew * 2 * 2 * d.h()
+    planned = len(effects.layers_for("norm_output", n)) / n
+    was = profile.get("variants", {}).get("norm_output", "keep") != "keep"
+    lb += norm * (planned - int(was))
     return lf, lb, emb[0], emb[1], head[0], head[1], key, notes
 
 
@@ -208,8 +200,7 @@ def _per_param(points, params: float, col: int) -> float:
     return max(t0 - per * p0, 0.0) + per * params
 
 
-def layer_flops(spec: RunSpec) -> float:
-    d = dims(spec)
+def layer_flops(d: Dims) -> float:
     qkv = (d.heads + 2 * d.groups) * d.head_dim
     mm = d.tokens * d.hidden * (qkv + d.heads * d.head_dim + d.ffn * d.glu + d.ffn)
     attn = 2 * d.batch * d.heads * d.seq * d.seq * d.head_dim
@@ -226,18 +217,16 @@ def megatron_model_flops(spec: RunSpec) -> float:
     return model_flops(shape, spec.batch.global_size(lay.dp))
 
 
-def swap_seconds(spec: RunSpec, effects, optimizer_s: float) -> float:
+def swap_seconds(run: ResolvedRun, optimizer_s: float) -> float:
     """--swap-optimizer's cost: its bytes over the host link (PlanEffect.swap_optimizer), in and
     out at once; on a device hidden behind the update but for the first chunk in and the last
     out, on CPU (a memcpy each way in the same memory) not hidden."""
-    from npuspeed.plan.params import static_memory
-
-    sw = getattr(effects, "swap_optimizer", None)
+    sw = run.effects.swap_optimizer
     if not sw:
         return 0.0
     moved = 0
-    for r in range(spec.layout.pp):
-        st = static_memory(spec, r, None, effects.options)
+    for r in range(run.spec.layout.pp):
+        st = static_memory(run, r, None)
         moved = max(moved, st.optimizer + (st.masters if sw.get("masters") else 0))
     bw = float(sw["link_bytes_per_s"])
     if not sw.get("overlapped"):
@@ -246,11 +235,11 @@ def swap_seconds(spec: RunSpec, effects, optimizer_s: float) -> float:
     return max(0.0, moved / bw - optimizer_s) + 2 * chunk / bw
 
 
-def step_time(spec: RunSpec, effects, profile: dict, volume: dict) -> StepTime:
+def step_time(run: ResolvedRun, profile: dict) -> StepTime:
+    spec, d = run.spec, run.dims
     lay = spec.layout
-    d = dims(spec)
     mbs = spec.batch.num_microbatches(lay.dp)
-    lf, lb, ef, eb, hf, hb, key, notes = layer_seconds(profile, spec, effects)
+    lf, lb, ef, eb, hf, hb, key, notes = layer_seconds(profile, run)
     key = key if key in profile["groups"] else next(iter(profile["groups"]))
     n = spec.layers_per_chunk()
     g = profile["groups"][key]  # Megatron's schedule, per micro-batch and chunk:
@@ -264,7 +253,7 @@ def step_time(spec: RunSpec, effects, profile: dict, volume: dict) -> StepTime:
     pipeline = schedule.simulate(lay.pp, lay.chunks, mbs, fwd, bwd, hop)
     busiest = max(sum(f + b for f, b in zip(fr, br)) * mbs for fr, br in zip(fwd, bwd))
     # finalize_model_grads and the optimizer step, on the rank with the most parameters
-    params = max(sum(chunk_params(spec, r, c).total for c in range(lay.chunks)) for r in range(lay.pp))
+    params = max(sum(cp.total for cp in stage) for stage in run.stages)
     opt = profile["optimizer"]["distributed" if lay.distributed_optimizer and lay.dp * lay.cp > 1 else "plain"]
     pts = _pick(opt, "points", profile)
     dp_group = lay.dp * lay.cp
@@ -282,12 +271,12 @@ def step_time(spec: RunSpec, effects, profile: dict, volume: dict) -> StepTime:
             vocab = spec.model.padded_vocab(lay.tp) // lay.tp
             comm["pp"] += _line(coll["all_reduce"], vocab * spec.model.hidden * 4)
     optimizer = _per_param(pts, params, 2)
-    swap = swap_seconds(spec, effects, optimizer)
+    swap = swap_seconds(run, optimizer)
     optimizer += swap
     total = pipeline + comm["dp"] + (comm.get("pp", 0.0) - hop * 2 * lay.chunks * mbs if lay.pp > 1 else 0.0) \
         + optimizer
     tokens = spec.batch.global_size(lay.dp) * spec.model.seq_length
-    flops = (layer_flops(spec) * spec.model.num_layers + 6.0 * d.tokens * d.hidden * d.vocab) * mbs * lay.dp * lay.tp \
+    flops = (layer_flops(d) * spec.model.num_layers + 6.0 * d.tokens * d.hidden * d.vocab) * mbs * lay.dp * lay.tp \
         * lay.cp
     return StepTime(step_ms=total * 1e3, tokens_per_s=tokens / total, compute_ms=busiest * 1e3,
                     bubble_ms=max(pipeline - busiest, 0.0) * 1e3, comm_ms={k: v * 1e3 for k, v in comm.items()},

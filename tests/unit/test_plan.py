@@ -48,6 +48,26 @@ def test_an_effect_naming_an_unknown_slot_is_refused():
         effects.check("x", PlanEffect(kernels={"attention": "magic"}))
 
 
+def test_the_plan_effect_vocabulary_is_one_module_that_imports_nothing_from_npuspeed():
+    import ast
+    import pathlib
+
+    import npuspeed
+    from npuspeed import plan_vocabulary
+
+    root = pathlib.Path(npuspeed.__file__).parent
+    tree = ast.parse(pathlib.Path(plan_vocabulary.__file__).read_text())
+    imported = [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+    imported += [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+    assert not [m for m in imported if m.split(".")[0] == "npuspeed"]
+    assert PlanEffect is plan_vocabulary.PlanEffect and effects.Effects.__mro__[1] is PlanEffect
+    words = ("VARIANTS", "SWAP_PARTS", "OPTIONS", "KERNELS")  # declared there and nowhere else
+    for path in [*root.rglob("*.py")]:
+        if path.name != "plan_vocabulary.py":
+            text = path.read_text()
+            assert not [w for w in words if f"\n{w} = " in text], path
+
+
 def test_memory_features_lower_the_predicted_peak():
     base = plan(MODEL + ["--nproc-per-node", "1", "--attention-dropout", "0"], with_removes=False).peak
     for flags in (["--use-flash-attn"], ["--recompute-activation-function"],

@@ -91,3 +91,33 @@ def test_moe_with_tp_needs_sp_and_the_calibration_times_only_shapes_that_train()
     assert not p.ok and any("--sequence-parallel" in x for x in p.problems)
     ok = _plan(*MOE, "--tensor-model-parallel-size", "2", "--sequence-parallel", "--moe-tp-extend-ep")
     assert set(groups(ok.spec, 2)) == {group_key(1, False), group_key(2, True)}
+
+
+def test_a_plan_resolves_its_run_once(monkeypatch):
+    """The expert layout and the per-rank sizes are derived once per resolved run (run.py), and
+    memory, communication and speed read them: a model that derives them again is caught here."""
+    import sys
+
+    from npuspeed.plan import dims as dims_mod, spec as spec_mod
+
+    calls = {"expert_layout": 0, "dims": 0}
+
+    def counted(name, fn):
+        def wrapper(*a, **k):
+            calls[name] += 1
+            return fn(*a, **k)
+        return wrapper
+
+    originals = (("expert_layout", spec_mod.expert_layout), ("dims", dims_mod.dims))
+    for module in [m for n, m in list(sys.modules.items()) if n.startswith("npuspeed.plan")]:
+        for name, fn in originals:
+            if getattr(module, name, None) is fn:  # every planner module's binding of them
+                monkeypatch.setattr(module, name, counted(name, fn))
+    from test_plan_speed import profile
+
+    p = plan([*MODEL, *MOE, "--tensor-model-parallel-size", "2", "--sequence-parallel", "--moe-tp-extend-ep",
+              "--nproc-per-node", "2", "--bf16"], with_removes=False, profile=profile())
+    assert p.ok and p.speed is not None and p.run.experts == (2, 1, 1)
+    assert calls == {"expert_layout": 1, "dims": 1}
+    p = plan([*MODEL, *MOE, "--expert-model-parallel-size", "2", "--nproc-per-node", "2"])
+    assert calls["expert_layout"] == calls["dims"] == 2 + len(p.removes)  # once per resolved run

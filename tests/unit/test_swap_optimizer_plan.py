@@ -60,7 +60,7 @@ def test_on_the_cpu_backend_the_states_stay_in_place():
 def swap_seconds_of(p):
     from npuspeed.plan.speed import swap_seconds
 
-    return swap_seconds(p.spec, p.effects, optimizer_s=1.0)
+    return swap_seconds(p.run, optimizer_s=1.0)
 
 
 def test_on_the_cpu_backend_the_forced_mechanics_free_nothing(monkeypatch):
@@ -87,12 +87,12 @@ def test_step_time_cost_per_backend(monkeypatch):
     p, _ = _rank(CUDA + ["--swap-optimizer"])
     moved = p.ranks[0].swapped_optimizer
     # hidden behind a long enough update: only the first chunk in and the last out remain
-    assert swap_seconds(p.spec, p.effects, optimizer_s=10.0) == pytest.approx(2 * moved / link)
-    assert swap_seconds(p.spec, p.effects, optimizer_s=0.0) == pytest.approx(3 * moved / link)
+    assert swap_seconds(p.run, optimizer_s=10.0) == pytest.approx(2 * moved / link)
+    assert swap_seconds(p.run, optimizer_s=0.0) == pytest.approx(3 * moved / link)
     cpu, _ = _rank(["--swap-optimizer"])
-    assert swap_seconds(cpu.spec, cpu.effects, optimizer_s=10.0) == pytest.approx(2 * moved / 5e9)
+    assert swap_seconds(cpu.run, optimizer_s=10.0) == pytest.approx(2 * moved / 5e9)
     off, _ = _rank(CUDA)
-    assert swap_seconds(off.spec, off.effects, optimizer_s=1.0) == 0.0
+    assert swap_seconds(off.run, optimizer_s=1.0) == 0.0
 
 
 def _outcome(argv):
