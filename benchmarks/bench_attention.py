@@ -98,7 +98,7 @@ def sdpa_only(layer):
     """The layer on PyTorch's SDPA (what --use-flash-attn ran before npuspeed's CPU kernel)."""
     import functools
 
-    from npuspeed.features.fused_attention.plan import MaskPlan
+    from npuspeed.features.fused_attention.masks import MaskPlan
     from npuspeed.features.fused_attention.sdpa import sdpa_attention
 
     def forward(q, k, v, _mask):

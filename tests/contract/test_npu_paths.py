@@ -145,7 +145,7 @@ def _naive_attention(q, k, v, scale, causal):
 
 def test_fused_attention_sbh_causal(npu):
     from npuspeed.features.fused_attention.npu import npu_attention
-    from npuspeed.features.fused_attention.plan import MaskPlan
+    from npuspeed.features.fused_attention.masks import MaskPlan
 
     rel, module = npu
     gen = torch.Generator().manual_seed(5)
@@ -244,7 +244,7 @@ def test_fused_attention_masks_and_dropout(npu, pattern):
     drawing the same mask."""
     from npu_contract import emulate_attention
     from npuspeed.features.fused_attention.npu import npu_attention
-    from npuspeed.features.fused_attention.plan import MaskPlan
+    from npuspeed.features.fused_attention.masks import MaskPlan
 
     rel, module = npu
     gen = torch.Generator().manual_seed(10)

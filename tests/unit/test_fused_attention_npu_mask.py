@@ -16,7 +16,7 @@ from npu_contract.emulate_attention import npu_fusion_attention as emulator
 @pytest.mark.parametrize("mask_shape", [(1, 2), (2, 2), (2, 1), (1, 1)])
 def test_atten_mask_shape_is_documented(sparse_mode, mask_shape):
     from npuspeed.features.fused_attention.npu import npu_attention
-    from npuspeed.features.fused_attention.plan import MaskPlan
+    from npuspeed.features.fused_attention.masks import MaskPlan
 
     sq, b, h, d = 5, 2, 2, 4
     gen = torch.Generator().manual_seed(0)
@@ -44,7 +44,7 @@ def test_forced_mode_0_refuses_tockens_the_op_does_not_take():
     (the documentation's constraint); Sq=8, Skv=6 gives -2, which the op takes."""
     from npuspeed.features.base import FeatureError
     from npuspeed.features.fused_attention.npu import mask_arguments
-    from npuspeed.features.fused_attention.plan import MaskPlan
+    from npuspeed.features.fused_attention.masks import MaskPlan
 
     args = mask_arguments(MaskPlan(causal=True), 0, 8, 6, 2, torch.device("cpu"), 1)
     assert args["next_tockens"] == -2 and args["sparse_mode"] == 0

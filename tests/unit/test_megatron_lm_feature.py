@@ -452,10 +452,10 @@ def test_missing_load_time_imports_name_the_extra(monkeypatch):
     from packaging.version import Version
 
     monkeypatch.setattr(versions, "megatron_version", lambda: Version("0.16.1"))
-    monkeypatch.setattr(megatron_lm, "_importable", lambda module: module != "pydantic")
+    monkeypatch.setattr(megatron_lm.megatron_lm_feature, "_importable", lambda module: module != "pydantic")
     with pytest.raises(FeatureError, match=r"imports pydantic at load.*npuspeed\[megatron-lm\]"):
         megatron_lm.MegatronLMFeature().validate(ctx_for([], None))
-    monkeypatch.setattr(megatron_lm, "_importable", lambda module: True)
+    monkeypatch.setattr(megatron_lm.megatron_lm_feature, "_importable", lambda module: True)
     megatron_lm.MegatronLMFeature().validate(ctx_for([], None))
     assert {pip for pip, _ in megatron_lm.LOAD_TIME_IMPORTS.values()} <= set(_extra("megatron-lm"))
 
@@ -474,7 +474,7 @@ def test_load_time_imports_follow_the_release(monkeypatch, release, needed):
     from npuspeed.patching import versions
 
     monkeypatch.setattr(versions, "megatron_version", lambda: Version(release))
-    monkeypatch.setattr(megatron_lm, "_importable", lambda module: False)
+    monkeypatch.setattr(megatron_lm.megatron_lm_feature, "_importable", lambda module: False)
     if not needed:
         megatron_lm.MegatronLMFeature().validate(ctx_for([], None))
         return

@@ -28,7 +28,7 @@ from npuspeed.features.context_parallel import attention as cp_attention
 from npuspeed.features.fused_attention.fallback import UNFUSED, AttentionFallback
 from npuspeed.features.fused_attention.kernel_rows import cpu_flash_run, kernel_rows
 from npuspeed.features.fused_attention.npu import npu_attention
-from npuspeed.features.fused_attention.plan import BandOptions, plan_masks
+from npuspeed.features.fused_attention.masks import BandOptions, plan_masks
 from npuspeed.features.fused_attention.sdpa import sdpa_attention
 from npuspeed.ops import npu
 from npuspeed.ops import flash_attention as cpu_flash

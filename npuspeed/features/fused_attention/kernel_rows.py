@@ -6,7 +6,7 @@ become ranges arithmetically; an explicit mask is read once (O(b x S^2), as Mega
 in its softmax) and, when every row's allowed keys are one interval (key padding, causal |
 padding, block-diagonal documents), becomes ranges; the result is cached per mask object, so
 the layers of a step that share one mask read it once. Rows that Megatron masks entirely get
-its uniform-attention output, the mean of V (as plan.py explains).
+its uniform-attention output, the mean of V (as masks.py explains).
 """
 from __future__ import annotations
 

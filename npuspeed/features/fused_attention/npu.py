@@ -14,7 +14,7 @@ import functools
 import torch
 
 from npuspeed.features.base import FeatureError
-from npuspeed.features.fused_attention.plan import UNBOUNDED, MaskPlan, band_keep, fix_dead_rows
+from npuspeed.features.fused_attention.masks import UNBOUNDED, MaskPlan, band_keep, fix_dead_rows
 from npuspeed.ops.npu.attention import sbh
 
 COMPRESSED_SIZE = 2048  # the op's optimised causal mask for sparse_mode 2, 3, 4

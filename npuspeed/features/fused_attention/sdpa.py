@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from npuspeed.accelerator.devices import for_device
-from npuspeed.features.fused_attention.plan import MaskPlan, band_keep, fix_dead_rows
+from npuspeed.features.fused_attention.masks import MaskPlan, band_keep, fix_dead_rows
 
 # A builtin has no inspectable signature; its docstring states the parameters (torch >= 2.5).
 HAS_ENABLE_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "").split("->")[0]

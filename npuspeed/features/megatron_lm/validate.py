@@ -60,7 +60,7 @@ def have_fused_rope() -> bool:
 
 
 def _uses_rope(args) -> bool:
-    return getattr(args, "use_rotary_position_embeddings", False) or \
+    return args.use_rotary_position_embeddings or \
         args.position_embedding_type in ("rope", "mrope", "yarn")
 
 
@@ -96,7 +96,7 @@ def portable_defaults(args, accelerator_name: str, note=None) -> list[str]:
                          "the whole core attention instead)")
     needs_connections = (args.tensor_model_parallel_size > 1 or args.context_parallel_size > 1) \
         and not (args.use_torch_fsdp2 or args.use_megatron_fsdp) \
-        and not getattr(args, "overlap_moe_expert_parallel_comm", False)
+        and not args.overlap_moe_expert_parallel_comm
     if for_device(accelerator_name).host_is_device() and needs_connections and _CONNECTIONS not in os.environ:
         os.environ[_CONNECTIONS] = "1"
         notes.append(f"npuspeed: {_CONNECTIONS}=1 set for TP/CP (the CPU runs collectives and "

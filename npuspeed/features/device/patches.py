@@ -1,0 +1,41 @@
+"""The device feature's patches: backend-independent fixes everywhere; off CUDA the MoE helpers
+and the NCCL -> gloo/HCCL backend; where the host is the device, the torch.cuda shim, the RNG
+tracker and the targeted Megatron patches (cuda_shim.py, rng.py, megatron_fixes.py)."""
+from __future__ import annotations
+
+
+def register(registry, ctx, config, feature: str) -> None:
+    """`config` holds --npuspeed-device, which the runtime read to pick `ctx.accelerator`: the
+    patches follow the accelerator."""
+    from npuspeed.accelerator.devices import for_device
+    from npuspeed.features.device import (
+        cuda_shim, dist_backend, distopt_fixes, gloo_collectives, megatron_compat, megatron_fixes, rng,
+    )
+
+    accelerator = ctx.accelerator
+    # Backend-independent: WrappedTorchNorm's SP refusal, MoE split sizes off-CUDA.
+    registry.register(
+        "megatron.core.transformer.torch_norm.WrappedTorchNorm.__new__",
+        wrapper=megatron_fixes.norm_with_sequence_parallel, feature=feature,
+    )
+    # moe_utils binds te_general_gemm only when Transformer Engine imports (upstream bug).
+    registry.register(
+        "megatron.core.transformer.moe.moe_utils.te_general_gemm", None, feature=feature,
+        if_missing=True,
+    )
+    megatron_compat.register(registry, feature)  # older releases' own bugs (0.12)
+    gloo_collectives.register(registry, feature)  # MoE's uneven expert-TP gather on gloo
+    # DistributedOptimizer with torch's Adam (no apex/TE): checkpoint save/load bugs.
+    distopt_fixes.register(registry, feature, ">=0.16,<0.20")  # upstream bugs unchanged through 0.19
+    traits = for_device(accelerator.name)
+    if traits.runs_cuda_code():
+        return
+    registry.register(
+        "megatron.core.transformer.moe.moe_utils.maybe_move_tensor_to_cpu",
+        megatron_fixes.maybe_move_tensor_to_cpu, feature=feature,
+    )
+    dist_backend.register(registry, feature)
+    if traits.host_is_device():
+        cuda_shim.register(registry, accelerator, feature)
+        rng.register(registry, feature)
+        megatron_fixes.register(registry, accelerator, feature)
