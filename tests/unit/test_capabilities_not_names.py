@@ -13,14 +13,6 @@ import pathlib
 PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "npuspeed"
 NAMES = {"npu", "cpu", "cuda"}
 
-#: the lead's chooser rewrite removes these (their device-name comparisons go with it)
-EXEMPT = {
-    # the planner is another helper's part (it moves to accelerator/host_link.py)
-    "npuspeed/plan/recompute_cost.py",
-    "npuspeed/plan/planner.py",
-}
-
-
 def _names_a_device(node) -> bool:
     if isinstance(node, ast.Constant):
         return node.value in NAMES
@@ -74,19 +66,11 @@ def test_the_checks_catch_what_they_are_for():
 
 
 def test_no_device_name_comparisons_outside_accelerator():
-    found = [f"{rel}:{line}" for rel, text in _files(("npuspeed/accelerator/",)) if rel not in EXEMPT
+    found = [f"{rel}:{line}" for rel, text in _files(("npuspeed/accelerator/",))
              for line in name_comparisons(text)]
     print("\n".join(found))
     assert not found, ("ask the accelerator (npuspeed/accelerator/capabilities.py, "
                        "accelerator.devices.for_device) instead of comparing a device name:\n" + "\n".join(found))
-
-
-def test_the_exempt_files_exist_and_still_need_it():
-    """An exemption that no longer covers a comparison is dropped from EXEMPT."""
-    for rel in EXEMPT:
-        path = PACKAGE.parent / rel
-        assert path.exists(), rel
-        assert name_comparisons(path.read_text()), f"{rel} compares no device name now: drop it from EXEMPT"
 
 
 def test_torch_npu_only_in_accelerator_and_ops_npu():

@@ -47,16 +47,15 @@ class AdaptiveMemoryFeature(Feature):
         return config.adaptive_recompute_device_size is not None or config.adaptive_memory_optimization
 
     def validate(self, ctx) -> None:
-        # --swap-attention is swap_attention's flag: read through its own Config
-        from npuspeed.features.swap_attention.swap_attention_feature import Config as Swap
-
         config = self.config(ctx.args)
         size = config.adaptive_recompute_device_size
         if size is None:
             raise FeatureError(f"{OPT} is given without {MAIN}; add {MAIN} MB (the device budget per rank)")
         if size <= 0:
             raise FeatureError(f"{MAIN} must be a positive number of MiB, got {size:g}")
-        if Swap.from_args(ctx.args).swap_attention and not config.adaptive_swap:
+        # --swap-attention is swap_attention's flag; its Config reads ours (it refuses the pair too),
+        # so importing it back would be an import cycle: its parsed value is read by name instead
+        if vars(ctx.args).get("swap_attention", False) and not config.adaptive_swap:
             raise FeatureError(f"--swap-attention with {MAIN}: the adaptive policy chooses swap itself (MindSpeed "
                                "refuses the pair too); drop --swap-attention")
         if not config.adaptive_policy:

@@ -43,11 +43,10 @@ class Config(FeatureConfig):
     Default auto: measured once per shape, SDPA only when it is neither slower nor larger."""
 
 
-def kernel(accelerator) -> str:
-    """The fused kernel this accelerator runs: npu_fusion_attention where it has it, else SDPA."""
-    if for_device(accelerator.name).has_vendor_kernels() and accelerator.has_fused_attention():
-        return "npu_fusion_attention"
-    return "sdpa"
+def _kernel(accelerator) -> str:
+    from npuspeed.features.fused_attention.patches import kernel
+
+    return kernel(accelerator)
 
 
 class FusedAttentionFeature(Feature):
@@ -71,7 +70,7 @@ class FusedAttentionFeature(Feature):
         if mode in (1, 2, 3) and (pre is not None or nxt is not None):
             raise FeatureError(f"--sparse-mode {mode} ignores --pre-tockens/--next-tockens; "
                                "use --sparse-mode 4 (band) or 0, or drop the token flags.")
-        if mode is not None and kernel(accelerator) != "npu_fusion_attention":
+        if mode is not None and _kernel(accelerator) != "npu_fusion_attention":
             raise FeatureError(f"--sparse-mode selects npu_fusion_attention's mask mode; on "
                                f"{accelerator.name} there is none. Drop --sparse-mode (the band flags "
                                "--pre-tockens/--next-tockens work on every backend).")
@@ -121,7 +120,7 @@ class FusedAttentionFeature(Feature):
         band = ""
         if config.pre_tockens is not None or config.next_tockens is not None:
             band = f"; band pre_tockens={config.pre_tockens} next_tockens={config.next_tockens}"
-        if kernel(accelerator) == "npu_fusion_attention":
+        if _kernel(accelerator) == "npu_fusion_attention":
             mode = "auto (2 causal, 4 band, 0 mask)" if config.sparse_mode is None else str(config.sparse_mode)
             return (f"torch_npu.npu_fusion_attention (SBH, sparse_mode {mode}{band}) replaces "
                     "DotProductAttention.forward: --use-flash-attn on an NPU with the fused kernel")

@@ -9,10 +9,18 @@ MEGATRON_RANGE = ">=0.12,<0.20"  # forward(query, key, value, attention_mask, at
 # kwargs go only to custom modules, e.g. DSA's)
 
 
+def kernel(accelerator) -> str:
+    """The fused kernel this accelerator runs: npu_fusion_attention where it has it, else SDPA."""
+    from npuspeed.accelerator import for_device
+
+    if for_device(accelerator.name).has_vendor_kernels() and accelerator.has_fused_attention():
+        return "npu_fusion_attention"
+    return "sdpa"
+
+
 def register(registry, ctx, config, feature: str) -> None:
     from npuspeed.features.fused_attention.fallback import AttentionFallback
     from npuspeed.features.fused_attention.forward import KernelChoice, init_wrapper, make_forward
-    from npuspeed.features.fused_attention.fused_attention_feature import kernel
     from npuspeed.features.fused_attention.masks import BandOptions
 
     fixed = config.flash_attn_fallback

@@ -11,7 +11,10 @@ import functools
 
 import torch
 
-from npuspeed.features.base import after_init
+from npuspeed.features.base import FeatureError, after_init
+
+#: the feature's flags (swap_attention_feature.py declares them; patches and plan name them)
+MAIN, MODS = "--swap-attention", "--swap-modules"
 
 TARGET = "megatron.core.transformer.transformer_block.TransformerBlock.__init__"
 #: --swap-modules names -> the module's path inside a TransformerLayer
@@ -69,3 +72,13 @@ def select(block, names: list[str], manager, note) -> None:
 
 def selector(names: list[str], manager, note):
     return after_init(select, names, manager, note)
+
+
+def parse_modules(raw: str | None) -> list[str]:
+    """The --swap-modules names (default DEFAULT); an unknown one is refused naming the choices."""
+    names = [n.strip() for n in (raw or DEFAULT).split(",") if n.strip()]
+    bad = [n for n in names if n not in MODULES]
+    if bad or not names:
+        raise FeatureError(f"{MODS} {raw!r}: unknown module {', '.join(bad) or '(none)'}; give a comma list of "
+                           f"{', '.join(MODULES)}")
+    return names

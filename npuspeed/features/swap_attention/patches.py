@@ -8,7 +8,7 @@ MIN_BYTES = 16 * 1024
 
 def register(registry, ctx, config, feature: str) -> None:
     from npuspeed.features.swap_attention import modules, swap
-    from npuspeed.features.swap_attention.swap_attention_feature import parse_modules
+    from npuspeed.features.swap_attention.modules import parse_modules
 
     manager = swap.install(swap.SwapManager(ctx.accelerator, MIN_BYTES))
     registry.register(modules.TARGET, wrapper=modules.selector(parse_modules(config.swap_modules), manager,

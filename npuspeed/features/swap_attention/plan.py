@@ -5,7 +5,7 @@ from __future__ import annotations
 
 def effect(model, config, accelerator):
     from npuspeed.features.base import PlanEffect
-    from npuspeed.features.swap_attention.swap_attention_feature import MAIN, parse_modules
+    from npuspeed.features.swap_attention.modules import MAIN, parse_modules
 
     names = parse_modules(config.swap_modules)
     if accelerator.host_is_device():

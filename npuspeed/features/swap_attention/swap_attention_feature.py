@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from npuspeed.features.base import Feature, FeatureError
 from npuspeed.features.config import FeatureConfig, flag
 
-MAIN, MODS = "--swap-attention", "--swap-modules"
+from npuspeed.features.swap_attention.modules import MAIN, MODS, parse_modules  # noqa: F401 (re-exported)
 
 
 @dataclass(frozen=True)
@@ -26,17 +26,6 @@ class Config(FeatureConfig):
     swap_modules: str | None = flag(MODS, None, type=str, metavar="LIST")
     """With --swap-attention: comma list of self_attention, core_attention, input_norm,
     post_attention_norm, mlp (default self_attention)."""
-
-
-def parse_modules(raw: str | None) -> list[str]:
-    from npuspeed.features.swap_attention.modules import DEFAULT, MODULES
-
-    names = [n.strip() for n in (raw or DEFAULT).split(",") if n.strip()]
-    bad = [n for n in names if n not in MODULES]
-    if bad or not names:
-        raise FeatureError(f"{MODS} {raw!r}: unknown module {', '.join(bad) or '(none)'}; give a comma list of "
-                           f"{', '.join(MODULES)}")
-    return names
 
 
 class SwapAttentionFeature(Feature):
