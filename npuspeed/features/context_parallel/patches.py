@@ -102,3 +102,16 @@ def initialize_model_parallel(cp_algo: str, ulysses_degree: int | None):
         return initialize
 
     return wrapper
+
+
+#: DotProductAttention.__init__, get_pos_emb_on_this_cp_rank unchanged 0.12-0.19;
+#: initialize_model_parallel keeps hierarchical_context_parallel_sizes (0.19 adds GTP sizes)
+MEGATRON_RANGE = ">=0.12,<0.20"
+
+
+def register(registry, ctx, config, feature: str) -> None:
+    algo, degree = config.algo, config.ulysses_degree_in_cp
+    registry.register(ATTENTION, wrapper=attention_init(algo, degree), feature=feature, megatron=MEGATRON_RANGE)
+    registry.register(ROPE, get_pos_emb_on_this_cp_rank, feature=feature, megatron=MEGATRON_RANGE)
+    registry.register(INIT_MP, wrapper=initialize_model_parallel(algo, degree), feature=feature,
+                      megatron=MEGATRON_RANGE)

@@ -15,10 +15,10 @@ from npuspeed.features.context_parallel.layout import CPLayout
 TE_COMM = {"p2p": "megatron_cp_algo", "a2a": "ulysses_cp_algo", "a2a+p2p": "hybrid_cp_algo"}
 
 
-def check(ctx, cp: CPLayout) -> None:
+def check(ctx, config, cp: CPLayout) -> None:
     """Every start-up error of the CP feature (flags only; the model build checks the rest)."""
-    args, meg = ctx.args, ctx.megatron
-    size, algo, degree = args.context_parallel_size, args.context_parallel_algo, args.ulysses_degree_in_cp
+    meg = ctx.megatron
+    size, algo, degree = config.context_parallel_size, config.context_parallel_algo, config.ulysses_degree_in_cp
     if size is not None and size < 1:
         raise FeatureError(f"--context-parallel-size {size}: must be >= 1")
     if size == 1:
@@ -34,7 +34,7 @@ def check(ctx, cp: CPLayout) -> None:
         if size is not None and size % degree:
             raise FeatureError(f"--ulysses-degree-in-cp {degree} does not divide --context-parallel-size "
                                f"{size}: choose a divisor of it")
-    _te_only(ctx)
+    _te_only(ctx, config)
     if size is None:
         return  # CP set in code: the model-build check compares (check_built)
     seq = meg.seq_length
@@ -45,7 +45,7 @@ def check(ctx, cp: CPLayout) -> None:
     heads = meg.num_attention_heads
     if heads is not None:
         patches.check_heads(cp, heads, meg.num_query_groups or heads, meg.tensor_model_parallel_size or 1)
-    if getattr(args, "pre_tockens", None) is not None or getattr(args, "next_tockens", None) is not None:
+    if config.pre_tockens is not None or config.next_tockens is not None:
         raise FeatureError("--pre-tockens/--next-tockens (band attention) are not supported with "
                            "--context-parallel-size > 1; drop them or CP")
     if (meg.attention_dropout or 0.0) > 0 and not for_device(ctx.accelerator.name).host_is_device():
@@ -54,9 +54,9 @@ def check(ctx, cp: CPLayout) -> None:
                            "CP would change the masks; set --attention-dropout 0")
 
 
-def _te_only(ctx) -> None:
+def _te_only(ctx, config) -> None:
     """What Megatron-Core's own CP (Transformer Engine's attention) would need: refused by name."""
-    args, meg = ctx.args, ctx.megatron
+    meg = ctx.megatron
     impl = meg.transformer_impl
     if impl is not None and impl != "local":
         raise FeatureError(f"--transformer-impl {impl}: npuspeed's context parallelism runs Megatron-Core's local "
@@ -69,10 +69,10 @@ def _te_only(ctx) -> None:
                else "npuspeed has no all_gather CP; use --context-parallel-algo megatron_cp_algo (ring)")
         raise FeatureError(f"--cp-comm-type {kinds} selects Transformer Engine's CP kernels, which Megatron-"
                            f"Core's local attention does not have: {fix} instead")
-    if meg.hierarchical_context_parallel_sizes and args.context_parallel_algo != "hybrid_cp_algo":
+    if meg.hierarchical_context_parallel_sizes and config.context_parallel_algo != "hybrid_cp_algo":
         raise FeatureError("--hierarchical-context-parallel-sizes is Transformer Engine's a2a+p2p CP: use "
                            "--context-parallel-algo hybrid_cp_algo --ulysses-degree-in-cp K")
-    if not getattr(args, "use_flash_attn", False):
+    if not config.use_flash_attn:
         raise FeatureError("--context-parallel-size with Megatron-Core's local attention needs --use-flash-attn: "
                            "Megatron-Core's own CP exists only in Transformer Engine's attention, npuspeed's "
                            "runs on the fused attention path")

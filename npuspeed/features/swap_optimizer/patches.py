@@ -153,8 +153,10 @@ def copying(method):
     return wrapped
 
 
-def register(registry, feature: str, accelerator, chunk_bytes: int, swap_masters: bool) -> None:
-    init = built(accelerator, chunk_bytes, swap_masters)
+def register(registry, ctx, config, feature: str) -> None:
+    from npuspeed.features.swap_optimizer.swap_optimizer_feature import chunk_bytes, reuses_fp32_param
+
+    init = built(ctx.accelerator, chunk_bytes(config), swap_masters=not reuses_fp32_param(ctx.args))
     for cls in ("optimizer.Float16OptimizerWithFloat16Params", "optimizer.FP32Optimizer",
                 "distrib_optimizer.DistributedOptimizer"):
         registry.register(f"{_OPT}.{cls}.__init__", wrapper=init, feature=feature)
