@@ -154,7 +154,7 @@ def copying(method):
 
 
 def register(registry, ctx, config, feature: str) -> None:
-    from npuspeed.features.swap_optimizer.swap_optimizer_feature import chunk_bytes, reuses_fp32_param
+    from npuspeed.features.swap_optimizer.policy import chunk_bytes, reuses_fp32_param
 
     init = built(ctx.accelerator, chunk_bytes(config), swap_masters=not reuses_fp32_param(ctx.args))
     for cls in ("optimizer.Float16OptimizerWithFloat16Params", "optimizer.FP32Optimizer",

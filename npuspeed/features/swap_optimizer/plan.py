@@ -7,8 +7,7 @@ from __future__ import annotations
 def effect(model, config, accelerator, masters: bool):
     from npuspeed.accelerator.host_link import host_link_bytes_per_s
     from npuspeed.features.base import PlanEffect
-    from npuspeed.features.swap_optimizer.swap_optimizer_feature import (ENV, FLAG, WINDOW_CHUNKS, chunk_bytes,
-                                                                          host_is_device, moves)
+    from npuspeed.features.swap_optimizer.policy import ENV, FLAG, WINDOW_CHUNKS, chunk_bytes, host_is_device, moves
 
     name = getattr(accelerator, "name", "cpu")
     what = "Adam states" + (" and fp32 masters" if masters and model.batch.dtype != "fp32" else "")

@@ -17,21 +17,15 @@ runs the mechanics there anyway (the tests prove them on CPU that way).
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
-from npuspeed.accelerator.devices import for_device
 from npuspeed.features.base import Feature, FeatureError
 from npuspeed.features.config import FeatureConfig, flag
-from npuspeed.patching.versions import importable, megatron_version
-
-FLAG, CHUNK = "--swap-optimizer", "--swap-optimizer-chunk-mb"
-OFFLOAD, FRACTION = "--optimizer-cpu-offload", "--optimizer-offload-fraction"
-#: chunks the device holds at once in a step: one coming in, one updating, one going out
-WINDOW_CHUNKS = 3
-#: `run`: move the states even where the host is the device (tests); unset or `auto`: move them
-#: only off a device
-ENV = "NPUSPEED_SWAP_OPTIMIZER"
+from npuspeed.features.swap_optimizer.policy import (  # noqa: F401 (re-exported)
+    CHUNK, ENV, FLAG, FRACTION, OFFLOAD, WINDOW_CHUNKS, chunk_bytes, host_is_device, moves, reuses_fp32_param,
+    te_installed,
+)
+from npuspeed.patching.versions import megatron_version
 
 
 @dataclass(frozen=True)
@@ -49,39 +43,6 @@ class Config(FeatureConfig):
     optimizer_offload_fraction: float | None = flag(FRACTION, None, type=float, metavar="F")
     """With --optimizer-cpu-offload: the share (0, 1] of optimizer state Megatron updates on the
     host."""
-
-
-def reuses_fp32_param(args) -> bool:
-    """--reuse-fp32-param (reuse_fp32_param's flag, asked of its owner): the masters then live as a
-    residual inside the bf16 parameters and only the states move."""
-    from npuspeed.features.reuse_fp32_param import ReuseFp32ParamFeature
-
-    return ReuseFp32ParamFeature().enabled(args)
-
-
-def host_is_device(acc) -> bool:
-    """The accelerator's answer; a planned device (`npuspeed plan --npuspeed-device cuda`) is
-    an accelerator with its own memory unless it is the CPU."""
-    ask = getattr(acc, "host_is_device", None)
-    return ask() if ask is not None else for_device(getattr(acc, "name", "cpu")).host_is_device()
-
-
-def moves(acc) -> bool:
-    """Whether the swap's copies run: always on a device; where the host is the device only when
-    NPUSPEED_SWAP_OPTIMIZER=run asks for the mechanics (they would cost time and free nothing)."""
-    value = (os.environ.get(ENV) or "auto").strip().lower()
-    if value not in ("auto", "run"):
-        raise FeatureError(f"{ENV}={value!r} is not understood: use 'run' (copy the states even where the host is "
-                           f"the device) or leave it unset")
-    return value == "run" or not host_is_device(acc)
-
-
-def chunk_bytes(config: Config) -> int:
-    return int(float(config.swap_optimizer_chunk_mb) * 2**20)
-
-
-def te_installed() -> bool:
-    return importable("transformer_engine")
 
 
 class SwapOptimizerFeature(Feature):
