@@ -13,7 +13,7 @@ import pytest
 
 FEATURES = Path(__file__).resolve().parents[2] / "npuspeed" / "features"
 NOT_YET = {"device", "fused_attention", "context_parallel", "fused_rmsnorm", "fused_swiglu", "fused_rotary_pos_emb",
-           "reuse_fp32_param", "swap_optimizer",
+           "swap_optimizer",
            "coc_overlap", "moe_tp_extend_ep", "moe_grouped_gemm",
            "moe_fused_permute", "moe_alltoall_overlap", "megatron_lm"}
 SHAPE = ("{name}_feature.py", "patches.py", "plan.py")
