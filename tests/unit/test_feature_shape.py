@@ -12,8 +12,10 @@ from pathlib import Path
 import pytest
 
 FEATURES = Path(__file__).resolve().parents[2] / "npuspeed" / "features"
-NOT_YET = {"fused_rmsnorm", "fused_swiglu", "fused_rotary_pos_emb", "fused_linear_ce", "reuse_fp32_param",
-           "grad_accum_fusion", "moe_tp_extend_ep", "moe_grouped_gemm", "moe_fused_permute", "moe_alltoall_overlap"}
+#: the fused ops (one folder, three features) and MoE (one folder, four features) still share a
+#: folder each: giving each feature its own folder is the next step of issue 35
+NOT_YET = {"fused_rmsnorm", "fused_swiglu", "fused_rotary_pos_emb", "moe_tp_extend_ep", "moe_grouped_gemm",
+           "moe_fused_permute", "moe_alltoall_overlap"}
 SHAPE = ("{name}_feature.py", "patches.py", "plan.py")
 
 

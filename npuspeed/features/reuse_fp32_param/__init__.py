@@ -1,59 +1,8 @@
-"""`--reuse-fp32-param`: bf16 parameters and their fp32 masters share memory, exactly.
-
-Ordinary bf16 mixed precision keeps each weight twice (2 + 4 bytes). Here the fp32 master
-is the bf16 parameter plus a 16-bit residual (2 + 2 bytes, plus a sparse list of exact
-ties), rebuilt bit for bit for each optimizer step and for checkpoints. Losses are
-bitwise those of ordinary mixed precision. With the distributed optimizer the saving is
-2 bytes per parameter / DP. Upstream Transformer Engine's `store_param_remainders` does
-the same for TE's fused Adam only; without TE (CPU, NPU) this is the path.
-"""
-from __future__ import annotations
-
-from npuspeed.features.base import Feature, FeatureError
+"""Shared fp32 masters: the feature and its flag (reuse_fp32_param_feature.py), its patches on
+Megatron's mixed-precision optimizers (patches.py), its plan effect (plan.py), the exact codec
+(codec.py, triton_codec.py) and the masters it keeps (shared_masters.py)."""
+from npuspeed.features.base import FeatureError
 from npuspeed.features.reuse_fp32_param import codec, patches
+from npuspeed.features.reuse_fp32_param.reuse_fp32_param_feature import FLAG, ReuseFp32ParamFeature
 
-
-class ReuseFp32ParamFeature(Feature):
-    name = "reuse_fp32_param"
-    flags = ("--reuse-fp32-param",)
-
-    def add_arguments(self, group) -> None:
-        group.add_argument("--reuse-fp32-param", action="store_true",
-                           help="Share fp32 master weights with bf16 parameters (needs --bf16); "
-                                "bitwise-equal training, 2 bytes/parameter less.")
-
-    def enabled(self, args) -> bool:
-        return bool(getattr(args, "reuse_fp32_param", False))
-
-    def validate(self, ctx) -> None:
-        if ctx.megatron.fp16:
-            raise FeatureError("--reuse-fp32-param works with --bf16 only (bf16 is the top half of "
-                               "fp32; fp16 is not): replace --fp16 with --bf16 or drop the flag")
-        device = getattr(ctx.accelerator, "name", "cpu")
-        if codec.implementation_for(device) == "device":
-            ctx.note(f"--reuse-fp32-param: triton cannot compile for {device} here (install "
-                     "triton, or triton-ascend on an NPU); the chunked PyTorch device codec runs instead, "
-                     "many small launches a step")
-
-    def register_patches(self, registry, ctx) -> None:
-        patches.register(registry, self.name)
-
-    def plan_effect(self, model, ctx):
-        from npuspeed.features.base import PlanEffect
-
-        if model.batch.dtype != "bf16":
-            return None  # fp32 runs have no masters to share
-        return PlanEffect(master_bytes_per_param=2.0,
-                          summary="fp32 masters kept as a 16-bit residual of the bf16 parameter between "
-                                  "steps (2 bytes a parameter, /DP with the distributed optimizer); the "
-                                  "step itself holds full masters, as ordinary mixed precision does")
-
-    def path(self, ctx) -> str:
-        impl = codec.implementation_for(getattr(ctx.accelerator, "name", "cpu"))
-        ties = "dense tie bits" if impl in codec.DENSE else "sparse tie list"
-        text = (f"bf16 param + int16 residual + {ties}, one codec call per param-buffer segment; "
-                f"masters rebuilt per step ({codec.DESCRIPTIONS[impl]})")
-        ran = codec.ran()
-        if ran:
-            text += "; ran: " + ", ".join(f"{k} x{n}" for k, n in sorted(ran.items()))
-        return text
+__all__ = ["ReuseFp32ParamFeature", "FeatureError", "FLAG", "codec", "patches"]

@@ -77,7 +77,8 @@ def stepped(method):
     return wrapped
 
 
-def register(registry, feature: str) -> None:
+def register(registry, ctx, config, feature: str) -> None:
+    """The four optimizer patches and the materializing readers (the flag has no settings)."""
     registry.register(f"{_OPT}.optimizer.Float16OptimizerWithFloat16Params.__init__",
                       wrapper=float16_init, feature=feature)
     registry.register(f"{_OPT}.distrib_optimizer.DistributedOptimizer.__init__",
