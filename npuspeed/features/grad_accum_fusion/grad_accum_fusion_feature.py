@@ -14,15 +14,9 @@ from dataclasses import dataclass
 
 from npuspeed.features.base import Feature, FeatureError
 from npuspeed.features.config import FeatureConfig, flag
-from npuspeed.patching.versions import importable
+from npuspeed.features.grad_accum_fusion.patches import LAYERS, apex_kernel_installed  # noqa: F401
 
 FLAG = "--gradient-accumulation-fusion"
-LAYERS = "megatron.core.tensor_parallel.layers"
-
-
-def apex_kernel_installed() -> bool:
-    """Whether apex's own CUDA extension imports (then Megatron uses it and we stay out)."""
-    return importable("fused_weight_gradient_mlp_cuda")
 
 
 @dataclass(frozen=True)

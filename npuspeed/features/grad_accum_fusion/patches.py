@@ -3,10 +3,18 @@ through the per-shape choice, and, without apex, Megatron's layers module gets t
 `fused_weight_gradient_mlp_cuda` and is told it is there."""
 from __future__ import annotations
 
+from npuspeed.patching.versions import importable
+
+LAYERS = "megatron.core.tensor_parallel.layers"
+
+
+def apex_kernel_installed() -> bool:
+    """Whether apex's own CUDA extension imports (then Megatron uses it and we stay out)."""
+    return importable("fused_weight_gradient_mlp_cuda")
+
 
 def register(registry, ctx, config, feature: str, chooser) -> None:
     from npuspeed.features.grad_accum_fusion import placeholder
-    from npuspeed.features.grad_accum_fusion.grad_accum_fusion_feature import LAYERS, apex_kernel_installed
 
     apex = apex_kernel_installed()
     # with apex too: the weight's placeholder gradient becomes a view of main_grad, and a
