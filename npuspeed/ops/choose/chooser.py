@@ -66,10 +66,6 @@ class Chooser:
         """Whether trials read the clock (not timings a test injected)."""
         return self.trial is self._timed
 
-    @property
-    def sync(self):
-        return self.clock.sync
-
     def clear(self) -> None:
         self.choices.clear()
         self._noted.clear()
@@ -97,7 +93,8 @@ class Chooser:
             return hit
         from npuspeed.ops.choose import measure
 
-        want, by = (fixed, fixed_by) if fixed else (self.forced(), f"forced by {self.force_env}={self.forced()}")
+        want, by = (fixed, fixed_by) if fixed else (self.forced(), "")
+        by = by or f"forced by {self.force_env}={want}"
         grads = any(isinstance(t, torch.Tensor) and t.requires_grad for t in inputs) if grads is None else grads
         if want is not None:
             choice = self._checked(self._force(op, text, candidates, want, by), candidates, inputs)
