@@ -1,6 +1,7 @@
 """--reuse-fp32-param on the accelerator: a device codec splits and merges the masters (Triton
 wherever it compiles for the device, else the chunked PyTorch codec; no host round trip), losses are bitwise those of ordinary bf16
-mixed precision under --deterministic-mode (as on CPU), weight bytes are 0.67x (README) and the
+mixed precision under --deterministic-mode (as on CPU), weight bytes are 0.67x (0.69x
+with a device codec's dense tie bits; README) and the
 optimizer step's peak is ordinary mixed precision's (residuals dropped while masters exist)."""
 from __future__ import annotations
 
@@ -40,6 +41,10 @@ def test_reuse_fp32_param(tmp_path_factory):
     assert not counters(base, "reuse."), base["npuspeed_counters"]
     assert run["losses"] == base["losses"]
     ratio = run["weight_bytes"] / base["weight_bytes"]
-    assert ratio <= 0.67 + 1e-3, f"weight bytes x{ratio:.3f} ({run['weight_bytes']} vs {base['weight_bytes']})"
+    # 6 bytes a parameter (bf16 + fp32 master) become 4 (bf16 + int16 residual); a device codec
+    # also keeps the tie bits densely, 1/8 byte a parameter (4.125 / 6: 0.688x, seen on an H100)
+    expected = (4 + (1 / 8 if splits <= set(DENSE) else 0)) / 6
+    assert ratio <= expected + 1e-3, (f"weight bytes x{ratio:.3f} ({run['weight_bytes']} vs {base['weight_bytes']}), "
+                                      f"expected x{expected:.3f} with the {splits} codec")
     step, base_step = run["optimizer_step_peak_bytes"], base["optimizer_step_peak_bytes"]
     assert step <= base_step * (1 + STEP_PEAK_SLACK), (step, base_step)
