@@ -113,17 +113,15 @@ def test_deterministic_mode_decides_without_timing(npuspeed_runtime, monkeypatch
 
 
 def test_unmeasured_device_never_takes_a_larger_fused_path(npuspeed_runtime, monkeypatch):
-    """On a GPU/NPU nothing is timed, but the rule "never larger than the flag off" is known from
-    the shape: an NPU without torch_npu's matmul-add kernel has only the upcast fp32 GEMM, whose
-    fp32 copies of dY and X (rows x (n + k) x 4 bytes) exceed the unfused n x k product when the
-    rows outnumber n and k; there the unfused path runs. A kernel with no temporaries is taken."""
+    """Where nothing is timed on a GPU/NPU (--deterministic-mode), the rule "never larger than
+    the flag off" is known from the shape: an NPU without torch_npu's matmul-add kernel has only
+    the upcast fp32 GEMM, whose fp32 copies of dY and X (rows x (n + k) x 4 bytes) exceed the
+    unfused n x k product when the rows outnumber n and k; there the unfused path runs. A kernel
+    with no temporaries is taken."""
     from npuspeed.features.grad_accum_fusion import paths as chooser_mod, kernels
     from npuspeed.ops.choose.trial import Clock
 
-    class NoKernelNpu:
-        def host_is_device(self):
-            return False
-
+    class NoKernelNpu(_FakeDevice):
         def has_matmul_add_fp32(self):
             return False
 
@@ -131,13 +129,80 @@ def test_unmeasured_device_never_takes_a_larger_fused_path(npuspeed_runtime, mon
         def has_matmul_add_fp32(self):
             return True
 
-    monkeypatch.setattr(Clock, "time", lambda *a, **k: pytest.fail("timed on a device"))
+    monkeypatch.setattr(Clock, "time", lambda *a, **k: pytest.fail("timed under --deterministic-mode"))
     # an fp32 main_grad on an NPU (only its device type and dtype are read)
     fake_grad = type("MainGrad", (), {"device": type("Npu", (), {"type": "npu"})(), "dtype": torch.float32})()
-    without = chooser_mod.WgradPaths(NoKernelNpu()).choose_shape(4096, 64, 64, torch.bfloat16, fake_grad)
-    few_rows = chooser_mod.WgradPaths(NoKernelNpu()).choose_shape(4, 64, 64, torch.bfloat16, fake_grad)
-    native = chooser_mod.WgradPaths(KernelNpu()).choose_shape(4096, 64, 64, torch.bfloat16, fake_grad)
+    torch.use_deterministic_algorithms(True)
+    try:
+        without = chooser_mod.WgradPaths(NoKernelNpu()).choose_shape(4096, 64, 64, torch.bfloat16, fake_grad)
+        few_rows = chooser_mod.WgradPaths(NoKernelNpu()).choose_shape(4, 64, 64, torch.bfloat16, fake_grad)
+        native = chooser_mod.WgradPaths(KernelNpu()).choose_shape(4096, 64, 64, torch.bfloat16, fake_grad)
+    finally:
+        torch.use_deterministic_algorithms(False)
     assert (without, few_rows, native) == (kernels.MM_ADD, kernels.ADDMM_UPCAST, kernels.NATIVE)
+
+
+class _FakeDevice:
+    """An accelerator that is not the host, for the chooser's guard and device clock: its
+    events read a clock the candidates below advance (milliseconds)."""
+
+    now = [0.0]
+
+    class Event:
+        def __init__(self, enable_timing=True):
+            self.at = None
+
+        def record(self):
+            self.at = _FakeDevice.now[0]
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, other):
+            return other.at - self.at
+
+    def host_is_device(self):
+        return False
+
+    def synchronize(self):
+        pass
+
+    def get_rng_state(self):
+        return torch.get_rng_state()
+
+    def set_rng_state(self, state):
+        pass
+
+    def max_memory_allocated(self):
+        return 0
+
+    max_memory_reserved = max_memory_allocated
+
+
+@pytest.mark.parametrize("fused_ms, want", [(2.0, "unfused"), (0.5, "fused")])
+def test_a_device_times_both_paths_with_its_events(npuspeed_runtime, monkeypatch, fused_ms, want):
+    """On a GPU/NPU the fused GEMM is not always the fast one (an H100 with torch 2.11: the
+    mixed-dtype addmm cost 1.084x of a step): the chooser times both paths there too, with the
+    device's events, and keeps Megatron's where the fused one is slower."""
+    from npuspeed.features.grad_accum_fusion import paths as chooser_mod, kernels
+    from npuspeed.ops.choose.trial import Clock
+
+    monkeypatch.setattr(Clock, "cpu", lambda self, inputs: False)  # the inputs "live on the device"
+    # few rows: the fused upcast's fp32 copies (4 x 128 x 4 B) are smaller than the unfused product
+    g, x, main_grad, _ = _inputs(4, 64, 64, torch.bfloat16, torch.float32)
+    fused = kernels.candidates("cpu", torch.bfloat16, torch.float32, None)[0]
+
+    def costing(ms):
+        def run(*args):
+            _FakeDevice.now[0] += ms
+        return run
+
+    monkeypatch.setitem(kernels.RUN, fused, costing(fused_ms))
+    monkeypatch.setitem(kernels.RUN, kernels.MM_ADD, costing(1.0))
+    before = telemetry.snapshot("grad_accum_fusion.")
+    path = chooser_mod.WgradPaths(_FakeDevice()).choose(g, x, main_grad)
+    assert path == {"unfused": kernels.MM_ADD, "fused": fused}[want]
+    assert telemetry.since(before, "grad_accum_fusion.").get("grad_accum_fusion.measured") == 1
 
 
 def test_candidates_per_device(npuspeed_runtime):
@@ -216,7 +281,11 @@ def test_npu_matmul_add_without_nnal_takes_the_portable_path(npuspeed_runtime):
     notes = []
     chooser = chooser_mod.WgradPaths(acc, notes.append)
     fake_grad = type("MainGrad", (), {"device": type("Npu", (), {"type": "npu"})(), "dtype": torch.float32})()
-    paths = {chooser.choose_shape(rows, 64, 64, torch.bfloat16, fake_grad) for rows in (4096, 4)}
+    torch.use_deterministic_algorithms(True)  # the bytes rule (a fake NPU's main_grad cannot be timed)
+    try:
+        paths = {chooser.choose_shape(rows, 64, 64, torch.bfloat16, fake_grad) for rows in (4096, 4)}
+    finally:
+        torch.use_deterministic_algorithms(False)
     assert paths == {kernels.MM_ADD, kernels.ADDMM_UPCAST}
     said = [n for n in notes if "NNAL/ATB" in n]
     assert len(said) == 1 and "_npu_matmul_add_fp32" in said[0]

@@ -1,15 +1,16 @@
 """Which weight-gradient path runs, per (device, dtypes, shape): a candidate list for the one chooser.
 
 The candidates are the fused in-place GEMM the device has (kernels.candidates) and Megatron's
-unfused GEMM + add (the baseline). On the host npuspeed's chooser (npuspeed.ops.choose) times
+unfused GEMM + add (the baseline). npuspeed's chooser (npuspeed.ops.choose) times
 both, interleaved, on scratch copies of main_grad the first time a shape is seen; the fused one
 is kept only where it is neither slower nor holds more temporary bytes (16-bit inputs upcast to
 fp32 hold rows x (n + k) x 4 bytes, the unfused product n x k in the input dtype; a 16-bit GEMM
 with AVX512-BF16 can beat an fp32 in-place one, so the "fused" path is not always the fast one);
-ties go to Megatron's. The chooser's guard puts the trial's peak back. On a GPU or NPU the
-fused path runs without a trial unless it holds more temporary bytes (an NPU without
-torch_npu's matmul-add kernel has only the upcast GEMM: there the unfused path runs, with a
-note); a mixed-dtype GEMM this torch does not have falls back to the unfused path, once, with a
+ties go to Megatron's. The chooser's guard puts the trial's peak back on the host; on a GPU or
+NPU the same trial is timed with device events (the device's allocator may keep the trial's
+scratch main_grad on its peak: n x k x 4 bytes, once per shape), and an NPU without torch_npu's
+matmul-add kernel has only the upcast GEMM, which the bytes rule keeps out where it is
+larger; a mixed-dtype GEMM this torch does not have falls back to the unfused path, once, with a
 note. Under --deterministic-mode nothing is timed: the fused path unless it holds more bytes.
 NPUSPEED_WGRAD_PATH=fused|unfused|<kernel name> forces a path (tests and benchmarks).
 """
@@ -64,23 +65,25 @@ class WgradPaths:
     def _choose(self, key, rows, n, k, in_dtype, main_grad, inputs) -> dict:
         names = kernels.candidates(main_grad.device.type, in_dtype, main_grad.dtype, self.accelerator)
         self._say_native_missing()
-        acc, timed = self.accelerator, self.accelerator.host_is_device()
-        if timed:  # a trial may run: on this run's accelerator, on the call's inputs or constant ones
-            from npuspeed.features.fused_ops.measure import on_accelerator
+        acc = self.accelerator
+        # a trial on this run's accelerator (device events there, CPU time on the host), on the
+        # call's inputs or constant ones: the fused GEMM is not always the fast one on a device
+        # either (an H100, torch 2.11: the mixed-dtype addmm cost 1.084x of a step)
+        from npuspeed.features.fused_ops.measure import on_accelerator
 
-            on_accelerator(self.chooser, acc)
+        on_accelerator(self.chooser, acc)
+        if torch.are_deterministic_algorithms_enabled():  # nothing is timed: no trial inputs
+            inputs = ()
+        else:
             if inputs is None:  # constant inputs: no random stream of the run is touched
                 inputs = (torch.full((rows, n), 0.5, dtype=in_dtype, device=main_grad.device),
                           torch.full((rows, k), 0.25, dtype=in_dtype, device=main_grad.device))
             inputs = (*inputs, main_grad)
-        else:  # no trial on a device: the bytes decide, known from the shape
-            inputs = ()
         candidates = {name: (lambda g, x, grad, _run=kernels.RUN[name]: _run(g, x, grad, acc)) for name in names}
         nbytes = {name: kernels.temporary_bytes(name, rows, n, k, in_dtype, main_grad.dtype) for name in names}
         fixed = {"fused": names[0], "unfused": kernels.MM_ADD}.get(self.fixed, self.fixed)
         choice = self.chooser.pick("wgrad", key, " ".join(map(str, key)), candidates, inputs,
-                                   fixed=fixed, fixed_by=f"fixed ({self.fixed})", timed=timed, nbytes=nbytes,
-                                   grads=False, untimed_why=f"not measured on {main_grad.device.type}")
+                                   fixed=fixed, fixed_by=f"fixed ({self.fixed})", nbytes=nbytes, grads=False)
         if choice.ms:
             telemetry.count(PREFIX + "measured")
             choice.why = f"measured once: {choice.why}"
