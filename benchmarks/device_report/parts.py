@@ -6,6 +6,7 @@ import csv
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -39,30 +40,38 @@ def _python(args: list[str], budget: Budget, cap: float, env: dict | None = None
                           capture_output=True, text=True, timeout=timeout)
 
 
-#: the tier's share of the default 8 minutes (the training runs need most of the rest)
-TIER_CAP_S = 240
-#: pytest-xdist processes for the tier on one device (where xdist is installed)
-TIER_WORKERS = 6
+#: the tier's share of a report that runs other parts after it (alone it gets the whole budget):
+#: on an H100 host with 16 cores and 10 processes it took 244 s (2026-11-26)
+TIER_CAP_S = 300
 
 
-def tier(budget: Budget, out: Path, smoke: bool) -> dict:
+def tier_workers() -> int:
+    """pytest-xdist processes sharing the one device: its ~40 example runs are mostly start-up,
+    so the host's cores bound them (10 on a 16-core host)."""
+    return max(1, min(10, (os.cpu_count() or 2) - 6))
+
+
+def tier(budget: Budget, out: Path, smoke: bool, cap: float = TIER_CAP_S) -> dict:
     """`pytest -m device tests/device` (what `make test-device` runs): counts and each failure.
-    Unlike `make test-device` it compares no step times when xdist shares the device out."""
-    xml = out / "tier.xml"
+    Unlike `make test-device` it compares no step times when xdist shares the device out. The
+    log is written as it runs (-v), so a tier stopped at its cap still reports what finished."""
+    xml, log = out / "tier.xml", out / "tier.log"
     workers, env = [], {"NPUSPEED_DEVICE": ""}
     if not smoke and importlib.util.find_spec("xdist") is not None:
-        # its ~40 example runs are mostly start-up: several processes share the device (memory is
-        # per process; step times are compared in the report's own runs, not in the tier's)
-        workers, env = ["-n", str(TIER_WORKERS), "--dist", "loadfile"], {**env, "NPUSPEED_DEVICE_TIER_SHARED": "1"}
-    try:
-        proc = _python(["-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "device", "tests/device",
-                        f"--junitxml={xml}", *workers], budget, cap=TIER_CAP_S, env=env)
-    except subprocess.TimeoutExpired as exc:
-        log = (exc.stdout or b"").decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
-        (out / "tier.log").write_text(log)
-        return {"error": f"the tier ran past {exc.timeout:.0f} s and was stopped (its log: tier.log)",
-                "log_tail": log[-1500:]}
-    (out / "tier.log").write_text(proc.stdout + proc.stderr)
+        workers = ["-n", str(tier_workers()), "--dist", "loadfile"]
+        env["NPUSPEED_DEVICE_TIER_SHARED"] = "1"
+    xml.unlink(missing_ok=True)
+    timeout = min(cap, budget.left())
+    with open(log, "w") as fh:
+        try:
+            proc = subprocess.run([sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-m", "device",
+                                   "tests/device", f"--junitxml={xml}", *workers], cwd=ROOT,
+                                  env={**os.environ, **env}, stdout=fh, stderr=subprocess.STDOUT, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return {"error": f"the tier ran past {timeout:.0f} s and was stopped (its log: tier.log); "
+                             "what finished is below", **cases_from_log(log.read_text())}
+    if not xml.is_file():
+        return {"error": f"pytest exited {proc.returncode} without a report (tier.log)", **cases_from_log(log.read_text())}
     cases = []
     for case in ET.parse(xml).getroot().iter("testcase"):
         state, why = "passed", ""
@@ -72,8 +81,41 @@ def tier(budget: Budget, out: Path, smoke: bool) -> dict:
                 state, why = ("skipped" if tag == "skipped" else "failed"), (node.get("message") or "")[:300]
         cases.append({"test": f"{case.get('classname')}::{case.get('name')}", "state": state,
                       "seconds": float(case.get("time") or 0), "message": why})
-    counts = {s: sum(c["state"] == s for c in cases) for s in ("passed", "failed", "skipped")}
-    return {"returncode": proc.returncode, "counts": counts, "cases": cases}
+    return {"returncode": proc.returncode, "counts": _counts(cases), "cases": cases}
+
+
+#: `pytest -v` result lines: with xdist ("[gw0] [ 11%] PASSED path::case"), without it
+#: ("path::case PASSED [ 11%]"), and the short summary ("FAILED path::case - message")
+_XDIST = re.compile(r"^\[gw\d+\] \[\s*\d+%\] (PASSED|FAILED|ERROR|SKIPPED) (\S+::.*?)\s*$")
+_PLAIN = re.compile(r"^(\S+::.*?) (PASSED|FAILED|ERROR|SKIPPED)(?:\s+\[\s*\d+%\])?\s*$")
+_SUMMARY = re.compile(r"^(FAILED|ERROR) (\S+::.*?)(?: - (.*))?$")
+_HEADER = re.compile(r"^_{3,} (\S.*?) _{3,}$")
+_STATE = {"PASSED": "passed", "FAILED": "failed", "ERROR": "failed", "SKIPPED": "skipped"}
+
+
+def cases_from_log(text: str) -> dict:
+    """Counts and cases from `pytest -v` lines (a tier stopped before its junit report, or the
+    log of a tier run by hand): each case's state, failures with their short-summary message."""
+    states, why, first_e, section = {}, {}, {}, None
+    for line in text.splitlines():
+        if m := _HEADER.match(line):
+            section = m[1]
+        elif section and line.startswith("E ") and section not in first_e:
+            first_e[section] = line[1:].strip()
+        if m := _SUMMARY.match(line):
+            states.setdefault(m[2], "failed")
+            why[m[2]] = (m[3] or "")[:300]
+        elif m := _XDIST.match(line):
+            states[m[2]] = _STATE[m[1]]
+        elif m := _PLAIN.match(line):
+            states[m[1]] = _STATE[m[2]]
+    cases = [{"test": t, "state": st, "seconds": 0.0,
+              "message": why.get(t) or first_e.get(t.split("::", 1)[-1], "")} for t, st in states.items()]
+    return {"counts": _counts(cases), "cases": cases}
+
+
+def _counts(cases: list[dict]) -> dict:
+    return {s: sum(c["state"] == s for c in cases) for s in ("passed", "failed", "skipped")}
 
 
 def _rows(csv_path: Path) -> list[dict]:

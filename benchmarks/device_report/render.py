@@ -82,7 +82,8 @@ def markdown(report: dict, derived: dict) -> str:
     tier = report.get("tier") or {}
     out += ["", "**Device tier** (`make test-device`): "
             + (", ".join(f"{n} {s}" for s, n in tier["counts"].items()) if "counts" in tier
-               else tier.get("error") or tier.get("skipped") or "not run")]
+               else tier.get("error") or tier.get("skipped") or "not run")
+            + (f" (from the `pytest -v` log of a call of its own, {tier['from_log']})" if tier.get("from_log") else "")]
     for c in tier.get("cases", []):
         if c["state"] == "failed":
             out.append(f"- FAILED `{c['test']}`: {c['message'][:200]}")

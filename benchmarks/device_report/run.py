@@ -58,13 +58,54 @@ def meta(smoke: bool, budget_s: float) -> dict:
             "host": platform.node()}
 
 
+def kept(out: Path, now: dict, running) -> dict:
+    """The parts of an earlier report in `out` from the same commit, device and kind (smoke or
+    not) that this call does not run: a report too long for one lease's call is made in two
+    (`--parts tier`, then the rest), each part saying which call measured it."""
+    try:
+        before = json.loads((out / "report.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    old = before.get("meta", {})
+    if any(old.get(k) != now.get(k) for k in ("commit", "device_name", "smoke")):
+        return {}
+    sections = {name: {**before[name], "measured": before[name].get("measured", old.get("date"))}
+                for name in PARTS if name in before and name not in running}
+    if sections:
+        print(f"[device-report] kept from the earlier call of this commit: {', '.join(sections)}", flush=True)
+    return sections
+
+
+def write(report: dict, out: Path) -> None:
+    derived = render.derive(report)
+    report["derived"] = derived
+    report["plots"] = render.plots(derived, out)
+    (out / "report.json").write_text(json.dumps(report, indent=1, default=str))
+    (out / "report.md").write_text(render.markdown(report, derived))
+    print((out / "report.md").read_text())
+
+
+def render_only(out: Path, tier_log: Path | None) -> int:
+    report = json.loads((out / "report.json").read_text())
+    if tier_log is not None:
+        report["tier"] = {**parts.cases_from_log(tier_log.read_text()), "from_log": tier_log.name}
+    write(report, out)
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=str(parts.ROOT / "runs" / "device-report"))
     parser.add_argument("--budget-s", type=float, default=480.0, help="the whole report's wall-clock budget")
     parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
     parser.add_argument("--smoke", action="store_true", help="a tiny model on whatever device: checks this script")
+    parser.add_argument("--tier-log", type=Path, help="take the tier's section from this `pytest -v` log of "
+                        "`make test-device` (a tier run in another call) instead of running it")
+    parser.add_argument("--render-only", action="store_true", help="measure nothing: rewrite report.md (and "
+                        "the tier from --tier-log) from the report.json in --out")
     opts = parser.parse_args(argv)
+    if opts.render_only:
+        return render_only(Path(opts.out), opts.tier_log)
     if opts.smoke:
         os.environ.setdefault("NPUSPEED_DEVICE", "cpu")
     start = time.monotonic()
@@ -72,6 +113,7 @@ def main(argv=None) -> int:
     out = Path(opts.out)
     out.mkdir(parents=True, exist_ok=True)
     report = {"meta": meta(opts.smoke, opts.budget_s)}
+    report.update(kept(out, report["meta"], opts.parts))
     if report["meta"]["device"] == "cpu" and not opts.smoke:
         print("device report: no CUDA or NPU device here (npuspeed picks cpu); it measures an accelerator. "
               "`--smoke` checks the script on CPU.", file=sys.stderr)
@@ -80,7 +122,11 @@ def main(argv=None) -> int:
         t0 = time.monotonic()
         print(f"[device-report] {name} ({budget.left():.0f} s left)", flush=True)
         try:
-            if name == "codec":
+            if name == "tier" and opts.tier_log:
+                section = {**parts.cases_from_log(opts.tier_log.read_text()), "from_log": str(opts.tier_log)}
+            elif name == "tier":  # alone it may take the whole budget (a lease's call of its own)
+                section = parts.tier(budget, out, opts.smoke, budget.left() if opts.parts == ["tier"] else parts.TIER_CAP_S)
+            elif name == "codec":
                 base = (report.get("training") or {}).get("runs", {}).get("flash-attn") or {}
                 section = parts.codec(budget, out, opts.smoke, int((base.get("weight_bytes") or 0) // 6))
             else:
@@ -91,12 +137,7 @@ def main(argv=None) -> int:
         report[name] = section
         (out / "report.json").write_text(json.dumps(report, indent=1, default=str))
     report["meta"]["wall_s"] = time.monotonic() - start
-    derived = render.derive(report)
-    report["derived"] = derived
-    report["plots"] = render.plots(derived, out)
-    (out / "report.json").write_text(json.dumps(report, indent=1, default=str))
-    (out / "report.md").write_text(render.markdown(report, derived))
-    print((out / "report.md").read_text())
+    write(report, out)
     tier = report.get("tier") or {}
     failed = (tier.get("counts") or {}).get("failed", 0) or "error" in tier
     return 1 if failed else 0

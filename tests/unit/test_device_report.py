@@ -110,3 +110,47 @@ def test_smoke_report_on_cpu(tmp_path):
     assert all("error" not in run for run in report["training"]["runs"].values()), report["training"]["runs"]
     assert report["codec"]["timings"] and report["fused_ops"]["rows"]
     assert (tmp_path / "report.md").read_text().count("| all off |") == 1
+
+
+XDIST_LOG = """\
+[gw0] [ 11%] PASSED tests/device/test_a.py::test_one[fp32-torch.float32]
+[gw1] [ 50%] SKIPPED tests/device/test_b.py::test_sparse
+[gw0] [ 75%] FAILED tests/device/test_c.py::test_weights[(4096, 8)-True]
+[gw2] [100%] PASSED tests/device/test_d.py::test_peak[flash-attn reuse-fp32]
+_____________________ test_weights[(4096, 8)-True] _____________________
+E       AssertionError: weight bytes x0.688
+FAILED tests/device/test_c.py::test_weights[(4096, 8)-True]
+"""
+
+
+def test_a_tier_log_gives_counts_cases_and_failure_messages():
+    """A tier stopped at its cap (no junit report) or run in a call of its own still reports
+    what finished: `pytest -v` lines with and without xdist, ids with spaces, the failure's
+    first `E` line where the short summary has no message."""
+    import parts
+
+    got = parts.cases_from_log(XDIST_LOG)
+    assert got["counts"] == {"passed": 2, "failed": 1, "skipped": 1}
+    failed = [c for c in got["cases"] if c["state"] == "failed"]
+    assert failed == [{"test": "tests/device/test_c.py::test_weights[(4096, 8)-True]", "state": "failed",
+                       "seconds": 0.0, "message": "AssertionError: weight bytes x0.688"}]
+    assert "tests/device/test_d.py::test_peak[flash-attn reuse-fp32]" in {c["test"] for c in got["cases"]}
+    plain = parts.cases_from_log("tests/device/test_a.py::test_x PASSED [ 50%]\n"
+                                 "tests/device/test_a.py::test_y FAILED [100%]\n"
+                                 "FAILED tests/device/test_a.py::test_y - assert 1 == 2\n")
+    assert plain["counts"] == {"passed": 1, "failed": 1, "skipped": 0}
+    assert [c["message"] for c in plain["cases"] if c["state"] == "failed"] == ["assert 1 == 2"]
+
+
+def test_a_second_call_keeps_the_first_calls_parts_of_the_same_commit(tmp_path):
+    """A report longer than one lease's call is made in two (`--parts tier`, then the rest): the
+    second keeps the first's sections of the same commit and device, never another commit's."""
+    import run
+
+    report = _report()
+    (tmp_path / "report.json").write_text(json.dumps(report))
+    kept = run.kept(tmp_path, report["meta"], ["training", "codec", "fused_ops", "triton_ops"])
+    assert set(kept) == {"tier"} and kept["tier"]["counts"] == report["tier"]["counts"]
+    assert kept["tier"]["measured"] == "2026-11-26"
+    assert run.kept(tmp_path, {**report["meta"], "commit": "def5678"}, ["training"]) == {}
+    assert run.kept(tmp_path, report["meta"], list(run.PARTS)) == {}
