@@ -71,7 +71,8 @@ def tier(budget: Budget, out: Path, smoke: bool, cap: float = TIER_CAP_S) -> dic
             return {"error": f"the tier ran past {timeout:.0f} s and was stopped (its log: tier.log); "
                              "what finished is below", **cases_from_log(log.read_text())}
     if not xml.is_file():
-        return {"error": f"pytest exited {proc.returncode} without a report (tier.log)", **cases_from_log(log.read_text())}
+        return {"error": f"pytest exited {proc.returncode} without a report (tier.log)",
+                **cases_from_log(log.read_text())}
     cases = []
     for case in ET.parse(xml).getroot().iter("testcase"):
         state, why = "passed", ""

@@ -125,7 +125,8 @@ def main(argv=None) -> int:
             if name == "tier" and opts.tier_log:
                 section = {**parts.cases_from_log(opts.tier_log.read_text()), "from_log": str(opts.tier_log)}
             elif name == "tier":  # alone it may take the whole budget (a lease's call of its own)
-                section = parts.tier(budget, out, opts.smoke, budget.left() if opts.parts == ["tier"] else parts.TIER_CAP_S)
+                cap = budget.left() if opts.parts == ["tier"] else parts.TIER_CAP_S
+                section = parts.tier(budget, out, opts.smoke, cap)
             elif name == "codec":
                 base = (report.get("training") or {}).get("runs", {}).get("flash-attn") or {}
                 section = parts.codec(budget, out, opts.smoke, int((base.get("weight_bytes") or 0) // 6))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib
 
 from npuspeed.errors import UserError
 from npuspeed.plan_vocabulary import PlanEffect  # noqa: F401  (re-exported: a feature's plan_effect returns one)
@@ -54,7 +55,12 @@ class Feature:
         """Side effects that must precede patching (enabled features only)."""
 
     def register_patches(self, registry, ctx) -> None:
-        """Record this feature's patches in the registry (nothing is installed here)."""
+        """Record this feature's patches in the registry (nothing is installed here): in the one
+        shape, its folder's `patches.register(registry, ctx, config, name)`. A feature whose
+        patches need more (the accelerator, a chooser) overrides this."""
+        patches = self._own_module("patches")
+        if patches is not None:
+            patches.register(registry, ctx, self.config(ctx.args), self.name)
 
     def idle_reason(self, ctx) -> str | None:
         """Why this feature, enabled, registers no patch in this run (it acts some other way), or
@@ -70,8 +76,27 @@ class Feature:
     def plan_effect(self, model, ctx) -> PlanEffect | None:
         """How this feature, enabled with ctx's flags, changes the planner's model of a run of
         `model` (npuspeed/plan/spec.py ModelSpec, with `layout` and `batch` attributes).
-        None: nothing in this run (e.g. a flag that does not apply to this model)."""
-        return None
+        None: nothing in this run (e.g. a flag that does not apply to this model). In the one
+        shape, its folder's `plan.effect(model, config)`."""
+        plan = None if self.plan_neutral else self._own_module("plan")
+        return None if plan is None else plan.effect(model, self.config(ctx.args))
+
+    def states_plan_effect(self) -> bool:
+        """Whether it has a plan effect of its own: its folder's plan.py, or an override."""
+        return type(self).plan_effect is not Feature.plan_effect or self._own_module("plan") is not None
+
+    def _own_module(self, leaf: str):
+        """npuspeed.features.<name>.<leaf> when this class lives in its own folder (the one
+        shape) and the module exists, else None."""
+        package = type(self).__module__.rpartition(".")[0]
+        if package != f"npuspeed.features.{self.name}" or self.Config is None:
+            return None
+        try:
+            return importlib.import_module(f"{package}.{leaf}")
+        except ModuleNotFoundError as exc:
+            if exc.name != f"{package}.{leaf}":
+                raise
+            return None
 
     def path(self, ctx) -> str:
         """Which implementation runs, for the report (e.g. 'npu_fusion_attention')."""

@@ -56,8 +56,6 @@ def _merge(out: dict, name: str, effect: PlanEffect) -> None:
 
 def collect(spec, ctx, features) -> Effects:
     """Merge the plan effects of the features enabled in `ctx` for the run `spec`."""
-    from npuspeed.features.base import Feature
-
     out = {"variants": {}, "variant_layers": {}, "master_bytes_per_param": None, "kernels": {}, "overlap": {},
            "options": {}, "comm_per_layer": {}, "swap_optimizer": {}, "swap_modules": (), "summaries": [],
            "features": []}
@@ -65,11 +63,10 @@ def collect(spec, ctx, features) -> Effects:
         if not feature.enabled(ctx.args) or feature.always_on:
             continue
         out["features"].append(feature.name)
-        overrides = type(feature).plan_effect is not Feature.plan_effect
-        if not overrides:
+        if not feature.states_plan_effect():
             if not feature.plan_neutral:
-                raise PlanEffectError(f"feature {feature.name} is enabled but states no plan effect: "
-                                      "override Feature.plan_effect or set plan_neutral = True")
+                raise PlanEffectError(f"feature {feature.name} is enabled but states no plan effect: give it a "
+                                      "plan.py effect (or override Feature.plan_effect) or set plan_neutral = True")
             continue
         effect = feature.plan_effect(spec, ctx)
         if effect is None:

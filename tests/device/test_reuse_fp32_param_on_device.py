@@ -1,7 +1,7 @@
 """--reuse-fp32-param on the accelerator: a device codec splits and merges the masters (Triton
-wherever it compiles for the device, else the chunked PyTorch codec; no host round trip), losses are bitwise those of ordinary bf16
-mixed precision under --deterministic-mode (as on CPU), weight bytes are 0.67x (0.69x
-with a device codec's dense tie bits; README) and the
+wherever it compiles for the device, else the chunked PyTorch codec; no host round trip),
+losses are bitwise those of ordinary bf16 mixed precision under --deterministic-mode (as on
+CPU), weight bytes are 0.67x (0.69x with a device codec's dense tie bits; README) and the
 optimizer step's peak is ordinary mixed precision's (residuals dropped while masters exist)."""
 from __future__ import annotations
 

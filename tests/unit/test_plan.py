@@ -16,11 +16,14 @@ MODEL = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "
 
 
 def test_every_feature_states_its_plan_effect_or_declares_none():
+    """A feature's effect is its folder's plan.effect (the one shape) or an override of
+    plan_effect; a feature that changes nothing the planner models says plan_neutral instead."""
     for feature in all_features():
         overrides = type(feature).plan_effect is not Feature.plan_effect
-        assert overrides != feature.plan_neutral, (
-            f"{feature.name}: override plan_effect (it changes memory or time) or set plan_neutral = True, "
-            "not both and not neither")
+        states = feature.states_plan_effect()
+        assert (states and not feature.plan_neutral) or (feature.plan_neutral and not overrides), (
+            f"{feature.name}: give it a plan.py effect or override plan_effect (it changes memory or time), "
+            "or set plan_neutral = True, not both and not neither")
 
 
 def test_an_enabled_feature_without_an_effect_is_refused():

@@ -62,11 +62,6 @@ class AdaptiveMemoryFeature(Feature):
             raise FeatureError(f"{MAIN} needs the policy chosen before the run: import npuspeed.megatron_adaptor "
                                "(it plans it) rather than enabling features by hand")
 
-    def register_patches(self, registry, ctx) -> None:
-        from npuspeed.features.adaptive_memory import patches
-
-        patches.register(registry, ctx, self.config(ctx.args), self.name)
-
     def idle_reason(self, ctx) -> str | None:
         from npuspeed.features.adaptive_memory.patches import IDLE_REASON
 

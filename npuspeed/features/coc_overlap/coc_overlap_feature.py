@@ -69,11 +69,6 @@ class CocFeature(Feature):
             ctx.note(f"--use-ascend-mc2: no torch_npu MC2 kernels on {accelerator.name}; "
                      f"--use-coc runs the chunked path (N={config.coc_parallel_num}).")
 
-    def register_patches(self, registry, ctx) -> None:
-        from npuspeed.features.coc_overlap import patches
-
-        patches.register(registry, ctx, self.config(ctx.args), self.name)
-
     def check_built(self, block, ctx) -> str | None:
         for module in block.modules():
             try:
@@ -81,11 +76,6 @@ class CocFeature(Feature):
             except FeatureError as exc:
                 return str(exc)
         return None
-
-    def plan_effect(self, model, ctx):
-        from npuspeed.features.coc_overlap import plan
-
-        return plan.effect(model, self.config(ctx.args))
 
     def path(self, ctx) -> str:
         config, accelerator = self.config(ctx.args), ctx.accelerator

@@ -75,11 +75,6 @@ class ContextParallelFeature(Feature):
             ctx.note("context parallelism: fp32 blocks run PyTorch's CPU flash kernel, not npuspeed's: "
                      f"{cpu_flash.fp32_reason()}")
 
-    def register_patches(self, registry, ctx) -> None:
-        from npuspeed.features.context_parallel import patches
-
-        patches.register(registry, ctx, self.config(ctx.args), self.name)
-
     def check_built(self, block, ctx) -> str | None:
         from megatron.core.transformer.dot_product_attention import DotProductAttention
 
@@ -95,11 +90,6 @@ class ContextParallelFeature(Feature):
             return ("--context-parallel-size: this block has no Megatron-Core local DotProductAttention for "
                     "npuspeed's CP (a Transformer Engine spec has TE's own CP): use --transformer-impl local")
         return None
-
-    def plan_effect(self, model, ctx):
-        from npuspeed.features.context_parallel import plan
-
-        return plan.effect(model, self.config(ctx.args))
 
     def path(self, ctx) -> str:
         config = self.config(ctx.args)

@@ -70,11 +70,6 @@ class DeviceFeature(Feature):
         accelerator.configure_host_cache()
         accelerator.configure_memory_limit()
 
-    def register_patches(self, registry, ctx) -> None:
-        from npuspeed.features.device import patches
-
-        patches.register(registry, ctx, self.config(ctx.args), self.name)
-
     def path(self, ctx) -> str:
         accelerator = ctx.accelerator
         return {

@@ -94,11 +94,6 @@ class FusedAttentionFeature(Feature):
             ctx.note("--use-flash-attn: fp32 attention runs scaled_dot_product_attention or Megatron's "
                      f"unfused path (measured), not npuspeed's fp32 CPU kernel: {fp32}.")
 
-    def register_patches(self, registry, ctx) -> None:
-        from npuspeed.features.fused_attention import patches
-
-        patches.register(registry, ctx, self.config(ctx.args), self.name)
-
     def check_built(self, block, ctx) -> str | None:
         from megatron.core.transformer.dot_product_attention import DotProductAttention
 

@@ -66,11 +66,6 @@ class FusedLinearCrossEntropyFeature(Feature):
                                         config.fused_linear_cross_entropy_chunk_size)
         patches.register(registry, ctx, config, self.name, self.chooser)
 
-    def plan_effect(self, model, ctx):
-        from npuspeed.features.fused_linear_ce import plan
-
-        return plan.effect(model, self.config(ctx.args))
-
     def path(self, ctx) -> str:
         config = self.config(ctx.args)
         if not config.use_fused_linear_cross_entropy:

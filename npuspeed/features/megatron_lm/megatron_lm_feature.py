@@ -65,11 +65,6 @@ class MegatronLMFeature(Feature):
     def prepare(self, ctx) -> None:
         load_stubs.install()
 
-    def register_patches(self, registry, ctx) -> None:
-        from npuspeed.features.megatron_lm import patches
-
-        patches.register(registry, ctx, self.config(ctx.args), self.name)
-
     def path(self, ctx) -> str:
         accelerator = ctx.accelerator
         stubs = load_stubs.installed()

@@ -6,8 +6,10 @@ from __future__ import annotations
 def effect(model, config):
     from npuspeed.features.base import PlanEffect
 
+    from npuspeed.features.first_layers import per_chunk
+
     n = config.recompute_activation_function_num_layers
-    which = "every layer" if n is None else f"the first {n} layers of each chunk"
+    which = per_chunk(n)
     return PlanEffect(
         variants={"mlp_activation": "recompute"}, variant_layers={"mlp_activation": n},
         summary=f"the MLP activation output (tokens x ffn/TP) of {which} "

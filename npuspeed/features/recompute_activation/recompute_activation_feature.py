@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from npuspeed.features.base import Feature, FeatureError
+from npuspeed.features import first_layers
+from npuspeed.features.base import Feature
 from npuspeed.features.config import FeatureConfig, flag
 
 MAIN, NUM = "--recompute-activation-function", "--recompute-activation-function-num-layers"
@@ -39,24 +40,8 @@ class RecomputeActivationFeature(Feature):
 
     def validate(self, ctx) -> None:
         config = self.config(ctx.args)
-        num = config.recompute_activation_function_num_layers
-        if not config.recompute_activation_function:
-            raise FeatureError(f"{NUM} {num} is given without {MAIN}; add {MAIN} (or drop {NUM})")
-        if num is not None and num < 1:
-            raise FeatureError(
-                f"{NUM} must be a positive number of layers per pipeline stage, got {num}; "
-                f"drop it to recompute the activation of every layer"
-            )
-
-    def register_patches(self, registry, ctx) -> None:
-        from npuspeed.features.recompute_activation import patches
-
-        patches.register(registry, ctx, self.config(ctx.args), self.name)
-
-    def plan_effect(self, model, ctx):
-        from npuspeed.features.recompute_activation import plan
-
-        return plan.effect(model, self.config(ctx.args))
+        first_layers.check(MAIN, config.recompute_activation_function, NUM,
+                           config.recompute_activation_function_num_layers, "the activation")
 
     def path(self, ctx) -> str:
         config = self.config(ctx.args)
@@ -65,8 +50,7 @@ class RecomputeActivationFeature(Feature):
         from npuspeed import telemetry
         from npuspeed.features.recompute_activation.layers import SELECTED
 
-        num = config.recompute_activation_function_num_layers
-        which = "all layers" if num is None else f"first {num} layers of each pipeline stage"
+        which = first_layers.per_stage(config.recompute_activation_function_num_layers)
         return (f"megatron.core.tensor_parallel.CheckpointWithoutOutput, reused (fp8=None; storage "
                 f"resize_(0) after fc2, recompute from a grad hook on fc2's output, early release of "
                 f"fc1's output and the recomputed copy); {which}; MLPs selected in this process: "

@@ -5,8 +5,10 @@ from __future__ import annotations
 def effect(model, config):
     from npuspeed.features.base import PlanEffect
 
+    from npuspeed.features.first_layers import per_chunk
+
     n = config.recompute_norm_num_layers
-    which = "every layer" if n is None else f"the first {n} layers of each chunk"
+    which = per_chunk(n)
     return PlanEffect(
         variants={"norm_output": "recompute"}, variant_layers={"norm_output": n},
         summary=f"the input and pre-MLP norm outputs (2 x tokens x hidden) and the norms' statistics of "

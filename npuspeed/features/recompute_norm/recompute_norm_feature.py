@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from npuspeed.features.base import Feature, FeatureError
+from npuspeed.features import first_layers
+from npuspeed.features.base import Feature
 from npuspeed.features.config import FeatureConfig, flag
 
 MAIN, NUM = "--recompute-norm", "--recompute-norm-num-layers"
@@ -37,22 +38,7 @@ class RecomputeNormFeature(Feature):
 
     def validate(self, ctx) -> None:
         config = self.config(ctx.args)
-        num = config.recompute_norm_num_layers
-        if not config.recompute_norm:
-            raise FeatureError(f"{NUM} {num} is given without {MAIN}; add {MAIN} (or drop {NUM})")
-        if num is not None and num < 1:
-            raise FeatureError(f"{NUM} must be a positive number of layers per pipeline stage, got {num}; "
-                               "drop it to recompute the norms of every layer")
-
-    def register_patches(self, registry, ctx) -> None:
-        from npuspeed.features.recompute_norm import patches
-
-        patches.register(registry, ctx, self.config(ctx.args), self.name)
-
-    def plan_effect(self, model, ctx):
-        from npuspeed.features.recompute_norm import plan
-
-        return plan.effect(model, self.config(ctx.args))
+        first_layers.check(MAIN, config.recompute_norm, NUM, config.recompute_norm_num_layers, "the norms")
 
     def path(self, ctx) -> str:
         config = self.config(ctx.args)
@@ -61,8 +47,7 @@ class RecomputeNormFeature(Feature):
         from npuspeed import telemetry
         from npuspeed.features.recompute_norm.norms import SELECTED
 
-        num = config.recompute_norm_num_layers
-        which = "all layers" if num is None else f"first {num} layers of each pipeline stage"
+        which = first_layers.per_stage(config.recompute_norm_num_layers)
         return (f"the activation-recompute checkpoint (Megatron-Core's CheckpointWithoutOutput, fp8=None): norm "
                 f"output freed after linear_qkv / linear_fc1 ran, recomputed from a grad hook on their output; "
                 f"{which}; norms selected in this process: {telemetry.get(SELECTED)}")

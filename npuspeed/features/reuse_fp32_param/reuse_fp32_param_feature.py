@@ -43,16 +43,6 @@ class ReuseFp32ParamFeature(Feature):
                      "triton, or triton-ascend on an NPU); the chunked PyTorch device codec runs instead, "
                      "many small launches a step")
 
-    def register_patches(self, registry, ctx) -> None:
-        from npuspeed.features.reuse_fp32_param import patches
-
-        patches.register(registry, ctx, self.config(ctx.args), self.name)
-
-    def plan_effect(self, model, ctx):
-        from npuspeed.features.reuse_fp32_param import plan
-
-        return plan.effect(model, self.config(ctx.args))
-
     def path(self, ctx) -> str:
         impl = codec.implementation_for(getattr(ctx.accelerator, "name", "cpu"))
         ties = "dense tie bits" if impl in codec.DENSE else "sparse tie list"

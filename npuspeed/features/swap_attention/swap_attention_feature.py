@@ -61,11 +61,6 @@ class SwapAttentionFeature(Feature):
             raise FeatureError(f"{MAIN} needs page-locked host memory for overlapped copies, which the "
                                f"{acc.name} backend does not offer here; drop {MAIN}")
 
-    def register_patches(self, registry, ctx) -> None:
-        from npuspeed.features.swap_attention import patches
-
-        patches.register(registry, ctx, self.config(ctx.args), self.name)
-
     def plan_effect(self, model, ctx):
         from npuspeed.features.swap_attention import plan
 
