@@ -42,13 +42,15 @@ def test_fused_weight_gradient(tmp_path_factory):
 
 def test_auto_measures_on_the_device(tmp_path_factory):
     """Without a fixed path each weight-gradient shape is timed once on the device (its events)
-    and the faster path runs: never slower than Megatron's unfused GEMM + add."""
+    and the faster path runs: the fused kernel (counted per call) or Megatron's own unfused
+    backward (counted as unfused_calls); never slower than Megatron's GEMM + add."""
     base = train(tmp_path_factory, MODEL + NO_DROPOUT)
     run = train(tmp_path_factory, MODEL + NO_DROPOUT + FLAG)
     assert_on_device(base, run)
     c = counters(run, "grad_accum_fusion.")
     kernels = {k.rsplit(".", 1)[1]: n for k, n in c.items() if k.startswith("grad_accum_fusion.kernel.")}
+    fused, unfused = c.get("grad_accum_fusion.calls", 0), c.get("grad_accum_fusion.unfused_calls", 0)
     assert c.get("grad_accum_fusion.measured", 0) >= 1, c
-    assert set(kernels) <= {KERNEL[accelerator()], "mm_then_add"}, c
-    assert sum(kernels.values()) == c["grad_accum_fusion.calls"], c
+    assert fused + unfused >= 4 * LAYERS * MICRO_BATCHES * ITERS, c
+    assert set(kernels) <= {KERNEL[accelerator()]} and sum(kernels.values()) == fused, c
     assert_parity(base, run)
