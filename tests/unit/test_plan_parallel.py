@@ -48,7 +48,7 @@ def test_cp_shards_the_distributed_optimizer_over_dp_x_cp():
 
 def test_fused_attention_hands_cp_calls_over():
     from npuspeed.features.fused_attention import FusedAttentionFeature
-    from npuspeed.plan.planner import context_for
+    from npuspeed.plan.context import context_for
 
     p = _plan("--context-parallel-size", "2")
     ctx = context_for(MODEL + ["--context-parallel-size", "2"])[0]

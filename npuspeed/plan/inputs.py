@@ -1,0 +1,61 @@
+"""A plan's inputs read once: the flags parsed, the features asked, their effects merged.
+
+`read(argv)` parses the flags once (flags.py: the RunSpec and Megatron's flags as the features
+see them), builds the features' Context (context.py), lists every problem (the layout's, the
+features' refusals, what the planner does not model) and, when there is none, merges the
+enabled features' plan effects (effects.py). The planner resolves the run from the result
+(run.py) and never reads argv again.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from npuspeed.plan import context, effects as effects_mod
+from npuspeed.plan.flags import megatron_args, parse
+from npuspeed.plan.spec import RunSpec, layout_problems
+
+
+@dataclass(frozen=True)
+class Inputs:
+    argv: tuple
+    spec: RunSpec
+    #: Megatron's flags as the features see them (flags.megatron_args)
+    megatron: object
+    ctx: object
+    features: list
+    problems: tuple
+    #: the enabled features' merged plan effects (None when there are problems)
+    effects: object = None
+    #: the calibration profile (`--profile`, or given), None without
+    profile: dict | None = None
+
+
+def read(argv: list[str], profile=None) -> Inputs:
+    """The inputs of `argv` (`--script` already expanded); `profile`: unless --profile names one."""
+    spec, ns, _rest = parse(argv)
+    if profile is None and ns.profile:
+        from npuspeed.plan.speed import load_profile
+
+        profile = load_profile(ns.profile)
+    return gather(spec, argv, megatron_args(ns), profile)
+
+
+def gather(spec: RunSpec, argv: list[str], megatron, profile=None) -> Inputs:
+    """The inputs of a `spec` already parsed from `argv` (`megatron`: flags.megatron_args of it)."""
+    problems = layout_problems(spec)
+    ctx, features, refused = context.make(argv, megatron)
+    problems += refused
+    effects = None
+    if not problems:
+        effects = effects_mod.collect(spec, ctx, features)
+        problems += effects_mod.not_modeled(spec, effects)
+    return Inputs(argv=tuple(argv), spec=spec, megatron=megatron, ctx=ctx, features=features,
+                  problems=tuple(problems), effects=effects, profile=profile)
+
+
+def without(inputs: Inputs, feature: str):
+    """The merged effects of the same run with `feature`'s flags left out (what it removes)."""
+    flags = next((set(f.flags) for f in inputs.features if f.name == feature), set())
+    argv = [a for a in inputs.argv if a not in flags]
+    ctx, _, _ = context.make(argv, inputs.megatron, inputs.features, validate=False)
+    return effects_mod.collect(inputs.spec, ctx, inputs.features)
