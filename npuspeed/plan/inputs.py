@@ -4,14 +4,15 @@
 see them), builds the features' Context (context.py), lists every problem (the layout's, the
 features' refusals, what the planner does not model) and, when there is none, merges the
 enabled features' plan effects (effects.py). The planner resolves the run from the result
-(run.py) and never reads argv again.
+(run.py) and never reads argv again; what a feature removes is planned from the same inputs
+with that feature's flags left out (planner.py: context.make and effects.collect again).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from npuspeed.plan import context, effects as effects_mod
-from npuspeed.plan.flags import megatron_args, parse
+from npuspeed.plan.flags import build_parser, megatron_args, parse
 from npuspeed.plan.spec import RunSpec, layout_problems
 
 
@@ -30,18 +31,18 @@ class Inputs:
     profile: dict | None = None
 
 
-def read(argv: list[str], profile=None) -> Inputs:
-    """The inputs of `argv` (`--script` already expanded); `profile`: unless --profile names one."""
-    spec, ns, _rest = parse(argv)
-    if profile is None and ns.profile:
-        from npuspeed.plan.speed import load_profile
+def read(argv: list[str], profile=None, spec: RunSpec | None = None, megatron=None) -> Inputs:
+    """The inputs of `argv` (`--script` already expanded); `profile`: unless --profile names one;
+    `spec` and `megatron` (flags.megatron_args): a parse of `argv` already made (the CLI's)."""
+    if spec is None:
+        spec, ns, _rest = parse(argv)
+        megatron = megatron_args(ns)
+        if profile is None and ns.profile:
+            from npuspeed.plan.speed import load_profile
 
-        profile = load_profile(ns.profile)
-    return gather(spec, argv, megatron_args(ns), profile)
-
-
-def gather(spec: RunSpec, argv: list[str], megatron, profile=None) -> Inputs:
-    """The inputs of a `spec` already parsed from `argv` (`megatron`: flags.megatron_args of it)."""
+            profile = load_profile(ns.profile)
+    elif megatron is None:
+        megatron = megatron_args(build_parser().parse_known_args(list(argv))[0])
     problems = layout_problems(spec)
     ctx, features, refused = context.make(argv, megatron)
     problems += refused
@@ -51,11 +52,3 @@ def gather(spec: RunSpec, argv: list[str], megatron, profile=None) -> Inputs:
         problems += effects_mod.not_modeled(spec, effects)
     return Inputs(argv=tuple(argv), spec=spec, megatron=megatron, ctx=ctx, features=features,
                   problems=tuple(problems), effects=effects, profile=profile)
-
-
-def without(inputs: Inputs, feature: str):
-    """The merged effects of the same run with `feature`'s flags left out (what it removes)."""
-    flags = next((set(f.flags) for f in inputs.features if f.name == feature), set())
-    argv = [a for a in inputs.argv if a not in flags]
-    ctx, _, _ = context.make(argv, inputs.megatron, inputs.features, validate=False)
-    return effects_mod.collect(inputs.spec, ctx, inputs.features)

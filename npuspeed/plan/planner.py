@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from npuspeed.plan import comm, inputs as inputs_mod, memory, script, speed
+from npuspeed.plan import comm, context, effects as effects_mod, inputs as inputs_mod, memory, script, speed
 from npuspeed.plan.context import PlannedDevice, context_for  # noqa: F401  (re-exported)
 from npuspeed.plan.flags import PlanInputError  # noqa: F401  (re-exported)
 from npuspeed.plan.run import ResolvedRun, resolve
@@ -43,9 +43,12 @@ class Plan:
         return None if cap is None or not self.ok else self.peak <= cap
 
 
-def planned(inputs: inputs_mod.Inputs, with_removes: bool = True) -> Plan:
-    """The plan of inputs already read: resolve, memory, communication, speed, what each feature
-    removes."""
+def plan(argv: list[str], profile=None, with_removes: bool = True, spec: RunSpec | None = None,
+         megatron=None) -> Plan:
+    """The plan of `argv`: inputs read once, the run resolved once, then memory, communication,
+    speed and what each feature removes. `spec`/`megatron`: a parse of `argv` already made."""
+    argv = script.expand(list(argv))
+    inputs = inputs_mod.read(argv, profile, spec, megatron)
     result = Plan(spec=inputs.spec, problems=list(inputs.problems), effects=inputs.effects)
     if result.problems:
         return result
@@ -54,29 +57,21 @@ def planned(inputs: inputs_mod.Inputs, with_removes: bool = True) -> Plan:
     result.comm = comm.volume(run)
     if inputs.profile is not None:
         result.speed = speed.step_time(run, inputs.profile)
-    for name in inputs.effects.features if with_removes else ():
-        if name == "context_parallel":
-            continue  # a layout, not a memory feature: the plan at CP 1 is another layout
-        other = resolve(inputs.spec, inputs_mod.without(inputs, name))
-        result.removes[name] = max(r.peak for r in memory.predict(other)) - result.peak
+    for feature in inputs.features if with_removes else ():
+        if feature.name not in inputs.effects.features or feature.name == "context_parallel":
+            continue  # context parallelism is a layout, not a memory feature: at CP 1 it is another layout
+        argv_without = [a for a in inputs.argv if a not in set(feature.flags)]
+        ctx = context.make(argv_without, inputs.megatron, inputs.features, validate=False)[0]
+        other = resolve(inputs.spec, effects_mod.collect(inputs.spec, ctx, inputs.features))
+        result.removes[feature.name] = max(r.peak for r in memory.predict(other)) - result.peak
     return result
 
 
 def plan_spec(spec: RunSpec, argv: list[str], profile=None, with_removes: bool = True, megatron=None) -> Plan:
     """The plan of `spec` (parsed from `argv`; `megatron`: flags.megatron_args of that parse)."""
-    if megatron is None:
-        from npuspeed.plan.flags import build_parser, megatron_args
-
-        megatron = megatron_args(build_parser().parse_known_args(list(argv))[0])
-    return planned(inputs_mod.gather(spec, argv, megatron, profile), with_removes)
+    return plan(argv, profile, with_removes, spec, megatron)
 
 
 def expand_script(argv: list[str]) -> list[str]:
     """`--script FILE` replaced by the launch script's arguments (script.expand)."""
     return script.expand(argv)
-
-
-def plan(argv: list[str], profile=None, with_removes: bool = True) -> Plan:
-    argv = script.expand(list(argv))
-    inputs = inputs_mod.read(argv, profile)
-    return planned(inputs, with_removes)
