@@ -150,10 +150,10 @@ def choose(argv: list[str], world: int | None = None) -> Policy:
     spec = first.spec
     n = spec.layers_per_chunk() * spec.layout.chunks
     timed = first.speed is not None
-    from npuspeed.plan.planner import _device
+    from npuspeed.plan.context import device
     from npuspeed.plan.recompute_cost import layer_costs, swap_seconds, swap_unavailable
 
-    costs = layer_costs(first.run, _device(base))
+    costs = layer_costs(first.run, device(base))
     mbs = spec.batch.num_microbatches(spec.layout.dp)
     no_swap = swap_unavailable(costs) or ("" if OPT in argv else f"not considered (add {OPT})")
     best, smallest = None, None

@@ -245,7 +245,7 @@ def _world(spec: RunSpec, argv: list[str], threads: int, world: int, gs: dict, o
 
 def calibrate(spec: RunSpec, argv: list[str] | None = None, threads: int = 1) -> dict:
     from npuspeed.plan import effects as effects_mod
-    from npuspeed.plan.planner import context_for
+    from npuspeed.plan.context import context_for
 
     argv = list(argv or [])
     t0 = time.perf_counter()

@@ -34,7 +34,8 @@ def _own(argv: list[str]):
 
 def main(argv: list[str] | None = None) -> int:
     from npuspeed.plan.flags import PlanInputError, megatron_args, parse
-    from npuspeed.plan.planner import expand_script, plan_spec
+    from npuspeed.plan.planner import plan_spec
+    from npuspeed.plan.script import expand
     from npuspeed.plan.speed import load_profile
 
     own, rest = _own(list(sys.argv[1:] if argv is None else argv))
@@ -42,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE)
         return 0
     try:
-        rest = expand_script(rest)
+        rest = expand(rest)
         policy = None
         if any(a == "--adaptive-recompute-device-size" or a.startswith("--adaptive-recompute-device-size=")
                for a in rest):

@@ -75,3 +75,12 @@ def collect(spec, ctx, features) -> Effects:
         _merge(out, feature.name, effect)
     out["summaries"], out["features"] = tuple(out["summaries"]), tuple(out["features"])
     return Effects(**out)
+
+
+def not_modeled(spec, effects: Effects) -> list[str]:
+    """What this planner cannot predict yet for these effects, said instead of a wrong number."""
+    out = []
+    if spec.layout.cp > 1 and effects.variants.get("core_attention") != "cp":
+        out.append(f"--context-parallel-size {spec.layout.cp} needs a context-parallel attention: Megatron-Core's "
+                   "local DotProductAttention has none (npuspeed's context parallelism feature provides it)")
+    return out

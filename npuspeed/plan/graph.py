@@ -48,6 +48,10 @@ class Op:
     #: only such ops of one layer save leaves the device after its last forward reader and
     #: comes back when backward reaches that layer's module, with the layer below's (prefetch)
     swap: int = -1
+    #: a checkpointed block (Megatron's full recompute, ops.py): the layers it reruns in
+    #: backward, replayed for this op's temporaries (with `inner_grad` arriving at its output)
+    inner: "Graph | None" = None
+    inner_grad: int = 0
 
 
 @dataclass
@@ -94,6 +98,10 @@ def _sizes(graph: Graph):
 def replay(graph: Graph, output_grad: int = 0) -> Replay:
     """Forward then backward of one micro-batch; `output_grad` is the gradient arriving for the
     graph's last output (the pipeline's received gradient; 0 for a loss)."""
+    for op in graph.ops:
+        if op.inner is not None:  # forward: the block's own peak; backward: it all again, then its backward
+            r = replay(op.inner, output_grad=op.inner_grad)
+            op.fwd_temp, op.bwd_temp = r.fwd_peak, r.held + r.bwd_peak
     size, base, producer = _sizes(graph)
     root = lambda name: base.get(name, name)  # noqa: E731
     last_read, saved_by = {}, {}

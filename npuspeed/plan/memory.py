@@ -13,8 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from npuspeed.plan import ops, schedule
-from npuspeed.plan.graph import Graph, Op, replay
-from npuspeed.plan.params import static_memory
+from npuspeed.plan.graph import replay
 from npuspeed.plan.run import ResolvedRun
 
 
@@ -44,59 +43,6 @@ class RankMemory:
 
     def as_dict(self) -> dict:
         return {k: v for k, v in self.__dict__.items()}
-
-
-def _checkpointed(g: Graph, d, m, x: str, first: int, count: int, variants, rc_layers, opts=None) -> str:
-    """Megatron's full recompute of `count` layers: only the input is kept; backward reruns them."""
-    inner = Graph()
-    inner.add(Op("ck.in", (), {"ck.x": d.h()}))
-    y = "ck.x"
-    for i in range(first, first + count):
-        y = ops.layer_ops(inner, d, m, y, i, variants, i in rc_layers, opts)
-    r = replay(inner, output_grad=d.h())
-    out = f"ck{first}.out"
-    g.add(Op(f"ck{first}", (x,), {out: d.h()}, saves=(x,), fwd_temp=r.fwd_peak,
-             bwd_temp=r.held + r.bwd_peak, term="recompute"))
-    return out
-
-
-def chunk_graph(run: ResolvedRun, pp_rank: int, chunk: int) -> Graph:
-    spec, effects, d = run.spec, run.effects, run.dims
-    m, lay = spec.model, spec.layout
-    g = Graph()
-    first = pp_rank == 0 and chunk == 0
-    last = pp_rank == lay.pp - 1 and chunk == lay.chunks - 1
-    x = ops.embedding_ops(g, d, m) if first else ops.recv_ops(g, d)
-    n = spec.layers_per_chunk()
-    variants = dict(effects.variants)
-    opts = run.layer_options
-    if m.recompute_granularity == "selective":
-        core = variants.get("core_attention", "unfused")
-        variants["core_attention"] = core if core in ("flash", "cp") else "recompute"
-    rc_layers = effects.layers_for("mlp_activation", n)
-    rn_layers = effects.layers_for("norm_output", n)
-    if m.recompute_granularity == "full":
-        k = m.recompute_num_layers or 1
-        if m.recompute_method == "block":
-            for i in range(n):
-                x = (_checkpointed(g, d, m, x, i, 1, variants, rc_layers, opts) if i < k
-                     else ops.layer_ops(g, d, m, x, i, variants, i in rc_layers, opts, i in rn_layers))
-        else:
-            i = 0
-            while i < n:
-                x = _checkpointed(g, d, m, x, i, min(k, n - i), variants, rc_layers, opts)
-                i += k
-    else:
-        for i in range(n):
-            x = ops.layer_ops(g, d, m, x, i, variants, i in rc_layers, opts, i in rn_layers)
-    if effects.swap_modules:  # --swap-attention on a device backend: the chosen modules' saves leave
-        for op in g.ops:
-            op.swap = ops.swap_layer(op.name, effects.swap_modules)
-    if last:
-        ops.head_ops(g, d, m, x, variants)
-    else:
-        g.add(Op("send", (x,), {"send.y": 0}, views={"send.y": x}, pass_grad=(x,)))
-    return g
 
 
 def persistent_buffers(run: ResolvedRun) -> int:
@@ -132,18 +78,17 @@ def swap_optimizer(static, step_static, effects) -> tuple[int, int]:
 def rank_memory(run: ResolvedRun, pp_rank: int) -> RankMemory:
     spec, effects, d = run.spec, run.effects, run.dims
     lay = spec.layout
+    static, step_static = run.stage_static(pp_rank), run.stage_static(pp_rank, step=True)
+    buffers = persistent_buffers(run)
+    swapped, window = swap_optimizer(static, step_static, effects)
     replays = []
     terms: dict = {}
     for chunk in range(lay.chunks):
         last = pp_rank == lay.pp - 1 and chunk == lay.chunks - 1
-        r = replay(chunk_graph(run, pp_rank, chunk), output_grad=0 if last else d.h())
+        r = replay(ops.chunk_ops(run, pp_rank, chunk), output_grad=0 if last else d.h())
         replays.append(r)
         for k, v in r.by_term.items():
             terms[k] = max(terms.get(k, 0), v)
-    static = static_memory(run, pp_rank, effects.master_bytes)
-    step_static = static_memory(run, pp_rank, None)
-    buffers = persistent_buffers(run)
-    swapped, window = swap_optimizer(static, step_static, effects)
     held = top = count = top_count = 0
     for kind, chunk in schedule.events(lay.pp, pp_rank, lay.chunks, spec.batch.num_microbatches(lay.dp)):
         r = replays[chunk]

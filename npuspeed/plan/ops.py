@@ -18,8 +18,10 @@ Variants (features' plan effects, Megatron's recompute) swap one op for another 
 """
 from __future__ import annotations
 
+from npuspeed.plan import ops_cp, ops_moe
 from npuspeed.plan.dims import Dims
 from npuspeed.plan.graph import Graph, Op
+from npuspeed.plan.run import ResolvedRun
 from npuspeed.plan_vocabulary import SWAP_PARTS, PlanOptions
 
 
@@ -185,22 +187,25 @@ def layer_ops(g: Graph, d: Dims, m, x: str, i: int, variants: dict, recompute_ac
     if np_ != ng and core in ("unfused", "sdpa_math", "recompute"):
         g.add(Op(f"{L}.expand", (k, v), {f"{L}.ke": q_b, f"{L}.ve": q_b}))
         k, v = f"{L}.ke", f"{L}.ve"
-    if core == "cp":
-        from npuspeed.plan import ops_cp
-
-        ops_cp.attention(g, d, q, k, v, f"{L}.ctx", options.cp_ulysses or 1, options.cp_ring or 1)
-    else:
+    if core != "cp":
         _attention_core(g, d, q, k, v, f"{L}.ctx", m.attention_dropout, core)
+    else:
+        ops_cp.attention(g, d, q, k, v, f"{L}.ctx", options.cp_ulysses or 1, options.cp_ring or 1)
     _row(g, d, f"{L}.ctx", f"{L}.proj", np_ * hn, "proj")
     _bda(g, d, f"{L}.proj", x, f"{L}.x1", m.hidden_dropout, m.bias, "dropout")
     dense = not m.num_experts
     rn2 = _norm(g, d, f"{L}.x1", f"{L}.n2", m.normalization, norm_v, "norm", recompute_norm and dense)
-    if m.num_experts:
-        from npuspeed.plan import ops_moe
-
+    if dense:
+        _dense_mlp(g, d, m, L, variants, recompute_activation, rn2)
+    else:
         ops_moe.moe_mlp(g, d, m, f"{L}.n2", f"{L}.fc2", options)
-        _bda(g, d, f"{L}.fc2", f"{L}.x1", f"{L}.out", m.hidden_dropout, False, "dropout")
-        return f"{L}.out"
+    _bda(g, d, f"{L}.fc2", f"{L}.x1", f"{L}.out", m.hidden_dropout, m.bias and dense, "dropout")
+    return f"{L}.out"
+
+
+def _dense_mlp(g, d: Dims, m, L: str, variants: dict, recompute_activation: bool, rn2: int) -> None:
+    """fc1, the activation (GLU), fc2 of a dense layer: `{L}.n2` -> `{L}.fc2`."""
+    a = d.act
     width = d.ffn * d.glu
     _column(g, d, f"{L}.n2", f"{L}.fc1", width, False, "mlp", rn2)
     h1 = f"{L}.fc1"
@@ -218,8 +223,6 @@ def layer_ops(g: Graph, d: Dims, m, x: str, i: int, variants: dict, recompute_ac
                  bwd_temp=d.hidden * d.ffn * a + f_b, term="mlp"))
     else:
         _row(g, d, f"{L}.act", f"{L}.fc2", d.ffn, "mlp")
-    _bda(g, d, f"{L}.fc2", f"{L}.x1", f"{L}.out", m.hidden_dropout, m.bias, "dropout")
-    return f"{L}.out"
 
 
 def embedding_ops(g: Graph, d: Dims, m) -> str:
@@ -273,3 +276,55 @@ def head_ops(g: Graph, d: Dims, m, x: str, variants: dict) -> str:
     g.add(Op("head.lossf", ("head.loss",), {"head.l": 4}, saves=("head.mask",),
              extras={"head.mask": d.tokens * 4}, term="head"))
     return "head.l"
+
+
+def _checkpointed(g: Graph, d: Dims, m, x: str, first: int, count: int, variants, rc_layers, opts) -> str:
+    """Megatron's full recompute of `count` layers: only the input is kept; backward reruns them
+    (the block's layers go in the op as `inner`, graph.replay prices them)."""
+    inner = Graph()
+    inner.add(Op("ck.in", (), {"ck.x": d.h()}))
+    y = "ck.x"
+    for i in range(first, first + count):
+        y = layer_ops(inner, d, m, y, i, variants, i in rc_layers, opts)
+    out = f"ck{first}.out"
+    g.add(Op(f"ck{first}", (x,), {out: d.h()}, saves=(x,), inner=inner, inner_grad=d.h(), term="recompute"))
+    return out
+
+
+def chunk_ops(run: ResolvedRun, pp_rank: int, chunk: int) -> Graph:
+    """Every op of one model chunk's micro-batch on a rank of stage `pp_rank`, in order: the
+    embedding (first chunk) or the received activation, the layers (checkpointed under full
+    recompute), the head and loss (last chunk) or the send."""
+    spec, effects, d = run.spec, run.effects, run.dims
+    m, lay = spec.model, spec.layout
+    g = Graph()
+    first = pp_rank == 0 and chunk == 0
+    last = pp_rank == lay.pp - 1 and chunk == lay.chunks - 1
+    x = embedding_ops(g, d, m) if first else recv_ops(g, d)
+    n = spec.layers_per_chunk()
+    variants = dict(effects.variants)
+    opts = run.layer_options
+    if m.recompute_granularity == "selective":
+        core = variants.get("core_attention", "unfused")
+        variants["core_attention"] = core if core in ("flash", "cp") else "recompute"
+    rc_layers = effects.layers_for("mlp_activation", n)
+    rn_layers = effects.layers_for("norm_output", n)
+    full, k = m.recompute_granularity == "full", m.recompute_num_layers or 1
+    block = full and m.recompute_method == "block"
+    i = 0
+    while i < n:
+        if full and (not block or i < k):
+            count = 1 if block else min(k, n - i)
+            x = _checkpointed(g, d, m, x, i, count, variants, rc_layers, opts)
+            i += 1 if block else k
+        else:
+            x = layer_ops(g, d, m, x, i, variants, i in rc_layers, opts, i in rn_layers)
+            i += 1
+    if effects.swap_modules:  # --swap-attention on a device backend: the chosen modules' saves leave
+        for op in g.ops:
+            op.swap = swap_layer(op.name, effects.swap_modules)
+    if last:
+        head_ops(g, d, m, x, variants)
+    else:
+        g.add(Op("send", (x,), {"send.y": 0}, views={"send.y": x}, pass_grad=(x,)))
+    return g

@@ -12,9 +12,21 @@ parameter (shard) at once, the optimizer step's own peak.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
-from npuspeed.plan.spec import ExpertLayout, RunSpec, ceil_div, lcm
+from npuspeed.plan.spec import ExpertLayout, RunSpec
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def lcm(*values: int) -> int:
+    out = 1
+    for v in values:
+        out = out * v // math.gcd(out, v)
+    return out
 
 
 @dataclass
@@ -135,20 +147,19 @@ class StaticMemory:
         return self.params + self.grads + self.masters + self.optimizer
 
 
-def static_memory(run, pp_rank: int, master_bytes: float | None = None) -> StaticMemory:
-    """Static bytes on a rank of pipeline stage `pp_rank` of a resolved run (run.py), its model
-    chunks together.
+def static_memory(spec: RunSpec, edp: int, stage, buffers, master_bytes: float | None = None) -> StaticMemory:
+    """Static bytes on a rank of one pipeline stage (its chunks' ChunkParams `stage` and DDP
+    `buffers`), its model chunks together; `edp`: expert DP.
 
     `master_bytes`: bytes per parameter the fp32 master keeps between steps (None: 4, a full
     copy; --reuse-fp32-param states 2 through its plan effect)."""
-    lay, batch = run.spec.layout, run.spec.batch
+    lay, batch = spec.layout, spec.batch
     p_bytes = 4 if batch.dtype == "fp32" else 2
     mixed = batch.dtype != "fp32"
     dp = lay.dp_cp
     out = StaticMemory()
     largest = 0
-    edp = run.experts.edp
-    for cp, buf in zip(run.stages[pp_rank], run.buffers[pp_rank]):
+    for cp, buf in zip(stage, buffers):
         out.params += (buf if lay.distributed_optimizer else cp.total) * p_bytes
         out.grads += buf * 4
         owned = ceil_div(cp.dense, dp) + ceil_div(cp.experts, edp) if lay.distributed_optimizer else cp.total
@@ -160,3 +171,15 @@ def static_memory(run, pp_rank: int, master_bytes: float | None = None) -> Stati
     # AdamW's single-tensor loop: three fp32 tensors of the largest (shard of a) parameter
     out.step_temp = 3 * largest * 4
     return out
+
+
+def stages(spec: RunSpec, experts: ExpertLayout, grouped: bool, master_bytes: float | None):
+    """Per pipeline stage: its chunks' ChunkParams, their DDP buffer elements, and its static
+    bytes with the features' fp32 masters (`master_bytes`) and at the optimizer step (full)."""
+    lay = spec.layout
+    params = tuple(tuple(chunk_params(spec, r, c, experts, grouped) for c in range(lay.chunks))
+                   for r in range(lay.pp))
+    buffers = tuple(tuple(buffer_numel(spec, cp, experts.edp) for cp in stage) for stage in params)
+    static = tuple(static_memory(spec, experts.edp, s, b, master_bytes) for s, b in zip(params, buffers))
+    step = tuple(static_memory(spec, experts.edp, s, b, None) for s, b in zip(params, buffers))
+    return params, buffers, static, step

@@ -84,3 +84,13 @@ def script_argv(path: str) -> list[str]:
             value = t.split("=", 1)[1] if "=" in t else (before[i + 1] if i + 1 < len(before) else "")
             world += ["--nproc-per-node" if "nproc" in key else "--nnodes", value.split(":")[-1]]
     return world + tokens[script + 1:]
+
+
+def expand(argv: list[str]) -> list[str]:
+    """`--script FILE` replaced by the launch script's arguments (flags given here win, later)."""
+    if "--script" not in argv:
+        return list(argv)
+    i = argv.index("--script")
+    if i + 1 >= len(argv):
+        raise PlanInputError("--script needs a path to a Megatron-LM launch script")
+    return script_argv(argv[i + 1]) + argv[:i] + argv[i + 2:]

@@ -8,7 +8,6 @@ expert FFN = the dense FFN unless given. Nothing here checks that a layout is po
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
@@ -194,17 +193,6 @@ def layout_problems(spec: RunSpec) -> list[str]:
     return out
 
 
-def ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def lcm(*values: int) -> int:
-    out = 1
-    for v in values:
-        out = out * v // math.gcd(out, v)
-    return out
-
-
 def replace_layout(spec: RunSpec, **changes) -> RunSpec:
     """`spec` with some Layout fields changed (world kept unless given)."""
     return replace(spec, layout=replace(spec.layout, **changes))
@@ -215,12 +203,3 @@ class ExpertLayout(NamedTuple):
     etp: int
     edp: int
 
-
-def expert_layout(spec: RunSpec, options=None) -> ExpertLayout:
-    """(EP, expert TP, expert DP) of a MoE run: Megatron's defaults (EP as given, expert TP =
-    TP, expert DP = world / (PP x EP x expert TP)) unless a feature's plan options say otherwise
-    (--moe-tp-extend-ep: EP x TP ranks, expert TP 1). Computed once per run (run.resolve)."""
-    lay = spec.layout
-    ep = int(options.moe_ep if options is not None and options.moe_ep is not None else lay.ep)
-    etp = int(options.moe_etp if options is not None and options.moe_etp is not None else lay.tp)
-    return ExpertLayout(ep, etp, max(lay.world // max(lay.pp * ep * etp, 1), 1))

@@ -27,7 +27,6 @@ from dataclasses import dataclass, replace
 
 from npuspeed.plan import schedule
 from npuspeed.plan.dims import Dims
-from npuspeed.plan.params import static_memory
 from npuspeed.plan.run import ResolvedRun
 from npuspeed.plan.spec import RunSpec
 from npuspeed.throughput import FlopsModel, model_flops, tflops_per_rank
@@ -225,8 +224,7 @@ def swap_seconds(run: ResolvedRun, optimizer_s: float) -> float:
     if not sw:
         return 0.0
     moved = 0
-    for r in range(run.spec.layout.pp):
-        st = static_memory(run, r, None)
+    for st in run.step_static:
         moved = max(moved, st.optimizer + (st.masters if sw.get("masters") else 0))
     bw = float(sw["link_bytes_per_s"])
     if not sw.get("overlapped"):
@@ -250,7 +248,6 @@ def step_time(run: ResolvedRun, profile: dict) -> StepTime:
             for c in range(lay.chunks)] for r in range(lay.pp)]
     coll = profile["collective"]
     hop = _line(coll["p2p"], d.h()) if lay.pp > 1 and coll.get("p2p") else 0.0
-    pipeline = schedule.simulate(lay.pp, lay.chunks, mbs, fwd, bwd, hop)
     busiest = max(sum(f + b for f, b in zip(fr, br)) * mbs for fr, br in zip(fwd, bwd))
     # finalize_model_grads and the optimizer step, on the rank with the most parameters
     params = max(sum(cp.total for cp in stage) for stage in run.stages)
@@ -268,11 +265,12 @@ def step_time(run: ResolvedRun, profile: dict) -> StepTime:
     if lay.pp > 1:
         comm["pp"] = hop * 2 * lay.chunks * mbs
         if spec.model.tied_embeddings:
-            vocab = spec.model.padded_vocab(lay.tp) // lay.tp
-            comm["pp"] += _line(coll["all_reduce"], vocab * spec.model.hidden * 4)
+            comm["pp"] += _line(coll["all_reduce"], d.vocab * spec.model.hidden * 4)
     optimizer = _per_param(pts, params, 2)
     swap = swap_seconds(run, optimizer)
     optimizer += swap
+    model_flops_step = megatron_model_flops(spec)
+    pipeline = schedule.simulate(lay.pp, lay.chunks, mbs, fwd, bwd, hop)
     total = pipeline + comm["dp"] + (comm.get("pp", 0.0) - hop * 2 * lay.chunks * mbs if lay.pp > 1 else 0.0) \
         + optimizer
     tokens = spec.batch.global_size(lay.dp) * spec.model.seq_length
@@ -282,5 +280,5 @@ def step_time(run: ResolvedRun, profile: dict) -> StepTime:
                     bubble_ms=max(pipeline - busiest, 0.0) * 1e3, comm_ms={k: v * 1e3 for k, v in comm.items()},
                     optimizer_ms=optimizer * 1e3, flops_per_step=flops, layer_ms=(lf * 1e3, lb * 1e3), group=key,
                     notes=tuple(notes), tflops_per_s_per_rank=tflops_per_rank(
-                        megatron_model_flops(spec), total * 1e3, lay.tp * lay.pp * lay.cp * lay.dp),
+                        model_flops_step, total * 1e3, lay.tp * lay.pp * lay.cp * lay.dp),
                     swap_ms=swap * 1e3)

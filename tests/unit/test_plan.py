@@ -39,7 +39,7 @@ def test_an_enabled_feature_without_an_effect_is_refused():
 
 
 def _ctx():
-    from npuspeed.plan.planner import context_for
+    from npuspeed.plan.context import context_for
 
     return context_for(MODEL)[0]
 

@@ -48,7 +48,7 @@ def test_cp_shards_the_distributed_optimizer_over_dp_x_cp():
 
 def test_fused_attention_hands_cp_calls_over():
     from npuspeed.features.fused_attention import FusedAttentionFeature
-    from npuspeed.plan.planner import context_for
+    from npuspeed.plan.context import context_for
 
     p = _plan("--context-parallel-size", "2")
     ctx = context_for(MODEL + ["--context-parallel-size", "2"])[0]
@@ -98,7 +98,7 @@ def test_a_plan_resolves_its_run_once(monkeypatch):
     memory, communication and speed read them: a model that derives them again is caught here."""
     import sys
 
-    from npuspeed.plan import dims as dims_mod, spec as spec_mod
+    from npuspeed.plan import dims as dims_mod, run as run_mod
 
     calls = {"expert_layout": 0, "dims": 0}
 
@@ -108,7 +108,7 @@ def test_a_plan_resolves_its_run_once(monkeypatch):
             return fn(*a, **k)
         return wrapper
 
-    originals = (("expert_layout", spec_mod.expert_layout), ("dims", dims_mod.dims))
+    originals = (("expert_layout", run_mod.expert_layout), ("dims", dims_mod.dims))
     for module in [m for n, m in list(sys.modules.items()) if n.startswith("npuspeed.plan")]:
         for name, fn in originals:
             if getattr(module, name, None) is fn:  # every planner module's binding of them
