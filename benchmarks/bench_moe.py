@@ -47,7 +47,7 @@ def fused_permute(on: bool):
     """The dispatcher's permute/unpermute as --use-fused-moe-token-permute-and-unpermute sets them."""
     import importlib
 
-    from npuspeed.features.moe.permute import wrappers
+    from npuspeed.features.moe_fused_permute.permute import wrappers
 
     permute_wrapper, unpermute_wrapper = wrappers()
 
@@ -113,8 +113,8 @@ def _rank(rank: int, world: int, port: int, args) -> None:
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
     from npuspeed import telemetry
-    from npuspeed.features.moe.grouped_gemm import grouped_mm
-    from npuspeed.features.moe.overlap import forward_wrapper
+    from npuspeed.features.moe_grouped_gemm.grouped_gemm import grouped_mm
+    from npuspeed.features.moe_alltoall_overlap.overlap import forward_wrapper
 
     dist.init_process_group(acc.dist_backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=world)

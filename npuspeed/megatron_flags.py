@@ -29,7 +29,7 @@ FLAGS: dict[str, tuple[str, dict]] = {
     "num_query_groups": ("--num-query-groups", {"type": int}),
     "seq_length": ("--seq-length", {"type": int}),
     "attention_dropout": ("--attention-dropout", {"type": float}),
-    # MoE layout (npuspeed/features/moe)
+    # MoE layout (npuspeed/features/moe_common/layout.py)
     "expert_tensor_parallel_size": ("--expert-tensor-parallel-size", {"type": int}),
     "ffn_hidden_size": ("--ffn-hidden-size", {"type": int}),
     "moe_ffn_hidden_size": ("--moe-ffn-hidden-size", {"type": int}),

@@ -11,9 +11,10 @@ from npuspeed.features.fused_linear_ce import FusedLinearCrossEntropyFeature
 from npuspeed.features.fused_ops import FusedRMSNormFeature, FusedRoPEFeature, FusedSwiGLUFeature
 from npuspeed.features.grad_accum_fusion import GradAccumFusionFeature
 from npuspeed.features.megatron_lm import MegatronLMFeature
-from npuspeed.features.moe import (
-    AllToAllOverlapFeature, FusedPermuteFeature, GroupedGemmFeature, TpExtendEpFeature,
-)
+from npuspeed.features.moe_alltoall_overlap import AllToAllOverlapFeature
+from npuspeed.features.moe_fused_permute import FusedPermuteFeature
+from npuspeed.features.moe_grouped_gemm import GroupedGemmFeature
+from npuspeed.features.moe_tp_extend_ep import TpExtendEpFeature
 from npuspeed.features.recompute_activation import RecomputeActivationFeature
 from npuspeed.features.recompute_norm import RecomputeNormFeature
 from npuspeed.features.reuse_fp32_param import ReuseFp32ParamFeature

@@ -95,7 +95,7 @@ def _rank(rank: int, port: int, out_dir: str) -> None:
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
-    from npuspeed.features.moe.overlap import forward_wrapper
+    from npuspeed.features.moe_alltoall_overlap.overlap import forward_wrapper
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
     parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=WORLD)

@@ -76,7 +76,7 @@ def test_unforced_a_disagreeing_kernel_is_dropped_and_said_once(chooser):
 def test_a_forced_moe_permute_pair_that_disagrees_raises(chooser, monkeypatch):
     from megatron.core.transformer.moe import moe_utils
 
-    from npuspeed.features.moe import permute as feature
+    from npuspeed.features.moe_fused_permute import permute as feature
 
     monkeypatch.setenv(fused_choice.FORCE_ENV, "cpp")
     real = feature.moe_unpermute

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from npuspeed import telemetry
-from npuspeed.features.moe import grouped_gemm
-from npuspeed.features.moe import permute as permute_feature
+from npuspeed.features.moe_grouped_gemm import grouped_gemm
+from npuspeed.features.moe_fused_permute import permute as permute_feature
 from npuspeed.ops import _dispatch, fused_choice
 from npuspeed.ops._extension import has_op
 

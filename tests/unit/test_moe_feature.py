@@ -11,7 +11,10 @@ from feature_ctx import ctx_for
 
 from launch import EXAMPLE, ROOT
 from npuspeed.features import FeatureError, all_features
-from npuspeed.features.moe import AllToAllOverlapFeature, FusedPermuteFeature, GroupedGemmFeature, TpExtendEpFeature
+from npuspeed.features.moe_alltoall_overlap import AllToAllOverlapFeature
+from npuspeed.features.moe_fused_permute import FusedPermuteFeature
+from npuspeed.features.moe_grouped_gemm import GroupedGemmFeature
+from npuspeed.features.moe_tp_extend_ep import TpExtendEpFeature
 
 MOE = ["--num-experts", "8", "--disable-bias-linear"]
 
@@ -75,7 +78,7 @@ def test_flags_listed_and_reported(npuspeed_runtime):
                    "--moe-alltoall-overlap-comm", "--moe-alltoall-chunks", "3", "--moe-tp-extend-ep",
                    "--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "2"])
     paths = {f.name: f.path(ctx) for f in all_features() if f.name.startswith("moe_")}
-    from npuspeed.features.moe import grouped_mlp
+    from npuspeed.features.moe_grouped_gemm import grouped_mlp
     from npuspeed.patching.versions import in_range
 
     module = "Megatron's GroupedMLP" if in_range(grouped_mlp.MEGATRON_RANGE) else "npuspeed's GroupedSequentialMLP"

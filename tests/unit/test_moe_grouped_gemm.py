@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from npuspeed import telemetry
-from npuspeed.features.moe.grouped_gemm import backend_for, grouped_mm
-from npuspeed.features.moe.grouped_mlp import MEGATRON_RANGE
+from npuspeed.features.moe_grouped_gemm.grouped_gemm import backend_for, grouped_mm
+from npuspeed.features.moe_grouped_gemm.grouped_mlp import MEGATRON_RANGE
 from npuspeed.patching.versions import in_range
 
 GROUPED_MLP = in_range(MEGATRON_RANGE)  # megatron-core's GroupedMLP (0.13-0.16), else npuspeed's module
@@ -145,7 +145,7 @@ def test_grouped_mlp_with_no_tokens_keeps_gradients(megatron_mp, with_features):
 def test_calls_sharing_a_grad_sink_hand_autograd_one_summed_gradient(backend):
     """Three chunks of one weight (one with no rows): the gradient autograd gets is the sum,
     handed over once, equal to that of the unchunked call."""
-    from npuspeed.features.moe.grouped_gemm import GradSink
+    from npuspeed.features.moe_common.grad_sink import GradSink
 
     gen = torch.Generator().manual_seed(3)
     w = torch.randn(3, 8, 12, generator=gen, requires_grad=True)

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from npuspeed import telemetry
-from npuspeed.features.moe import grouped_gemm
-from npuspeed.features.moe.grouped_gemm import grouped_mm
+from npuspeed.features.moe_grouped_gemm import grouped_gemm
+from npuspeed.features.moe_grouped_gemm.grouped_gemm import grouped_mm
 from npuspeed.ops import fused_choice
 
 

@@ -14,7 +14,7 @@ import types
 import pytest
 import torch
 
-from npuspeed.features.moe import permute as feature
+from npuspeed.features.moe_fused_permute import permute as feature
 from npuspeed.ops import _dispatch, fused_choice
 from npuspeed.ops import moe_permute as ops
 

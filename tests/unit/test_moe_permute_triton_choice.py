@@ -19,7 +19,7 @@ import os, json, sys
 os.environ["TRITON_INTERPRET"] = "1"
 import torch
 from megatron.core.transformer.moe import moe_utils
-from npuspeed.features.moe import permute as feature
+from npuspeed.features.moe_fused_permute import permute as feature
 from npuspeed.ops import _dispatch, fused_choice
 fused_choice.TRITON_ON_HOST = True  # the interpreter runs the kernels on CPU tensors
 
@@ -85,7 +85,7 @@ def test_triton_pair_forced(runs):
 
 
 def test_triton_is_not_a_candidate_on_a_real_cpu_run():
-    from npuspeed.features.moe import permute as feature
+    from npuspeed.features.moe_fused_permute import permute as feature
 
     assert not feature._triton_runs(torch.randn(4, 8), "cpp")
 
@@ -93,7 +93,7 @@ def test_triton_is_not_a_candidate_on_a_real_cpu_run():
 def test_report_names_the_triton_pair_where_triton_runs(monkeypatch):
     import types
 
-    from npuspeed.features.moe.fused_permute_feature import FusedPermuteFeature
+    from npuspeed.features.moe_fused_permute.moe_fused_permute_feature import FusedPermuteFeature
     from npuspeed.ops.triton import moe_permute as kernels
 
     args = types.SimpleNamespace(use_fused_moe_token_permute_and_unpermute=True)

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from npuspeed.features.moe import permute as feature
-from npuspeed.features.moe import tp_extend_ep
+from npuspeed.features.moe_fused_permute import permute as feature
+from npuspeed.features.moe_tp_extend_ep import tp_extend_ep
 
 
 def _routing():

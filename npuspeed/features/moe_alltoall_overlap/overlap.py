@@ -15,7 +15,7 @@ import torch
 
 from npuspeed import telemetry
 from npuspeed.accelerator.devices import for_device
-from npuspeed.features.moe import pipeline
+from npuspeed.features.moe_alltoall_overlap import pipeline
 
 MOE_LAYER = "megatron.core.transformer.moe.moe_layer"
 MEGATRON_RANGE = ">=0.16,<0.20"  # route / preprocess / combine_postprocess as separate steps
@@ -119,9 +119,3 @@ def _shared_experts(layer, hidden_states):
     if layer.shared_experts_recompute:
         return tensor_parallel.checkpoint(layer.shared_experts, False, hidden_states)
     return layer.shared_experts(hidden_states)
-
-
-def register(registry, feature: str, chunks: int, note) -> None:
-    for spec in RANGES:  # one wrapper: the steps it calls kept their contracts 0.16-0.19
-        registry.register(f"{MOE_LAYER}.MoELayer.forward", wrapper=forward_wrapper(chunks, note), feature=feature,
-                          megatron=spec)

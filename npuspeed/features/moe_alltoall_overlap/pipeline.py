@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from npuspeed import telemetry
-from npuspeed.features.moe import a2a
-from npuspeed.features.moe.grouped_mlp import share_weight_grads
+from npuspeed.features.moe_alltoall_overlap import a2a
+from npuspeed.features.moe_common.grad_sink import share_weight_grads
 
 
 def _cut(n: int, c: int, chunks: int) -> tuple[int, int]:

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from npuspeed import telemetry
-from npuspeed.features.moe.grouped_gemm import GradSink, grouped_mm
+from npuspeed.features.moe_grouped_gemm.grouped_gemm import grouped_mm
 from npuspeed.ops.moe_swiglu import weighted_swiglu
 
 EXPERTS = "megatron.core.transformer.moe.experts"
@@ -85,19 +85,6 @@ def grouped_forward(self, x, tokens_per_expert, probs, w1, w2):
     return out, None
 
 
-def share_weight_grads(experts, calls: int):
-    """Before `calls` forward calls of one GroupedMLP in a step (chunks): their weight
-    gradients are summed in place (GradSink); returns the undo. Other experts: nothing to do."""
-    if calls < 2 or not (hasattr(experts, "weight1") or getattr(experts, "npuspeed_grouped", False)):
-        return lambda: None
-    experts.npuspeed_grad_sinks = (GradSink(calls), GradSink(calls))
-
-    def undo():
-        experts.__dict__.pop("npuspeed_grad_sinks", None)
-
-    return undo
-
-
 def count_built(init):
     """Counts GroupedMLPs built, so the report and the idle-flag check know one exists."""
 
@@ -107,11 +94,3 @@ def count_built(init):
         telemetry.count("moe.grouped_mlp.built")
 
     return __init__
-
-
-def register(registry, feature: str) -> None:
-    kw = dict(feature=feature, megatron=MEGATRON_RANGE)
-    registry.register(f"{GG_UTIL}.assert_grouped_gemm_is_available", assert_grouped_gemm_available, **kw)
-    registry.register(f"{GG_UTIL}.grouped_gemm_is_available", grouped_gemm_available, **kw)
-    registry.register(f"{EXPERTS}.GroupedMLP.forward", forward, **kw)
-    registry.register(f"{EXPERTS}.GroupedMLP.__init__", wrapper=count_built, **kw)

@@ -1,11 +1,15 @@
 """--moe-grouped-gemm as a feature: refuses expert layouts the grouped MLP cannot hold, and
-a model that built SequentialMLP experts anyway; reports which grouped matmul runs."""
+a model that built SequentialMLP experts anyway; reports which grouped matmul runs (the grouped
+matmul: grouped_gemm.py; the experts: grouped_mlp.py, grouped_experts.py; patches.py, plan.py)."""
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from npuspeed.accelerator.devices import for_device
 from npuspeed.features.base import Feature, FeatureError
-from npuspeed.features.moe import grouped_experts, grouped_mlp
-from npuspeed.features.moe.layout import Layout, layers_of, needs_experts, needs_release
+from npuspeed.features.config import FeatureConfig, flag
+from npuspeed.features.moe_common.layout import Layout, layers_of, needs_experts, needs_release
+from npuspeed.features.moe_grouped_gemm import grouped_mlp
 from npuspeed.patching.versions import in_range
 
 
@@ -17,17 +21,19 @@ def _grouped(experts) -> bool:
     return hasattr(experts, "weight1") or getattr(experts, "npuspeed_grouped", False)
 
 
+@dataclass(frozen=True)
+class Config(FeatureConfig):
+    moe_grouped_gemm: bool = flag("--moe-grouped-gemm", False)
+    """Megatron's flag: experts as one grouped matmul per expert weight (GroupedMLP) on every
+    backend (torch grouped mm on CPU, npu_grouped_matmul on NPU), fp32/bf16."""
+
+
 class GroupedGemmFeature(Feature):
     name = "moe_grouped_gemm"
-    flags = ("--moe-grouped-gemm",)
-
-    def add_arguments(self, group) -> None:
-        group.add_argument("--moe-grouped-gemm", action="store_true",
-                           help="Megatron's flag: experts as one grouped matmul per expert weight (GroupedMLP) on "
-                                "every backend (torch grouped mm on CPU, npu_grouped_matmul on NPU), fp32/bf16.")
+    Config = Config
 
     def enabled(self, args) -> bool:
-        return bool(getattr(args, "moe_grouped_gemm", False))
+        return self.config(args).moe_grouped_gemm
 
     def validate(self, ctx) -> None:
         needs_release("--moe-grouped-gemm", RANGE, "GroupedMLP takes the router probabilities (0.13-0.16); "
@@ -46,11 +52,9 @@ class GroupedGemmFeature(Feature):
                                "by it, --expert-tensor-parallel-size 1, or --moe-tp-extend-ep")
 
     def register_patches(self, registry, ctx) -> None:
-        from npuspeed.features.fused_ops.measure import configure
+        from npuspeed.features.moe_grouped_gemm import patches
 
-        configure(ctx)
-        grouped_mlp.register(registry, self.name)  # GroupedMLP, 0.13-0.16
-        grouped_experts.register(registry, self.name)  # npuspeed's own module, 0.17-0.19
+        patches.register(registry, ctx, self.config(ctx.args), self.name)
 
     def check_built(self, block, ctx) -> str | None:
         from megatron.core.transformer.moe.experts import SequentialMLP
@@ -67,14 +71,9 @@ class GroupedGemmFeature(Feature):
         return None
 
     def plan_effect(self, model, ctx):
-        """GroupedMLP: two weights for all local experts, one grouped mm each, SwiGLU x probability fused."""
-        from npuspeed.features.base import PlanEffect
+        from npuspeed.features.moe_grouped_gemm import plan
 
-        if not model.model.num_experts:
-            return None
-        return PlanEffect(options={"moe_grouped": True},
-                          summary="local experts as one grouped matmul per weight (GroupedMLP); SwiGLU x router "
-                                  "probability in one op (saves its input only)")
+        return plan.effect(model, self.config(ctx.args))
 
     def path(self, ctx) -> str:
         if not self.enabled(ctx.args):
@@ -86,7 +85,7 @@ class GroupedGemmFeature(Feature):
         else:
             import torch
 
-            from npuspeed.features.moe.grouped_gemm import torch_grouped_mm_runs
+            from npuspeed.features.moe_grouped_gemm.grouped_gemm import torch_grouped_mm_runs
 
             usable = torch_grouped_mm_runs(acc.device(), torch.float32) if traits.host_is_device() else None
             kernel = ("torch._grouped_mm (torch grouped mm) where the device/dtype runs it, else one mm per expert"

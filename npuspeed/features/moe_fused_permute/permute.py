@@ -218,11 +218,3 @@ def wrappers():
     if in_range(PADDED_RANGE):
         return permute_padded_wrapper, unpermute_padded_wrapper
     return permute_wrapper, unpermute_wrapper
-
-
-def register(registry, feature: str) -> None:
-    for spec, perm, unperm in ((TRIPLE_RANGE, permute_wrapper, unpermute_wrapper),
-                               (PADDED_RANGE, permute_padded_wrapper, unpermute_padded_wrapper)):
-        kw = dict(feature=feature, megatron=spec)
-        registry.register(f"{MOE_UTILS}.permute", wrapper=perm, **kw)
-        registry.register(f"{MOE_UTILS}.unpermute", wrapper=unperm, **kw)

@@ -16,7 +16,7 @@ import functools
 import torch
 
 from npuspeed import telemetry
-from npuspeed.features.moe.grouped_mlp import grouped_forward
+from npuspeed.features.moe_grouped_gemm.grouped_mlp import grouped_forward
 
 MEGATRON_RANGE = ">=0.17,<0.20"  # LocalSpecProvider.grouped_mlp_modules(moe_use_grouped_gemm) -> SequentialMLP
 BACKENDS = "megatron.core.models.backends"
@@ -67,8 +67,3 @@ def spec_wrapper(original):
         return functools.partial(grouped_class(), *built.args, **built.keywords)
 
     return grouped_mlp_modules
-
-
-def register(registry, feature: str) -> None:
-    registry.register(f"{BACKENDS}.LocalSpecProvider.grouped_mlp_modules", wrapper=spec_wrapper, feature=feature,
-                      megatron=MEGATRON_RANGE)

@@ -27,9 +27,10 @@ value the grouped kernel (loop_fp32 where the device has none).
 Each call is counted (`moe.grouped_gemm.<backend>`) so tests prove which one ran.
 
 A weight used by several calls in one step (the chunks of the overlapped all-to-all) can
-share a `GradSink`: the first backward to run writes its weight gradient, the others add
-theirs into it inside the matmul (addmm, no extra pass), and only the last one hands the sum
-to autograd, instead of autograd adding one full weight-sized gradient per chunk.
+share a `GradSink` (features/moe_common/grad_sink.py): the first backward to run writes its
+weight gradient, the others add theirs into it inside the matmul (addmm, no extra pass), and
+only the last one hands the sum to autograd, instead of autograd adding one full weight-sized
+gradient per chunk.
 """
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ import torch
 
 from npuspeed import telemetry
 from npuspeed.accelerator.devices import for_device
+from npuspeed.features.moe_common.grad_sink import GradSink
 from npuspeed.ops import _dispatch
 from npuspeed.ops.npu import moe as npu_moe
 
@@ -131,27 +133,6 @@ def _check(x, w, counts):
                          f"w {tuple(w.shape)}, {len(counts)} counts")
     if sum(counts) != x.shape[0] or min(counts, default=0) < 0:
         raise ValueError(f"grouped_mm: counts {counts} must be >= 0 and sum to the {x.shape[0]} rows of x")
-
-
-class GradSink:
-    """The weight gradient of `expected` grouped matmuls of one weight, summed in place."""
-
-    def __init__(self, expected: int):
-        self.expected, self.seen, self.grad = expected, 0, None
-
-    def take(self, x, grad, counts, w, fresh):
-        """This call's weight gradient: added into the sum; the sum once every call gave one."""
-        if self.grad is None:
-            self.grad = fresh()
-        else:
-            for g, (xs, gs) in enumerate(zip(x.split(counts), grad.split(counts))):
-                if xs.shape[0]:
-                    torch.addmm(self.grad[g], xs.t(), gs, out=self.grad[g])
-        self.seen += 1
-        if self.seen < self.expected:
-            return None
-        total, self.grad = self.grad, None
-        return total
 
 
 def _dw(ctx, x, grad, w, fresh):

@@ -77,11 +77,3 @@ def early_config_wrapper(post_init):
         after_init(self)
 
     return __post_init__
-
-
-def register(registry, feature: str) -> None:
-    registry.register(f"{PARALLEL_STATE}.initialize_model_parallel", wrapper=init_wrapper, feature=feature,
-                      megatron=">=0.12,<0.20")  # same keywords 0.12-0.19 (0.19 adds gtp/rank_offset ones)
-    registry.register(f"{CONFIG}.__post_init__", wrapper=config_wrapper, feature=feature, megatron=">=0.12,<0.17")
-    registry.register(f"{CONFIG}.__post_init__", wrapper=early_config_wrapper, feature=feature,
-                      megatron=">=0.17,<0.20")

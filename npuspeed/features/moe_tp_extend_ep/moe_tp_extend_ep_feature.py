@@ -1,22 +1,27 @@
-"""--moe-tp-extend-ep as a feature: TP > 1, whole experts, and experts divisible by EP x TP."""
+"""--moe-tp-extend-ep as a feature: TP > 1, whole experts, and experts divisible by EP x TP
+(the mechanism: tp_extend_ep.py; its patches: patches.py; its plan effect: plan.py)."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from npuspeed.features.base import Feature, FeatureError
-from npuspeed.features.moe import tp_extend_ep
-from npuspeed.features.moe.layout import Layout, needs_experts
+from npuspeed.features.config import FeatureConfig, flag
+from npuspeed.features.moe_common.layout import Layout, needs_experts
+
+
+@dataclass(frozen=True)
+class Config(FeatureConfig):
+    moe_tp_extend_ep: bool = flag("--moe-tp-extend-ep", False)
+    """MindSpeed's flag: the tensor-parallel ranks serve as extra expert-parallel ranks (experts
+    over EP x TP ranks, expert weights not split by TP)."""
 
 
 class TpExtendEpFeature(Feature):
     name = "moe_tp_extend_ep"
-    flags = ("--moe-tp-extend-ep",)
-
-    def add_arguments(self, group) -> None:
-        group.add_argument("--moe-tp-extend-ep", action="store_true",
-                           help="MindSpeed's flag: the tensor-parallel ranks serve as extra expert-parallel ranks "
-                                "(experts over EP x TP ranks, expert weights not split by TP).")
+    Config = Config
 
     def enabled(self, args) -> bool:
-        return bool(getattr(args, "moe_tp_extend_ep", False))
+        return self.config(args).moe_tp_extend_ep
 
     def validate(self, ctx) -> None:
         lay = Layout.from_ctx(ctx)
@@ -32,21 +37,17 @@ class TpExtendEpFeature(Feature):
                                "a multiple of it or drop the flag")
 
     def register_patches(self, registry, ctx) -> None:
-        tp_extend_ep.register(registry, self.name)
+        from npuspeed.features.moe_tp_extend_ep import patches
+
+        patches.register(registry, ctx, self.config(ctx.args), self.name)
 
     def check_built(self, block, ctx) -> str | None:
         return needs_experts("--moe-tp-extend-ep", block)
 
     def plan_effect(self, model, ctx):
-        """Experts over EP x TP ranks, each whole (expert TP 1): fewer, unsplit experts per rank."""
-        from npuspeed.features.base import PlanEffect
+        from npuspeed.features.moe_tp_extend_ep import plan
 
-        lay = model.layout
-        if not model.model.num_experts or lay.tp < 2:
-            return None
-        return PlanEffect(options={"moe_ep": lay.ep * lay.tp, "moe_etp": 1},
-                          summary=f"experts over EP x TP = {lay.ep * lay.tp} ranks, each whole on one rank "
-                                  "(no expert-TP all-gather of tokens)")
+        return plan.effect(model, self.config(ctx.args))
 
     def path(self, ctx) -> str:
         if not self.enabled(ctx.args):

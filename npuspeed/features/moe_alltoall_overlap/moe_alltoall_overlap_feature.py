@@ -1,37 +1,49 @@
 """--moe-alltoall-overlap-comm [--moe-alltoall-chunks N] as a feature: the layouts the chunked
-all-to-all needs (the all-to-all dispatcher, expert parallelism, whole experts per rank)."""
+all-to-all needs (the all-to-all dispatcher, expert parallelism, whole experts per rank). The
+chunked layer: overlap.py with pipeline.py and a2a.py; patches.py; plan.py."""
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from npuspeed.accelerator.devices import for_device
 from npuspeed.features.base import Feature, FeatureError
-from npuspeed.features.moe import overlap
-from npuspeed.features.moe.layout import Layout, layers_of, needs_experts, needs_release
+from npuspeed.features.config import FeatureConfig, flag
+from npuspeed.features.moe_alltoall_overlap import overlap
+from npuspeed.features.moe_common.layout import Layout, layers_of, needs_experts, needs_release
+
+
+@dataclass(frozen=True)
+class Config(FeatureConfig):
+    moe_alltoall_overlap_comm: bool = flag("--moe-alltoall-overlap-comm", False)
+    """All-to-all dispatcher: dispatch and combine in chunks overlapped with the experts' compute,
+    shared experts computed while the first chunk is in flight."""
+    moe_alltoall_chunks: int | None = flag("--moe-alltoall-chunks", None, type=int)
+    """With --moe-alltoall-overlap-comm: chunks per MoE layer (>= 2, default 2)."""
+
+    @property
+    def chunks(self) -> int:
+        return self.moe_alltoall_chunks or 2
 
 
 class AllToAllOverlapFeature(Feature):
     name = "moe_alltoall_overlap"
-    flags = ("--moe-alltoall-overlap-comm", "--moe-alltoall-chunks")
-
-    def add_arguments(self, group) -> None:
-        group.add_argument("--moe-alltoall-overlap-comm", action="store_true",
-                           help="All-to-all dispatcher: dispatch and combine in chunks overlapped with the experts' "
-                                "compute, shared experts computed while the first chunk is in flight.")
-        group.add_argument("--moe-alltoall-chunks", type=int, default=None,
-                           help="With --moe-alltoall-overlap-comm: chunks per MoE layer (>= 2, default 2).")
+    Config = Config
 
     def enabled(self, args) -> bool:
-        return bool(getattr(args, "moe_alltoall_overlap_comm", False) or getattr(args, "moe_alltoall_chunks", None))
+        config = self.config(args)
+        return bool(config.moe_alltoall_overlap_comm or config.moe_alltoall_chunks)
 
     def chunks(self, ctx) -> int:
-        return ctx.args.moe_alltoall_chunks or 2
+        return self.config(ctx.args).chunks
 
     def validate(self, ctx) -> None:
-        if not ctx.args.moe_alltoall_overlap_comm:
+        config = self.config(ctx.args)
+        if not config.moe_alltoall_overlap_comm:
             raise FeatureError("--moe-alltoall-chunks only applies with --moe-alltoall-overlap-comm: add it or drop "
                                "--moe-alltoall-chunks")
         needs_release("--moe-alltoall-overlap-comm", overlap.MEGATRON_RANGE, "MoELayer's route/preprocess/dispatch steps")
         if self.chunks(ctx) < 2:
-            raise FeatureError(f"--moe-alltoall-chunks must be >= 2 (got {ctx.args.moe_alltoall_chunks}): one chunk "
+            raise FeatureError(f"--moe-alltoall-chunks must be >= 2 (got {config.moe_alltoall_chunks}): one chunk "
                                "leaves the all-to-all nothing to overlap with")
         lay = Layout.from_ctx(ctx)
         if lay.dispatcher is not None and lay.dispatcher != "alltoall":
@@ -49,7 +61,9 @@ class AllToAllOverlapFeature(Feature):
                                "drop Megatron's --moe-shared-expert-overlap")
 
     def register_patches(self, registry, ctx) -> None:
-        overlap.register(registry, self.name, self.chunks(ctx), ctx.note)
+        from npuspeed.features.moe_alltoall_overlap import patches
+
+        patches.register(registry, ctx, self.config(ctx.args), self.name)
 
     def check_built(self, block, ctx) -> str | None:
         from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
@@ -63,15 +77,9 @@ class AllToAllOverlapFeature(Feature):
         return None
 
     def plan_effect(self, model, ctx):
-        """Dispatch/combine in N chunks, each chunk's all-to-all behind another chunk's experts."""
-        from npuspeed.features.base import PlanEffect
+        from npuspeed.features.moe_alltoall_overlap import plan
 
-        if not model.model.num_experts:
-            return None
-        n = self.chunks(ctx)
-        return PlanEffect(options={"moe_chunks": n}, overlap={"ep": (n - 1) / n},
-                          summary=f"expert all-to-alls in {n} chunks overlapped with the experts: up to "
-                                  f"{(n - 1) / n:.0%} of their time hidden")
+        return plan.effect(model, self.config(ctx.args))
 
     def path(self, ctx) -> str:
         if not self.enabled(ctx.args):

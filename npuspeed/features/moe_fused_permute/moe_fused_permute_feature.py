@@ -1,27 +1,32 @@
 """--use-fused-moe-token-permute-and-unpermute as a feature: which permute ops run, and the
-dispatchers and accelerators they cannot serve."""
+dispatchers and accelerators they cannot serve (the wrappers: permute.py, ops in
+npuspeed/ops/moe_permute.py; patches.py; plan.py)."""
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from npuspeed.accelerator.devices import for_device
 from npuspeed.features.base import Feature, FeatureError
-from npuspeed.features.moe import permute
-from npuspeed.features.moe.layout import Layout, needs_experts, needs_release
+from npuspeed.features.config import FeatureConfig, flag
+from npuspeed.features.moe_common.layout import Layout, needs_experts, needs_release
+from npuspeed.features.moe_fused_permute import permute
 from npuspeed.ops import npu
+
+
+@dataclass(frozen=True)
+class Config(FeatureConfig):
+    use_fused_moe_token_permute_and_unpermute: bool = flag("--use-fused-moe-token-permute-and-unpermute", False)
+    """MindSpeed's flag: MoE token permute/unpermute as one op each way (CPU: npuspeed:: C++;
+    CUDA: npuspeed's Triton kernels; NPU: torch_npu npu_moe_token_(un)permute_with_routing_map,
+    else Triton), where measured faster than Megatron's pair (once per shape)."""
 
 
 class FusedPermuteFeature(Feature):
     name = "moe_fused_permute"
-    flags = ("--use-fused-moe-token-permute-and-unpermute",)
-
-    def add_arguments(self, group) -> None:
-        group.add_argument("--use-fused-moe-token-permute-and-unpermute", action="store_true",
-                           help="MindSpeed's flag: MoE token permute/unpermute as one op each way (CPU: npuspeed:: "
-                                "C++; CUDA: npuspeed's Triton kernels; NPU: torch_npu "
-                                "npu_moe_token_(un)permute_with_routing_map, else Triton), where measured "
-                                "faster than Megatron's pair (once per shape).")
+    Config = Config
 
     def enabled(self, args) -> bool:
-        return bool(getattr(args, "use_fused_moe_token_permute_and_unpermute", False))
+        return self.config(args).use_fused_moe_token_permute_and_unpermute
 
     def validate(self, ctx) -> None:
         needs_release("--use-fused-moe-token-permute-and-unpermute", permute.MEGATRON_RANGE,
@@ -41,23 +46,17 @@ class FusedPermuteFeature(Feature):
             ctx.note(f"--use-fused-moe-token-permute-and-unpermute: {self.path(ctx)}")
 
     def register_patches(self, registry, ctx) -> None:
-        from npuspeed.features.fused_ops.measure import configure
+        from npuspeed.features.moe_fused_permute import patches
 
-        configure(ctx)
-        permute.register(registry, self.name)
+        patches.register(registry, ctx, self.config(ctx.args), self.name)
 
     def check_built(self, block, ctx) -> str | None:
         return needs_experts("--use-fused-moe-token-permute-and-unpermute", block)
 
     def plan_effect(self, model, ctx):
-        """The fused ops keep the tensors Megatron's unfused permute keeps (the rows and the sorted
-        index), so memory is the same; time is in the calibrated layer (the worker runs them)."""
-        from npuspeed.features.base import PlanEffect
+        from npuspeed.features.moe_fused_permute import plan
 
-        if not model.model.num_experts:
-            return None
-        return PlanEffect(summary="token permute/unpermute as one op each way: same saved tensors (rows, sorted "
-                                  "index), fewer passes over them")
+        return plan.effect(model, self.config(ctx.args))
 
     def path(self, ctx) -> str:
         if not self.enabled(ctx.args):
