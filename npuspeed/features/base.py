@@ -27,6 +27,8 @@ class Feature:
     Config: type | None = None
     #: True for features that apply whatever the flags say (the device layer)
     always_on: bool = False
+    #: the Config field that turns the feature on, for a feature that one boolean flag enables
+    switch: str | None = None
     #: True for features that change neither memory nor time the planner models (and so do
     #: not override `plan_effect`); a test checks every feature says one or the other
     plan_neutral: bool = False
@@ -46,6 +48,8 @@ class Feature:
         return self.Config.from_args(args)
 
     def enabled(self, args: argparse.Namespace) -> bool:
+        if self.switch is not None:
+            return bool(getattr(self.config(args), self.switch))
         return self.always_on
 
     def validate(self, ctx) -> None:

@@ -30,15 +30,13 @@ class Config(FeatureConfig):
 class GradAccumFusionFeature(Feature):
     name = "grad_accum_fusion"
     Config = Config
+    switch = "gradient_accumulation_fusion"
     #: the planner models neither the weight-gradient temporary nor its add (a transient of
     #: one layer's weight size); the time is at most the unfused one by the chooser's rule
     plan_neutral = True
 
     def __init__(self):
         self.chooser = None
-
-    def enabled(self, args) -> bool:
-        return self.config(args).gradient_accumulation_fusion
 
     def validate(self, ctx) -> None:
         if "--defer-embedding-wgrad-compute" in ctx.argv and not apex_kernel_installed():

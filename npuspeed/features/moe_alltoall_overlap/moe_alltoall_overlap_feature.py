@@ -60,11 +60,6 @@ class AllToAllOverlapFeature(Feature):
             raise FeatureError("--moe-alltoall-overlap-comm computes the shared experts during the all-to-all itself; "
                                "drop Megatron's --moe-shared-expert-overlap")
 
-    def register_patches(self, registry, ctx) -> None:
-        from npuspeed.features.moe_alltoall_overlap import patches
-
-        patches.register(registry, ctx, self.config(ctx.args), self.name)
-
     def check_built(self, block, ctx) -> str | None:
         from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
@@ -75,11 +70,6 @@ class AllToAllOverlapFeature(Feature):
         if kinds and not any(isinstance(layer.token_dispatcher, MoEAlltoAllTokenDispatcher) for layer in layers_of(block)):
             return f"--moe-alltoall-overlap-comm needs --moe-token-dispatcher-type alltoall (built: {sorted(kinds)})"
         return None
-
-    def plan_effect(self, model, ctx):
-        from npuspeed.features.moe_alltoall_overlap import plan
-
-        return plan.effect(model, self.config(ctx.args))
 
     def path(self, ctx) -> str:
         if not self.enabled(ctx.args):

@@ -24,9 +24,7 @@ class Config(FeatureConfig):
 class FusedPermuteFeature(Feature):
     name = "moe_fused_permute"
     Config = Config
-
-    def enabled(self, args) -> bool:
-        return self.config(args).use_fused_moe_token_permute_and_unpermute
+    switch = "use_fused_moe_token_permute_and_unpermute"
 
     def validate(self, ctx) -> None:
         needs_release("--use-fused-moe-token-permute-and-unpermute", permute.MEGATRON_RANGE,
@@ -45,18 +43,8 @@ class FusedPermuteFeature(Feature):
         if "no npuspeed kernel" in self.path(ctx):
             ctx.note(f"--use-fused-moe-token-permute-and-unpermute: {self.path(ctx)}")
 
-    def register_patches(self, registry, ctx) -> None:
-        from npuspeed.features.moe_fused_permute import patches
-
-        patches.register(registry, ctx, self.config(ctx.args), self.name)
-
     def check_built(self, block, ctx) -> str | None:
         return needs_experts("--use-fused-moe-token-permute-and-unpermute", block)
-
-    def plan_effect(self, model, ctx):
-        from npuspeed.features.moe_fused_permute import plan
-
-        return plan.effect(model, self.config(ctx.args))
 
     def path(self, ctx) -> str:
         if not self.enabled(ctx.args):

@@ -31,9 +31,7 @@ class Config(FeatureConfig):
 class GroupedGemmFeature(Feature):
     name = "moe_grouped_gemm"
     Config = Config
-
-    def enabled(self, args) -> bool:
-        return self.config(args).moe_grouped_gemm
+    switch = "moe_grouped_gemm"
 
     def validate(self, ctx) -> None:
         needs_release("--moe-grouped-gemm", RANGE, "GroupedMLP takes the router probabilities (0.13-0.16); "
@@ -51,11 +49,6 @@ class GroupedGemmFeature(Feature):
                                f"{lay.expert_tp} expert tensor-parallel ranks; choose --moe-ffn-hidden-size divisible "
                                "by it, --expert-tensor-parallel-size 1, or --moe-tp-extend-ep")
 
-    def register_patches(self, registry, ctx) -> None:
-        from npuspeed.features.moe_grouped_gemm import patches
-
-        patches.register(registry, ctx, self.config(ctx.args), self.name)
-
     def check_built(self, block, ctx) -> str | None:
         from megatron.core.transformer.moe.experts import SequentialMLP
 
@@ -69,11 +62,6 @@ class GroupedGemmFeature(Feature):
             return ("--moe-grouped-gemm: the MoE layers were built with SequentialMLP: build the layer spec with "
                     f"moe_grouped_gemm=True (get_gpt_layer_local_spec); found {sorted(kinds)}")
         return None
-
-    def plan_effect(self, model, ctx):
-        from npuspeed.features.moe_grouped_gemm import plan
-
-        return plan.effect(model, self.config(ctx.args))
 
     def path(self, ctx) -> str:
         if not self.enabled(ctx.args):

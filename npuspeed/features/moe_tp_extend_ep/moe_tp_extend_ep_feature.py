@@ -19,9 +19,7 @@ class Config(FeatureConfig):
 class TpExtendEpFeature(Feature):
     name = "moe_tp_extend_ep"
     Config = Config
-
-    def enabled(self, args) -> bool:
-        return self.config(args).moe_tp_extend_ep
+    switch = "moe_tp_extend_ep"
 
     def validate(self, ctx) -> None:
         lay = Layout.from_ctx(ctx)
@@ -36,18 +34,8 @@ class TpExtendEpFeature(Feature):
                                f"{lay.ep * lay.tp} ranks, which does not divide --num-experts {lay.experts}; choose "
                                "a multiple of it or drop the flag")
 
-    def register_patches(self, registry, ctx) -> None:
-        from npuspeed.features.moe_tp_extend_ep import patches
-
-        patches.register(registry, ctx, self.config(ctx.args), self.name)
-
     def check_built(self, block, ctx) -> str | None:
         return needs_experts("--moe-tp-extend-ep", block)
-
-    def plan_effect(self, model, ctx):
-        from npuspeed.features.moe_tp_extend_ep import plan
-
-        return plan.effect(model, self.config(ctx.args))
 
     def path(self, ctx) -> str:
         if not self.enabled(ctx.args):

@@ -29,9 +29,7 @@ class Config(FeatureConfig):
 class ReuseFp32ParamFeature(Feature):
     name = "reuse_fp32_param"
     Config = Config
-
-    def enabled(self, args) -> bool:
-        return self.config(args).reuse_fp32_param
+    switch = "reuse_fp32_param"
 
     def validate(self, ctx) -> None:
         if ctx.megatron.fp16:
