@@ -66,7 +66,7 @@ class WgradPaths:
         self._say_native_missing()
         acc, timed = self.accelerator, self.accelerator.host_is_device()
         if timed:  # a trial may run: on this run's accelerator, on the call's inputs or constant ones
-            from npuspeed.features.fused_ops.measure import on_accelerator
+            from npuspeed.features.chooser_setup import on_accelerator
 
             on_accelerator(self.chooser, acc)
             if inputs is None:  # constant inputs: no random stream of the run is touched

@@ -41,7 +41,7 @@ class FusedPermuteFeature(Feature):
             ctx.note(f"--use-fused-moe-token-permute-and-unpermute: {self.path(ctx)}")
 
     def register_patches(self, registry, ctx) -> None:
-        from npuspeed.features.fused_ops.measure import configure
+        from npuspeed.features.chooser_setup import configure
 
         configure(ctx)
         permute.register(registry, self.name)
@@ -62,7 +62,7 @@ class FusedPermuteFeature(Feature):
     def path(self, ctx) -> str:
         if not self.enabled(ctx.args):
             return "off"
-        from npuspeed.features.fused_ops.measure import choice_lines
+        from npuspeed.features.chooser_setup import choice_lines
 
         acc = ctx.accelerator
         rule = ("; Megatron's own permute/unpermute where that measured faster (once per shape, fwd+bwd round trip)"

@@ -46,7 +46,7 @@ class GroupedGemmFeature(Feature):
                                "by it, --expert-tensor-parallel-size 1, or --moe-tp-extend-ep")
 
     def register_patches(self, registry, ctx) -> None:
-        from npuspeed.features.fused_ops.measure import configure
+        from npuspeed.features.chooser_setup import configure
 
         configure(ctx)
         grouped_mlp.register(registry, self.name)  # GroupedMLP, 0.13-0.16
@@ -94,7 +94,7 @@ class GroupedGemmFeature(Feature):
         from npuspeed.ops.moe_swiglu import OP
         from npuspeed.ops._dispatch import describe
 
-        from npuspeed.features.fused_ops.measure import choice_lines
+        from npuspeed.features.chooser_setup import choice_lines
 
         module = ("Megatron's GroupedMLP" if in_range(grouped_mlp.MEGATRON_RANGE) else
                   "npuspeed's GroupedSequentialMLP (SequentialMLP's parameters and checkpoint layout)")
