@@ -8,7 +8,9 @@ from npuspeed.features.context_parallel import ContextParallelFeature
 from npuspeed.features.device import DeviceFeature
 from npuspeed.features.fused_attention import FusedAttentionFeature
 from npuspeed.features.fused_linear_ce import FusedLinearCrossEntropyFeature
-from npuspeed.features.fused_ops import FusedRMSNormFeature, FusedRoPEFeature, FusedSwiGLUFeature
+from npuspeed.features.fused_rmsnorm import FusedRMSNormFeature
+from npuspeed.features.fused_rotary_pos_emb import FusedRoPEFeature
+from npuspeed.features.fused_swiglu import FusedSwiGLUFeature
 from npuspeed.features.grad_accum_fusion import GradAccumFusionFeature
 from npuspeed.features.megatron_lm import MegatronLMFeature
 from npuspeed.features.moe_alltoall_overlap import AllToAllOverlapFeature

@@ -23,7 +23,7 @@ warm-up's tolerance and raises `ForcedKernelDisagrees` (op, path, gap) where the
 it; a candidate the rule drops is said once per op and path (`notify`).
 Ranks measure on their own, except where every rank of a group must run the same kernel: the
 features hand the chooser an `agree` hook (RMSNorm: the TP group, see
-npuspeed/features/fused_ops/measure.py); force a path where more must agree.
+npuspeed/features/chooser_setup.py); force a path where more must agree.
 Under `--deterministic-mode` nothing is measured: npuspeed's kernel runs where it takes the
 call, else Megatron's path, on every rank and in every run (a resume re-runs the same code).
 """

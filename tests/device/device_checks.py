@@ -74,7 +74,7 @@ def counters(run: dict, prefix: str) -> dict[str, int]:
 
 
 #: ops whose calls may be counted under another name: with Triton present, RoPE rotates an
-#: attention's query and key together (features/fused_ops/rope_qk.py) as `rotary_pos_emb_qk`,
+#: attention's query and key together (features/fused_rotary_pos_emb/rope_qk.py) as `rotary_pos_emb_qk`,
 #: whichever candidate the rule picks there (Megatron's included)
 COUNTED_AS = {"rotary_pos_emb": ("rotary_pos_emb", "rotary_pos_emb_qk")}
 

@@ -2,7 +2,7 @@
 RMSNorm kernel even where their own timings disagree. Without sequence parallelism the norm's
 weight is replicated on the TP ranks and its gradient is not reduced over TP, so two kernels
 (rounding differently) would let the copies drift apart; the chooser decides on timings agreed
-over the TP group (npuspeed/features/fused_ops/measure.py)."""
+over the TP group (npuspeed/features/chooser_setup.py)."""
 from __future__ import annotations
 
 import os

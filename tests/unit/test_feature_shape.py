@@ -1,9 +1,7 @@
 """Issue 35: a feature has one shape. Each feature lives in npuspeed/features/<name>/ (name =
 folder) with <name>_feature.py (the class and its typed Config: one field per flag, the
 docstring under it the flag's --help), patches.py and plan.py beside the implementation, and
-reads its flags from the typed config, not with getattr. NOT_YET lists the features still in
-the old shape (issue 35 is converting them): a converted feature must leave it (a stale entry
-fails), so the list only shrinks."""
+reads its flags from the typed config, not with getattr. Every feature has it (issue 35)."""
 from __future__ import annotations
 
 import ast
@@ -12,9 +10,6 @@ from pathlib import Path
 import pytest
 
 FEATURES = Path(__file__).resolve().parents[2] / "npuspeed" / "features"
-#: the fused ops (one folder, three features) still share a folder: giving each its own folder
-#: is the next step of issue 35
-NOT_YET = {"fused_rmsnorm", "fused_swiglu", "fused_rotary_pos_emb"}
 SHAPE = ("{name}_feature.py", "patches.py", "plan.py")
 
 
@@ -53,17 +48,12 @@ def getattr_reads(folder: Path) -> list[str]:
 @pytest.mark.parametrize("name", sorted(_features()))
 def test_feature_has_the_one_shape(name):
     problems = shape_problems(_features()[name])
-    if name in NOT_YET:
-        assert problems, f"{name} has the one shape now: remove it from NOT_YET"
-    else:
-        assert problems == [], f"{name}: " + "; ".join(problems)
+    assert problems == [], f"{name}: " + "; ".join(problems)
 
 
 def test_each_flags_owner_is_found_by_its_folder_name():
     """A flag's owner is the feature in npuspeed/features/<name>/<name>_feature.py."""
     for name, feature in _features().items():
-        if name in NOT_YET:
-            continue
         text = (FEATURES / name / f"{name}_feature.py").read_text()
         for flag in feature.flags:
             assert flag in text or flag.lstrip("-").replace("-", "_") in text, (name, flag)

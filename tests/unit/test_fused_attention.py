@@ -447,13 +447,13 @@ def test_fallback_choice_takes_no_timing_under_deterministic_mode(megatron_mp, m
     forward round differently, so the fallback's choice may not hang on a timing (it follows
     the trial's memory alone, which is the same in every run); without the mode both count."""
     from npuspeed import get_accelerator
+    from npuspeed.features import chooser_setup
     from npuspeed.features.fused_attention import fallback
-    from npuspeed.features.fused_ops import measure
 
     # SDPA measured slower but smaller: a timing would pick unfused, memory alone SDPA
     fake = {SDPA: (2.0, 100), UNFUSED: (1.0, 200)}
     ran = []  # the trial's bytes are those of the candidate that ran last
-    monkeypatch.setattr(measure.AcceleratorGuard, "meter", lambda self: ((lambda: 0), (lambda base: fake[ran[-1]][1])))
+    monkeypatch.setattr(chooser_setup.AcceleratorGuard, "meter", lambda self: ((lambda: 0), (lambda base: fake[ran[-1]][1])))
 
     def candidate(name):
         def run(x):

@@ -216,7 +216,7 @@ def test_report_line_and_report_json(chooser):
 @pytest.mark.parametrize("winner", ["cpp", "megatron"])
 def test_fused_rmsnorm_module_runs_the_choice(chooser, winner):
     """The module --use-fused-rmsnorm builds: Megatron's choice is torch.nn.RMSNorm bit for bit."""
-    from npuspeed.features.fused_ops.rmsnorm import FusedRMSNorm
+    from npuspeed.features.fused_rmsnorm.rmsnorm import FusedRMSNorm
 
     chooser.trial = FakeTimes(megatron=1.0 if winner == "megatron" else 2.0, cpp=1.0 if winner == "cpp" else 2.0)
     plain = torch.nn.RMSNorm(16, eps=1e-6)

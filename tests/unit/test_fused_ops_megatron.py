@@ -60,7 +60,7 @@ def _assert_same(a, b, tol=1e-5):
 def test_rmsnorm_is_fused_and_keeps_sequence_parallel_marks(npuspeed_runtime, with_features):
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-    from npuspeed.features.fused_ops.rmsnorm import FusedRMSNorm
+    from npuspeed.features.fused_rmsnorm.rmsnorm import FusedRMSNorm
 
     config = _config(normalization="RMSNorm", tensor_model_parallel_size=2, sequence_parallel=True,
                      layernorm_epsilon=1e-6)
@@ -92,7 +92,7 @@ def _mlp(config):
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("fusion", [False, True])
 def test_swiglu_mlp_matches_unfused_megatron(megatron_mp, with_features, bias, fusion):
-    from npuspeed.features.fused_ops import swiglu as feature
+    from npuspeed.features.fused_swiglu import swiglu as feature
 
     kw = dict(gated_linear_unit=True, activation_func=F.silu, add_bias_linear=bias)
     baseline = _mlp(_config(**kw, bias_activation_fusion=False))  # Megatron's inline GLU
@@ -198,7 +198,7 @@ def test_rope_mla_keyword_of_each_release(megatron_mp, with_features):
 
 def test_rope_refuses_a_release_with_an_unknown_keyword():
     from npuspeed.features.base import FeatureError
-    from npuspeed.features.fused_ops import rope
+    from npuspeed.features.fused_rotary_pos_emb import rope
 
     def newer(t, freqs, rotary_interleaved=False, mla_rotary_interleaved=False, mscale=1.0, yarn_mode=None):
         return t
@@ -265,7 +265,7 @@ def test_report_paths(npuspeed_runtime):
 
 
 def test_bias_swiglu_options_keep_megatrons_kernel():
-    from npuspeed.features.fused_ops.swiglu import fused_bias_swiglu
+    from npuspeed.features.fused_swiglu.swiglu import fused_bias_swiglu
 
     seen = []
 

@@ -113,7 +113,7 @@ def test_no_pair_on_a_real_cpu_run(megatron_mp, with_features, monkeypatch):
     """CPU tensors take no Triton kernel: q and k each go through the one-tensor rule (C++)."""
     import torch
 
-    from npuspeed.features.fused_ops import rope_qk
+    from npuspeed.features.fused_rotary_pos_emb import rope_qk
     from npuspeed.ops import _dispatch, rope
 
     monkeypatch.setenv("NPUSPEED_FUSED_OP_PATH", "cpp")
@@ -134,7 +134,7 @@ def test_pairing_is_by_identity_and_falls_back_to_megatron(monkeypatch):
 
     import torch
 
-    from npuspeed.features.fused_ops import rope_qk
+    from npuspeed.features.fused_rotary_pos_emb import rope_qk
     from npuspeed.ops import fused_choice, rope
 
     monkeypatch.setattr(fused_choice, "TRITON_ON_HOST", True)

@@ -39,7 +39,7 @@ class AttentionFallback:
 
     def choose(self, key: tuple, sdpa, unfused, inputs, acc) -> dict:
         """The record for `key` (kernel, why, per-candidate ms and bytes where measured)."""
-        from npuspeed.features.fused_ops.measure import on_accelerator
+        from npuspeed.features.chooser_setup import on_accelerator
 
         if key not in self.chooser.choices:  # a trial may run: on this run's accelerator
             on_accelerator(self.chooser, acc)

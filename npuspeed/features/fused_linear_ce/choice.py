@@ -111,7 +111,7 @@ class LossPaths:
         return self.choices[key]["path"]
 
     def _choose(self, key, hidden, weight, group, acc) -> dict:
-        from npuspeed.features.fused_ops.measure import on_accelerator
+        from npuspeed.features.chooser_setup import on_accelerator
 
         on_accelerator(self.chooser, acc)
         self.chooser.configure(agree=_max_over(group, hidden.device))

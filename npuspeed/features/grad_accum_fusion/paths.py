@@ -69,7 +69,7 @@ class WgradPaths:
         # a trial on this run's accelerator (device events there, CPU time on the host), on the
         # call's inputs or constant ones: the fused GEMM is not always the fast one on a device
         # either (an H100, torch 2.11: the mixed-dtype addmm cost 1.084x of a step)
-        from npuspeed.features.fused_ops.measure import on_accelerator
+        from npuspeed.features.chooser_setup import on_accelerator
 
         on_accelerator(self.chooser, acc)
         if torch.are_deterministic_algorithms_enabled():  # nothing is timed: no trial inputs

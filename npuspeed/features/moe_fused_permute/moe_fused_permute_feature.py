@@ -49,7 +49,7 @@ class FusedPermuteFeature(Feature):
     def path(self, ctx) -> str:
         if not self.enabled(ctx.args):
             return "off"
-        from npuspeed.features.fused_ops.measure import choice_lines
+        from npuspeed.features.chooser_setup import choice_lines
 
         acc = ctx.accelerator
         rule = ("; Megatron's own permute/unpermute where that measured faster (once per shape, fwd+bwd round trip)"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 
 def register(registry, ctx, config, feature: str) -> None:
-    from npuspeed.features.fused_ops.measure import configure
+    from npuspeed.features.chooser_setup import configure
     from npuspeed.features.moe_fused_permute import permute
 
     configure(ctx)

@@ -81,7 +81,7 @@ class GroupedGemmFeature(Feature):
         from npuspeed.ops.moe_swiglu import OP
         from npuspeed.ops._dispatch import describe
 
-        from npuspeed.features.fused_ops.measure import choice_lines
+        from npuspeed.features.chooser_setup import choice_lines
 
         module = ("Megatron's GroupedMLP" if in_range(grouped_mlp.MEGATRON_RANGE) else
                   "npuspeed's GroupedSequentialMLP (SequentialMLP's parameters and checkpoint layout)")

@@ -1,4 +1,6 @@
-"""What the fused-op chooser's trials must leave as they found it, on the run's accelerator.
+"""What a path chooser's trials must leave as they found it, on the run's accelerator (shared
+by every feature that chooses a path per shape: the fused ops, MoE's kernels, fused attention's
+fallback, gradient-accumulation fusion, fused linear cross-entropy).
 
 npuspeed.ops.fused_choice times each candidate on copies of a call's inputs inside the real
 forward. The ops layer knows nothing of the accelerator or Megatron, so the features hand it

@@ -59,6 +59,3 @@ def found_in(block) -> str:
     norms = sorted({type(m).__name__ for m in block.modules() if "norm" in type(m).__name__.lower()})
     return f"normalization={getattr(block.config, 'normalization', '?')}, norm modules: {', '.join(norms) or 'none'}"
 
-
-def register(registry, feature: str) -> None:
-    registry.register(TARGET, wrapper=fused_norm, feature=feature)

@@ -35,7 +35,7 @@ APPLY = "megatron.core.models.common.embeddings.rope_utils.apply_rotary_pos_emb"
 MEGATRON_RANGE = ">=0.12,<0.20"
 
 _LOCAL = threading.local()  # .scope: the _Scope of the Attention.forward running on this thread
-_ORIGINAL: dict = {}  # "bshd": Megatron's _apply_rotary_pos_emb_bshd, "mla": its MLA keyword (fused_ops.rope)
+_ORIGINAL: dict = {}  # "bshd": Megatron's _apply_rotary_pos_emb_bshd, "mla": its MLA keyword (rope.py)
 
 
 class _Scope:
@@ -132,9 +132,3 @@ def apply_wrapper(original):
 
     return apply_rotary_pos_emb
 
-
-def register(registry, feature: str) -> None:
-    kw = dict(feature=feature, megatron=MEGATRON_RANGE)
-    registry.register(FORWARD, wrapper=forward_wrapper, **kw)
-    registry.register(QKV, wrapper=qkv_wrapper, **kw)
-    registry.register(APPLY, wrapper=apply_wrapper, **kw)

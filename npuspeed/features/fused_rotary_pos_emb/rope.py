@@ -19,7 +19,7 @@ import functools
 import inspect
 
 from npuspeed.features.base import FeatureError
-from npuspeed.features.fused_ops import rope_qk
+from npuspeed.features.fused_rotary_pos_emb import rope_qk
 from npuspeed.ops import rope
 
 TARGET = "megatron.core.models.common.embeddings.rope_utils._apply_rotary_pos_emb_bshd"
@@ -59,7 +59,3 @@ def fused_bshd(original):
 
     return _apply_rotary_pos_emb_bshd
 
-
-def register(registry, feature: str) -> None:
-    registry.register(TARGET, wrapper=fused_bshd, feature=feature)
-    rope_qk.register(registry, feature)

@@ -84,7 +84,3 @@ def found_in(block) -> str:
     act = getattr(getattr(config, "activation_func", None), "__name__", "?")
     return f"gated_linear_unit={getattr(config, 'gated_linear_unit', '?')}, activation={act}"
 
-
-def register(registry, feature: str) -> None:
-    registry.register(BIAS_SWIGLU, wrapper=fused_bias_swiglu, feature=feature)
-    registry.register(MLP_INIT, wrapper=route_mlp, feature=feature)

@@ -1,14 +1,18 @@
-"""What the three fused-op features share: one flag each, the implementation they report,
-the notice when npuspeed's kernel is absent (Megatron's path then runs; training goes on), the measured
-choice per shape (npuspeed.ops.fused_choice) in the report, and the refusal when the model never builds
-what the flag fuses (a flag never silently idles)."""
+"""What the three fused-op features (fused_rmsnorm, fused_swiglu, fused_rotary_pos_emb) share:
+the implementation they report, the notice when npuspeed's kernel is absent (Megatron's path then
+runs; training goes on), the measured choice per shape (npuspeed.ops.fused_choice) in the report,
+the refusal when the model never builds what the flag fuses (a flag never silently idles), and
+the plan effect's form (one fused kernel in one op-graph slot)."""
 from __future__ import annotations
 
-import argparse
-
 from npuspeed.accelerator.devices import for_device
-from npuspeed.features.base import Feature
+from npuspeed.features.base import Feature, PlanEffect
 from npuspeed.ops import npu
+
+
+def fused_slot(slot: str, what: str, saves: str):
+    """The plan effect of a fused op: `slot` (npuspeed/plan/ops.py) runs one fused kernel."""
+    return PlanEffect(variants={slot: "fused"}, kernels={slot: "fused"}, summary=f"{what}; {saves}")
 
 
 class FusedOpFeature(Feature):
@@ -18,59 +22,36 @@ class FusedOpFeature(Feature):
     npu_kernel: str = ""
     #: the C++ source, for the report
     source: str = ""
-    #: what the flag replaces, for --help and the report
+    #: what the flag replaces, for the report and the plan
     replaces: str = ""
-    #: the module whose `register(registry, feature)` installs this feature's patches
-    patches = None
+    #: npuspeed.ops.triton.<module> holding this op's Triton kernel
+    triton_module: str = ""
+    #: what runs with the flag off, for the report
+    megatron_path: str = ""
+
+    #: the feature folder's patches.py (`register(registry, ctx, config, feature)`) and plan.py
+    #: (`effect(model, config, what)`)
+    patches_module = plan_module = None
+    #: the implementation module with `acts_in(block)`, `found_in(block)` and `NEEDS`, or None
+    #: where a built block cannot tell whether the flag acts
+    built_module = None
 
     def register_patches(self, registry, ctx) -> None:
-        from npuspeed.features.fused_ops.measure import configure
+        self.patches_module.register(registry, ctx, self.config(ctx.args), self.name)
 
-        configure(ctx)
-        self.patches.register(registry, self.name)
-
-    @property
-    def dest(self) -> str:
-        return self.flags[0].lstrip("-").replace("-", "_")
-
-    def add_arguments(self, group) -> None:
-        group.add_argument(self.flags[0], action="store_true",
-                           help=f"Run {self.replaces} on the fastest correct {self.op} here, measured "
-                                f"once per shape (fwd+bwd) among npuspeed's kernel (CPU: C++ {self.source}; "
-                                f"CUDA/NPU: Triton), the device's native op (NPU: torch_npu.{self.npu_kernel}) "
-                                f"and Megatron's own path (never slower than the flag off). "
-                                f"NPUSPEED_FUSED_OP_PATH=cpp|triton|npu|native|megatron forces one.")
-
-    def enabled(self, args: argparse.Namespace) -> bool:
-        return bool(getattr(args, self.dest, False))
+    def plan_effect(self, model, ctx):
+        return self.plan_module.effect(model, self.config(ctx.args), f"{self.replaces}: one fused kernel ({self.op})")
 
     def prepare(self, ctx) -> None:
         path = self.path(ctx)
         if "unavailable" in path or "no npuspeed" in path or "has no" in path:
             ctx.note(f"{self.flags[0]}: {path}")
 
-    #: the op-graph slot the fused kernel replaces (npuspeed/plan/ops.py) and when it applies
-    plan_slot: str = ""
-
-    def plan_applies(self, model) -> bool:
-        return True
-
-    def plan_effect(self, model, ctx):
-        from npuspeed.features.base import PlanEffect
-
-        if not self.plan_applies(model.model):
-            return None
-        return PlanEffect(variants={self.plan_slot: "fused"}, kernels={self.plan_slot: "fused"},
-                          summary=f"{self.replaces}: one fused kernel ({self.op}); {self.plan_saves}")
-
-    #: what the fused kernel keeps for backward, for the plan
-    plan_saves: str = ""
-
     def check_built(self, block, ctx) -> str | None:
-        acts_in = getattr(self.patches, "acts_in", None)  # None: not knowable from a block
-        if acts_in is None or acts_in(block):
+        impl = self.built_module
+        if impl is None or impl.acts_in(block):
             return None
-        return f"{self.flags[0]}: {self.patches.NEEDS} (this block has none: {self.patches.found_in(block)})"
+        return f"{self.flags[0]}: {impl.NEEDS} (this block has none: {impl.found_in(block)})"
 
     def path(self, ctx) -> str:
         """The candidates here, then each measured choice so far ("rms_norm [..]: cpp (1.4x ...)")."""
@@ -103,11 +84,6 @@ class FusedOpFeature(Feature):
                          f"no npuspeed kernel (C++ op library unavailable: {lib['error'] or 'op missing'})")
         found.append(f"Megatron's path ({self.megatron_path})")
         return found
-
-    #: npuspeed.ops.triton.<module> holding this op's Triton kernel
-    triton_module: str = ""
-    #: what runs with the flag off, for the report
-    megatron_path: str = ""
 
 
 def _triton_state(module: str) -> str:

@@ -1,0 +1,47 @@
+"""Fused RMSNorm (`--use-fused-rmsnorm`): each RMSNorm that `--normalization RMSNorm` builds
+becomes rmsnorm.FusedRMSNorm, which runs the fastest correct rms_norm measured once per shape
+(npuspeed.ops.fused_choice). What the three fused ops share: features/fused_op_base.py."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from npuspeed import telemetry
+from npuspeed.accelerator import npu_ops
+from npuspeed.features.base import FeatureError
+from npuspeed.features.config import FeatureConfig, flag
+from npuspeed.features.fused_op_base import FusedOpFeature
+from npuspeed.features.fused_rmsnorm import patches, plan, rmsnorm
+
+FLAG = "--use-fused-rmsnorm"
+
+
+@dataclass(frozen=True)
+class Config(FeatureConfig):
+    use_fused_rmsnorm: bool = flag(FLAG, False)
+    """Run the torch.nn.RMSNorm of --normalization RMSNorm on the fastest correct rms_norm here,
+    measured once per shape (fwd+bwd) among npuspeed's kernel (CPU: C++ csrc/cpu/rms_norm.cpp;
+    CUDA/NPU: Triton), the device's native op (NPU: torch_npu.npu_rms_norm) and Megatron's own
+    path (never slower than the flag off). NPUSPEED_FUSED_OP_PATH=cpp|triton|npu|native|megatron
+    forces one."""
+
+
+class FusedRMSNormFeature(FusedOpFeature):
+    name = "fused_rmsnorm"
+    Config = Config
+    patches_module, plan_module, built_module = patches, plan, rmsnorm
+    op, npu_kernel, source = "rms_norm", npu_ops.RMS_NORM, "csrc/cpu/rms_norm.cpp"
+    replaces = "the torch.nn.RMSNorm of --normalization RMSNorm"
+    triton_module, megatron_path = "rms_norm", "torch.nn.RMSNorm: F.rms_norm, torch's native op"
+
+    def enabled(self, args) -> bool:
+        return self.config(args).use_fused_rmsnorm
+
+    def validate(self, ctx) -> None:
+        norm = ctx.megatron.normalization
+        if norm is not None and norm != "RMSNorm":
+            raise FeatureError(f"{FLAG} fuses RMSNorm, but --normalization is {norm}: "
+                               f"use --normalization RMSNorm or drop {FLAG}")
+
+    def path(self, ctx) -> str:
+        base = super().path(ctx)
+        return base if base == "off" else f"{base}; {telemetry.get(rmsnorm.SWAPPED)} norms fused"
