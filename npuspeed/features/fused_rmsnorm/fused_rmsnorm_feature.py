@@ -28,13 +28,11 @@ class Config(FeatureConfig):
 class FusedRMSNormFeature(FusedOpFeature):
     name = "fused_rmsnorm"
     Config = Config
+    switch = "use_fused_rmsnorm"
     patches_module, plan_module, built_module = patches, plan, rmsnorm
     op, npu_kernel, source = "rms_norm", npu_ops.RMS_NORM, "csrc/cpu/rms_norm.cpp"
     replaces = "the torch.nn.RMSNorm of --normalization RMSNorm"
     triton_module, megatron_path = "rms_norm", "torch.nn.RMSNorm: F.rms_norm, torch's native op"
-
-    def enabled(self, args) -> bool:
-        return self.config(args).use_fused_rmsnorm
 
     def validate(self, ctx) -> None:
         norm = ctx.megatron.normalization

@@ -29,13 +29,11 @@ class Config(FeatureConfig):
 class FusedRoPEFeature(FusedOpFeature):
     name = "fused_rotary_pos_emb"
     Config = Config
+    switch = "use_fused_rotary_pos_emb"
     patches_module, plan_module = patches, plan
     op, npu_kernel, source = "rotary_pos_emb", npu_ops.ROTARY_MUL, "csrc/cpu/rope.cpp"
     replaces = "Megatron's unfused rotary position embedding (--position-embedding-type rope)"
     triton_module, megatron_path = "rope", "_apply_rotary_pos_emb_bshd"
-
-    def enabled(self, args) -> bool:
-        return self.config(args).use_fused_rotary_pos_emb
 
     def candidates(self, accelerator) -> list[str]:
         found = super().candidates(accelerator)

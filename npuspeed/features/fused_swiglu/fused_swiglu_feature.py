@@ -24,10 +24,8 @@ class Config(FeatureConfig):
 class FusedSwiGLUFeature(FusedOpFeature):
     name = "fused_swiglu"
     Config = Config
+    switch = "use_fused_swiglu"
     patches_module, plan_module, built_module = patches, plan, swiglu
     op, npu_kernel, source = "swiglu", npu_ops.SWIGLU, "csrc/cpu/swiglu.cpp"
     replaces = "the SwiGLU activation of the MLP (--swiglu)"
     triton_module, megatron_path = "swiglu", "eager silu(gate) * up, or bias_swiglu_impl"
-
-    def enabled(self, args) -> bool:
-        return self.config(args).use_fused_swiglu
