@@ -32,12 +32,16 @@ class Budget:
         return self.deadline - time.monotonic() - self.reserve
 
 
-def _python(args: list[str], budget: Budget, cap: float, env: dict | None = None) -> subprocess.CompletedProcess:
+def _python(args: list[str], budget: Budget, cap: float, env: dict | None = None,
+            log=None) -> subprocess.CompletedProcess:
+    """`python args` in the checkout, within the budget; its output captured, or written as it
+    runs into the open file `log`."""
     timeout = min(cap, budget.left())
     if timeout < 5:
         raise TimeoutError("no time left in the report's budget")
+    output = {"capture_output": True} if log is None else {"stdout": log, "stderr": subprocess.STDOUT}
     return subprocess.run([sys.executable, *args], cwd=ROOT, env={**os.environ, **(env or {})},
-                          capture_output=True, text=True, timeout=timeout)
+                          text=True, timeout=timeout, **output)
 
 
 #: the tier's share of a report that runs other parts after it (alone it gets the whole budget):
@@ -61,14 +65,12 @@ def tier(budget: Budget, out: Path, smoke: bool, cap: float = TIER_CAP_S) -> dic
         workers = ["-n", str(tier_workers()), "--dist", "loadfile"]
         env["NPUSPEED_DEVICE_TIER_SHARED"] = "1"
     xml.unlink(missing_ok=True)
-    timeout = min(cap, budget.left())
     with open(log, "w") as fh:
         try:
-            proc = subprocess.run([sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-m", "device",
-                                   "tests/device", f"--junitxml={xml}", *workers], cwd=ROOT,
-                                  env={**os.environ, **env}, stdout=fh, stderr=subprocess.STDOUT, timeout=timeout)
-        except subprocess.TimeoutExpired:
-            return {"error": f"the tier ran past {timeout:.0f} s and was stopped (its log: tier.log); "
+            proc = _python(["-m", "pytest", "-v", "-p", "no:cacheprovider", "-m", "device", "tests/device",
+                            f"--junitxml={xml}", *workers], budget, cap, env, log=fh)
+        except subprocess.TimeoutExpired as exc:
+            return {"error": f"the tier ran past {exc.timeout:.0f} s and was stopped (its log: tier.log); "
                              "what finished is below", **cases_from_log(log.read_text())}
     if not xml.is_file():
         return {"error": f"pytest exited {proc.returncode} without a report (tier.log)",
@@ -113,6 +115,11 @@ def cases_from_log(text: str) -> dict:
     cases = [{"test": t, "state": st, "seconds": 0.0,
               "message": why.get(t) or first_e.get(t.split("::", 1)[-1], "")} for t, st in states.items()]
     return {"counts": _counts(cases), "cases": cases}
+
+
+def tier_from_log(path: Path) -> dict:
+    """The tier's section from the `pytest -v` log of a tier run in a call of its own."""
+    return {**cases_from_log(path.read_text()), "from_log": path.name}
 
 
 def _counts(cases: list[dict]) -> dict:

@@ -88,7 +88,7 @@ def write(report: dict, out: Path) -> None:
 def render_only(out: Path, tier_log: Path | None) -> int:
     report = json.loads((out / "report.json").read_text())
     if tier_log is not None:
-        report["tier"] = {**parts.cases_from_log(tier_log.read_text()), "from_log": tier_log.name}
+        report["tier"] = parts.tier_from_log(tier_log)
     write(report, out)
     return 0
 
@@ -123,7 +123,7 @@ def main(argv=None) -> int:
         print(f"[device-report] {name} ({budget.left():.0f} s left)", flush=True)
         try:
             if name == "tier" and opts.tier_log:
-                section = {**parts.cases_from_log(opts.tier_log.read_text()), "from_log": str(opts.tier_log)}
+                section = parts.tier_from_log(opts.tier_log)
             elif name == "tier":  # alone it may take the whole budget (a lease's call of its own)
                 cap = budget.left() if opts.parts == ["tier"] else parts.TIER_CAP_S
                 section = parts.tier(budget, out, opts.smoke, cap)
