@@ -39,16 +39,22 @@ class Plan:
     by_source: list[torch.Tensor | None]
 
 
+def _starts(sizes: list[list[int]]) -> list[list[int]]:
+    """Where block [i][l] of `sizes` starts when the blocks lie back to back, i-major."""
+    out, at = [], 0
+    for row in sizes:
+        out.append([])
+        for n in row:
+            out[-1].append(at)
+            at += n
+    return out
+
+
 def make_plan(send: list[list[int]], recv: list[list[int]], chunks: int, device) -> Plan:
     """`send[j][l]`: rows of this rank for local expert l of rank j (in permuted order, j-major);
     `recv[s][l]`: rows rank s sends to this rank's local expert l."""
     ranks, local = len(send), len(send[0])
-    starts, pos = [], 0
-    for j in range(ranks):
-        starts.append([])
-        for l in range(local):
-            starts[j].append(pos)
-            pos += send[j][l]
+    starts = _starts(send)
     order, send_splits, recv_splits, tpe, by_expert, by_source = [], [], [], [], [], []
     for c in range(chunks):
         send_splits.append([])
@@ -67,12 +73,7 @@ def make_plan(send: list[list[int]], recv: list[list[int]], chunks: int, device)
             by_expert.append(None)
             by_source.append(None)
             continue
-        offsets, at = [], 0
-        for s in range(ranks):
-            offsets.append([])
-            for l in range(local):
-                offsets[s].append(at)
-                at += sizes[s][l]
+        offsets = _starts(sizes)
         idx = [torch.arange(offsets[s][l], offsets[s][l] + sizes[s][l]) for l in range(local) for s in range(ranks)]
         perm = torch.cat(idx) if idx else torch.zeros(0, dtype=torch.long)
         by_expert.append(perm.to(device))
