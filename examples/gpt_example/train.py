@@ -26,6 +26,7 @@ from gpt_example.model import (
 )
 from npuspeed import get_accelerator, telemetry
 from npuspeed.features.fused_attention.forward import attention_calls
+from npuspeed.features.moe_common import a2a_clock
 from npuspeed.memory import weight_bytes
 
 
@@ -345,6 +346,8 @@ def _train(args, progress) -> dict:
         if report_nonfinite(iteration, loss, None if grad_norm is None else float(grad_norm), ok, optimizer):
             nonfinite.append(iteration)
         losses.append(loss)
+        if iteration == start_iteration + 1:
+            a2a_clock.reset()  # the first iteration's transfers include the process group's set-up
         step_times.append(step_ms)
         parts["forward_backward_ms"].append((t1 - t0) * 1000.0)
         parts["optimizer_step_ms"].append((t2 - t1) * 1000.0)
@@ -360,6 +363,9 @@ def _train(args, progress) -> dict:
             break
     if args.save and not (args.save_interval and iteration % args.save_interval == 0):
         _save(args, iteration, model, optimizer, scheduler, progress)
+    hidden = a2a_clock.summary()
+    if rank0 and hidden:
+        print(f"npuspeed: {a2a_clock.line(hidden)}", flush=True)
     measured = step_times[1:] or step_times
     mean_ms = sum(measured) / max(len(measured), 1)
     summary = {
@@ -405,6 +411,10 @@ def _train(args, progress) -> dict:
         # for each kernel (--use-flash-attn)
         "npuspeed_counters": telemetry.snapshot(),
         "attention_calls": attention_calls(),
+        # rank 0's expert all-to-alls after the first iteration: the share of their time in flight
+        # the compute did not wait for, overall and per phase (warm_up / steady / cool_down with
+        # --moe-fb-overlap, layer with --moe-alltoall-overlap-comm); None without expert all-to-alls
+        "a2a_hidden_fraction": hidden,
         "skipped_iterations": skipped,
         # iterations whose loss or gradient was NaN/Inf (reported in the log as they happen)
         "nonfinite_iterations": nonfinite,

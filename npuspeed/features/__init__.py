@@ -14,6 +14,7 @@ from npuspeed.features.fused_swiglu import FusedSwiGLUFeature
 from npuspeed.features.grad_accum_fusion import GradAccumFusionFeature
 from npuspeed.features.megatron_lm import MegatronLMFeature
 from npuspeed.features.moe_alltoall_overlap import AllToAllOverlapFeature
+from npuspeed.features.moe_fb_overlap import FbOverlapFeature
 from npuspeed.features.moe_fused_permute import FusedPermuteFeature
 from npuspeed.features.moe_grouped_gemm import GroupedGemmFeature
 from npuspeed.features.moe_tp_extend_ep import TpExtendEpFeature
@@ -29,7 +30,7 @@ def all_features() -> list[Feature]:
             FusedRoPEFeature(), FusedLinearCrossEntropyFeature(), ReuseFp32ParamFeature(), RecomputeActivationFeature(),
             RecomputeNormFeature(), SwapAttentionFeature(), SwapOptimizerFeature(), GradAccumFusionFeature(),
             CocFeature(), AdaptiveMemoryFeature(), TpExtendEpFeature(), GroupedGemmFeature(), FusedPermuteFeature(),
-            AllToAllOverlapFeature(), MegatronLMFeature()]
+            AllToAllOverlapFeature(), FbOverlapFeature(), MegatronLMFeature()]
 
 
 __all__ = ["Feature", "FeatureError", "all_features"]

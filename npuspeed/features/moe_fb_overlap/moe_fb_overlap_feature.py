@@ -1,0 +1,83 @@
+"""--moe-fb-overlap (and Megatron's --overlap-moe-expert-parallel-comm) as a feature: the
+layouts the paired schedule serves, refused one line each where it cannot compose."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from npuspeed.accelerator.devices import for_device
+from npuspeed.features.base import Feature, FeatureError
+from npuspeed.features.config import FeatureConfig, flag
+from npuspeed.features.moe_common.layout import Layout, layers_of, needs_experts
+
+
+@dataclass(frozen=True)
+class Config(FeatureConfig):
+    moe_fb_overlap: bool = flag("--moe-fb-overlap", False)
+    """MoE expert parallelism: run the backward of one micro-batch beside the forward of the next,
+    so each one's compute hides the other's dispatch/combine all-to-alls (pipeline-parallel size 1,
+    two or more micro-batches)."""
+    overlap_moe_expert_parallel_comm: bool = flag("--overlap-moe-expert-parallel-comm", False)
+    """Megatron's flag (0.14+): with npuspeed it runs --moe-fb-overlap's schedule, on every backend,
+    without Transformer Engine, in fp32 too."""
+
+    @property
+    def flag_given(self) -> str:
+        return "--moe-fb-overlap" if self.moe_fb_overlap else "--overlap-moe-expert-parallel-comm"
+
+
+class FbOverlapFeature(Feature):
+    name = "moe_fb_overlap"
+    Config = Config
+
+    def enabled(self, args) -> bool:
+        config = self.config(args)
+        return bool(config.moe_fb_overlap or config.overlap_moe_expert_parallel_comm)
+
+    def validate(self, ctx) -> None:
+        flag_ = self.config(ctx.args).flag_given
+        m, lay = ctx.megatron, Layout.from_ctx(ctx)
+        if getattr(ctx.args, "moe_alltoall_overlap_comm", False):
+            raise FeatureError(f"{flag_} hides the all-to-all behind another micro-batch; --moe-alltoall-overlap-comm "
+                               "chunks the same all-to-all inside one: choose one of the two")
+        if lay.dispatcher is not None and lay.dispatcher != "alltoall":
+            raise FeatureError(f"{flag_} overlaps the all-to-all dispatcher; --moe-token-dispatcher-type is "
+                               f"{lay.dispatcher}: use alltoall or drop the flag")
+        if lay.expert_parallel == 1 and (m.expert_model_parallel_size is not None or lay.tp_extend_ep):
+            raise FeatureError(f"{flag_}: expert-parallel size is 1, so there is no all-to-all to hide; use "
+                               "--expert-model-parallel-size > 1 or drop the flag")
+        if (m.pipeline_model_parallel_size or 1) > 1:
+            raise FeatureError(f"{flag_} pairs micro-batches at pipeline-parallel size 1 in this release (the "
+                               "interleaved and DualPipeV schedules are not built yet); use "
+                               "--pipeline-model-parallel-size 1 or drop the flag")
+        if getattr(m, "recompute_granularity", None) == "full" or getattr(ctx.args, "recompute_granularity", None) \
+                == "full":
+            raise FeatureError(f"{flag_}: full recompute re-runs the layer's all-to-alls inside the backward, where "
+                               "the turn would pass mid-recompute; use --recompute-granularity selective or drop it")
+        if "moe" in (getattr(m, "recompute_modules", None) or ()):
+            raise FeatureError(f"{flag_}: '--recompute-modules moe' re-runs the all-to-alls inside the backward; "
+                               "drop 'moe' from --recompute-modules")
+        if getattr(m, "moe_shared_expert_overlap", None):
+            raise FeatureError(f"{flag_} schedules the shared experts itself; drop Megatron's "
+                               "--moe-shared-expert-overlap")
+
+    def check_built(self, block, ctx) -> str | None:
+        from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+        flag_ = self.config(ctx.args).flag_given
+        problem = needs_experts(flag_, block)
+        if problem:
+            return problem
+        layers = layers_of(block)
+        if layers and not any(isinstance(layer.token_dispatcher, MoEAlltoAllTokenDispatcher) for layer in layers):
+            kinds = sorted({type(layer.token_dispatcher).__name__ for layer in layers})
+            return f"{flag_} needs --moe-token-dispatcher-type alltoall (built: {kinds})"
+        return None
+
+    def path(self, ctx) -> str:
+        if not self.enabled(ctx.args):
+            return "off"
+        acc = ctx.accelerator
+        where = ("async gloo work, waited after the turn passes" if not for_device(acc.name).has_streams()
+                 else f"async {acc.dist_backend} collectives on the backend's communication stream")
+        return ("PP-1 schedule: micro-batch i's backward on a worker thread beside micro-batch i+1's forward, "
+                f"the turn passed at each token all-to-all ({where}); hidden share: a2a_hidden_fraction")

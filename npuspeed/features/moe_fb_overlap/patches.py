@@ -1,0 +1,19 @@
+"""--moe-fb-overlap's patches: the PP-1 schedule's forward_step/backward_step held and paired
+(schedule.py), the token dispatcher's all-to-all asynchronous with the turn passed (exchange.py),
+and, where Megatron has its own flag (0.14+), its TransformerConfig checks taken over."""
+from __future__ import annotations
+
+SCHEDULES = "megatron.core.pipeline_parallel.schedules"
+DISPATCHER = "megatron.core.transformer.moe.token_dispatcher"
+CONFIG = "megatron.core.transformer.transformer_config.TransformerConfig.__post_init__"
+
+
+def register(registry, ctx, config, feature: str) -> None:
+    from npuspeed.features.moe_fb_overlap import exchange, schedule, takeover
+
+    registry.register(f"{SCHEDULES}.forward_backward_no_pipelining", wrapper=schedule.no_pipelining_wrapper(ctx.note),
+                      feature=feature)
+    registry.register(f"{SCHEDULES}.forward_step", wrapper=schedule.forward_step_wrapper, feature=feature)
+    registry.register(f"{SCHEDULES}.backward_step", wrapper=schedule.backward_step_wrapper, feature=feature)
+    registry.register(f"{DISPATCHER}.all_to_all", exchange.all_to_all, feature=feature)
+    registry.register(CONFIG, wrapper=takeover.config_wrapper(ctx.note), feature=feature, megatron=takeover.RANGE)
