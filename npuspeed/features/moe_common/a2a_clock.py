@@ -4,7 +4,8 @@ Per all-to-all: launched at `launch`, done when its work's future completes (glo
 on its own thread; where no callback came before the wait ended, the wait's end), and the time
 the compute thread spent in `wait`. Hidden = in flight - waited. Summed per phase of the step
 (warm_up: a forward with no backward beside it; steady: a forward and a backward together;
-cool_down: a backward alone; "layer": the chunked overlap inside one layer). This needs no fast
+cool_down: a backward alone; "layer": the chunked overlap inside one layer; "serial": a step run
+without overlap, kept apart from the overall share: what the all-to-alls cost unhidden). This needs no fast
 interconnect: on CPU with gloo it measures what the schedule hid of the transfers it really made.
 """
 from __future__ import annotations
@@ -14,6 +15,7 @@ import threading
 import time
 
 PHASES = ("warm_up", "steady", "cool_down", "layer")
+SERIAL = "serial"
 _lock = threading.Lock()
 _totals: dict[str, list[float]] = {}  # phase -> [in flight s, waited s, count]
 _phase = {"name": "layer"}  # the step's phase, set by the schedule (both of a pair's threads share it)
@@ -76,11 +78,12 @@ def summary() -> dict | None:
         rows = {k: list(v) for k, v in _totals.items()}
     if not rows:
         return None
-    flight = sum(r[0] for r in rows.values())
-    waited = sum(r[1] for r in rows.values())
+    hidden_rows = [r for name, r in rows.items() if name != SERIAL]
+    flight = sum(r[0] for r in hidden_rows)
+    waited = sum(r[1] for r in hidden_rows)
     out = {name: (1.0 - r[1] / r[0]) if r[0] > 0 else None for name, r in rows.items()}
     out.update(overall=(1.0 - waited / flight) if flight > 0 else None, in_flight_ms=flight * 1e3,
-               waited_ms=waited * 1e3, count=int(sum(r[2] for r in rows.values())),
+               waited_ms=waited * 1e3, count=int(sum(r[2] for r in hidden_rows)),
                per_phase={name: {"in_flight_ms": r[0] * 1e3, "waited_ms": r[1] * 1e3, "count": int(r[2])}
                           for name, r in rows.items()})
     return out
@@ -89,7 +92,7 @@ def summary() -> dict | None:
 def line(data: dict | None = None) -> str | None:
     """One log line: the hidden share overall and per phase."""
     data = data if data is not None else summary()
-    if not data:
+    if not data or data.get("overall") is None:
         return None
     parts = [f"{name} {data[name]:.2f}" for name in PHASES if data.get(name) is not None]
     return (f"expert all-to-all hidden: {data['overall']:.2f} of {data['in_flight_ms']:.1f} ms in flight "

@@ -18,6 +18,7 @@ import inspect
 from npuspeed import telemetry
 from npuspeed.features.moe_common import a2a_clock
 from npuspeed.features.moe_fb_overlap import turns
+from npuspeed.features.moe_fb_overlap.choice import SERIAL, StepTrial
 
 SCHEDULES = "megatron.core.pipeline_parallel.schedules"
 
@@ -34,6 +35,7 @@ class Session:
 
 
 _SESSION: list[Session] = []
+_TRIALS: dict[int, StepTrial] = {}
 
 
 def current() -> Session | None:
@@ -46,13 +48,23 @@ def _config_of(model):
     return get_model_config(model[0] if isinstance(model, list) else model)
 
 
-def _worker_setup():
+def _worker_setup(acc):
     """The worker thread starts on device 0: put it on this thread's device."""
-    from npuspeed.accelerator import get_accelerator
-
-    acc = get_accelerator()
     index = acc.current_device()
     return lambda: acc.set_device(index)
+
+
+def _agree(acc):
+    """Sum each timing over every rank (all must take the same schedule)."""
+    import torch
+    import torch.distributed as dist
+
+    def agree(values):
+        t = torch.tensor(values, dtype=torch.float64, device=acc.device())
+        dist.all_reduce(t)
+        return t.tolist()
+
+    return agree
 
 
 def no_pipelining_wrapper(note):
@@ -74,11 +86,22 @@ def no_pipelining_wrapper(note):
                      "with; raise --global-batch-size to at least 2 x micro-batch x data-parallel")
                 telemetry.count("moe.fb_overlap.single_microbatch")
                 return original(*args, **kwargs)
+            from npuspeed.accelerator import get_accelerator
+
+            acc = get_accelerator()
+            n = call["num_microbatches"]
+            trial = _TRIALS.setdefault(n, StepTrial(n))
+            mode = trial.mode()
+            run_ = lambda: original(*args, **kwargs)  # noqa: E731
+            if mode == SERIAL:
+                telemetry.count("moe.fb_overlap.serial_steps")
+                with a2a_clock.phase("serial"):
+                    return trial.timed(SERIAL, run_, acc.synchronize, _agree(acc), note)
             no_sync = config.no_sync_func or contextlib.nullcontext
-            _SESSION.append(Session(call["num_microbatches"], no_sync, _worker_setup()))
+            _SESSION.append(Session(n, no_sync, _worker_setup(acc)))
             telemetry.count("moe.fb_overlap.steps")
             try:
-                return original(*args, **kwargs)
+                return trial.timed(mode, run_, acc.synchronize, _agree(acc), note)
             finally:
                 _SESSION.pop()
 
