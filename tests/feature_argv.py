@@ -52,5 +52,7 @@ FEATURES: dict[str, Enable] = {
     "moe_alltoall_overlap": Enable(["--moe-alltoall-overlap-comm"], MOE + ["--expert-model-parallel-size", "2",
                                                                          "--moe-token-dispatcher-type", "alltoall"],
                                    ranks=2),
+    "moe_fb_overlap": Enable(["--moe-fb-overlap"], MOE + ["--expert-model-parallel-size", "2",
+                                                         "--moe-token-dispatcher-type", "alltoall"], ranks=2),
 }
 FEATURE_ARGV = {name: enable.argv for name, enable in FEATURES.items()}

@@ -21,6 +21,8 @@ MULTI_RANK = {
     "--moe-tp-extend-ep": "tensor-parallel ranks as expert-parallel ranks: TP x EP > 1",
     "--moe-alltoall-overlap-comm": "overlaps the all-to-all dispatcher's communication: EP > 1",
     "--moe-alltoall-chunks": "chunks of the all-to-all overlap: EP > 1",
+    "--moe-fb-overlap": "hides the expert-parallel all-to-all behind another micro-batch: EP > 1",
+    "--overlap-moe-expert-parallel-comm": "Megatron's name for --moe-fb-overlap: EP > 1",
 }
 #: Megatron-LM's flags whose README claims the tier checks (TFLOP/s, bitwise runs)
 MEGATRON_FLAGS = ("--log-throughput", "--deterministic-mode")

@@ -36,7 +36,7 @@ class FbOverlapFeature(Feature):
     def validate(self, ctx) -> None:
         flag_ = self.config(ctx.args).flag_given
         m, lay = ctx.megatron, Layout.from_ctx(ctx)
-        if getattr(ctx.args, "moe_alltoall_overlap_comm", False):
+        if vars(ctx.args).get("moe_alltoall_overlap_comm", False):
             raise FeatureError(f"{flag_} hides the all-to-all behind another micro-batch; --moe-alltoall-overlap-comm "
                                "chunks the same all-to-all inside one: choose one of the two")
         if lay.dispatcher is not None and lay.dispatcher != "alltoall":
@@ -49,8 +49,7 @@ class FbOverlapFeature(Feature):
             raise FeatureError(f"{flag_} pairs micro-batches at pipeline-parallel size 1 in this release (the "
                                "interleaved and DualPipeV schedules are not built yet); use "
                                "--pipeline-model-parallel-size 1 or drop the flag")
-        if getattr(m, "recompute_granularity", None) == "full" or getattr(ctx.args, "recompute_granularity", None) \
-                == "full":
+        if getattr(m, "recompute_granularity", None) == "full":
             raise FeatureError(f"{flag_}: full recompute re-runs the layer's all-to-alls inside the backward, where "
                                "the turn would pass mid-recompute; use --recompute-granularity selective or drop it")
         if "moe" in (getattr(m, "recompute_modules", None) or ()):

@@ -1,0 +1,88 @@
+"""--moe-fb-overlap's parts without processes: the two parties alternate strictly at each
+passed turn (the order every rank issues its collectives in), an error on either side reaches
+the caller, and the step trial takes the faster of paired and serial by the ranks' summed times."""
+from __future__ import annotations
+
+import pytest
+
+from npuspeed.features.moe_fb_overlap import choice, turns
+from npuspeed.ops.choose.record import MEGATRON
+
+
+def _pair(forward_steps: int, backward_steps: int):
+    order = []
+
+    def side(name, steps):
+        def run():
+            for i in range(steps):
+                order.append(f"{name}{i}")
+                turns.current().pass_turn()
+            order.append(f"{name}-end")
+            return name
+        return run
+
+    result = turns.run_pair(side("f", forward_steps), side("b", backward_steps))
+    return result, order
+
+
+def test_turns_alternate_backward_first():
+    result, order = _pair(3, 3)
+    assert result == "f"
+    assert order == ["b0", "f0", "b1", "f1", "b2", "f2", "b-end", "f-end"]
+    assert turns.current() is None
+
+
+def test_a_side_that_ends_first_leaves_the_other_running_alone():
+    _, order = _pair(1, 4)
+    assert order == ["b0", "f0", "b1", "f-end", "b2", "b3", "b-end"]
+
+
+def test_an_error_in_the_backward_reaches_the_caller():
+    def backward():
+        turns.current().pass_turn()
+        raise RuntimeError("boom in backward")
+
+    with pytest.raises(RuntimeError, match="boom in backward"):
+        turns.run_pair(lambda: turns.current().pass_turn(), backward)
+    assert turns.current() is None
+
+
+def _trial(times: dict[str, list[float]], monkeypatch):
+    """Run the step trial with fake step times (one list per mode, consumed in order)."""
+    monkeypatch.setattr(choice, "_CHOOSER", None)
+    monkeypatch.delenv(choice.FORCE_ENV, raising=False)
+    clock = {"now": 0.0}
+    monkeypatch.setattr(choice.time, "perf_counter", lambda: clock["now"])
+    trial, modes, notes = choice.StepTrial(4), [], []
+    for _ in range(8):
+        mode = trial.mode()
+        modes.append(mode)
+
+        def run(mode=mode):
+            clock["now"] += times[mode].pop(0) if times[mode] else 1.0
+
+        trial.timed(mode, run, lambda: None, lambda values: [2 * v for v in values], notes.append)
+    return modes, choice.chooser().choices[trial.key], notes
+
+
+def test_trial_keeps_pairing_where_it_is_faster(monkeypatch):
+    modes, made, notes = _trial({"paired": [9.0, 1.0, 1.1], "serial": [2.0, 2.2]}, monkeypatch)
+    assert modes[:5] == ["paired", "serial", "paired", "serial", "paired"]  # set-up, then alternate
+    assert made.impl == "paired" and made.ms == {"paired": 2000.0, MEGATRON: 4000.0}  # fastest of 2, summed
+    assert modes[5:] == ["paired"] * 3 and notes == []
+
+
+def test_trial_falls_back_to_megatrons_loop_where_pairing_loses(monkeypatch):
+    modes, made, notes = _trial({"paired": [1.0, 3.0, 3.0], "serial": [2.0, 2.0]}, monkeypatch)
+    assert made.impl == MEGATRON
+    assert modes[5:] == ["serial"] * 3
+    assert len(notes) == 1 and "Megatron's serial schedule runs" in notes[0]
+
+
+def test_forcing_variable(monkeypatch):
+    monkeypatch.setattr(choice, "_CHOOSER", None)
+    monkeypatch.setenv(choice.FORCE_ENV, "serial")
+    assert choice.StepTrial(2).mode() == "serial"
+    monkeypatch.setenv(choice.FORCE_ENV, "sometimes")
+    with pytest.raises(ValueError, match="NPUSPEED_FB_OVERLAP_PATH='sometimes'"):
+        choice.StepTrial(3).mode()
