@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from npuspeed import telemetry
+from npuspeed.features.moe_common import a2a_clock
 
 
 class Flight:
@@ -26,6 +27,7 @@ class Flight:
     def __init__(self, group, out_splits: list[int], in_splits: list[int], label: str):
         self.group, self.out_splits, self.in_splits, self.label = group, out_splits, in_splits, label
         self.work = self.grad_work = self.grad_in = None
+        self.clock = self.grad_clock = None  # a2a_clock's record of each transfer (the hidden share)
         self.keep = ()
 
     def launch(self, x: torch.Tensor, out_splits, in_splits, backward: bool = False):
@@ -35,9 +37,9 @@ class Flight:
                                       input_split_sizes=list(in_splits), group=self.group, async_op=True)
         telemetry.count(f"moe.a2a.{self.label}{'.backward' if backward else ''}")
         if backward:
-            self.grad_work, self.grad_in, self.keep = work, out, (x,)
+            self.grad_work, self.grad_in, self.keep, self.grad_clock = work, out, (x,), a2a_clock.launch(work)
         else:
-            self.work, self.keep = work, (x,)
+            self.work, self.keep, self.clock = work, (x,), a2a_clock.launch(work)
         return out
 
 
@@ -50,7 +52,7 @@ class _Start(torch.autograd.Function):
     @staticmethod
     def backward(ctx, _token):
         flight = ctx.flight
-        flight.grad_work.wait()
+        flight.grad_clock.wait(flight.grad_work)
         grad_in = flight.grad_in
         flight.grad_work, flight.grad_in, flight.keep = None, None, ()
         return grad_in, None
@@ -60,7 +62,7 @@ class _Finish(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y, flight):
         ctx.flight = flight
-        flight.work.wait()
+        flight.clock.wait(flight.work)
         flight.work, flight.keep = None, ()
         return y.view_as(y)
 

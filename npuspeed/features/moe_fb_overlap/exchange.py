@@ -1,13 +1,18 @@
-"""The token dispatcher's all-to-all, launched asynchronously with the turn passed while it is
-in flight.
+"""The token dispatcher's all-to-alls, launched asynchronously with the turn passed while they
+are in flight.
 
-Replaces `all_to_all` in Megatron's token_dispatcher module (same contract as
-megatron.core.tensor_parallel.all_to_all: group, input, output splits, input splits; the reverse
-exchange in backward). Each transfer is launched with `async_op=True`; for token rows (2-D: the
-hidden states and their gradients, not the 1-D routing probabilities that follow them) the turn
-goes to the other micro-batch (turns.py) before the wait, so its compute runs while the rows are
-on the wire. With no pair (a lone forward or backward, or another schedule) it waits at once, as
-Megatron's does. Every transfer is on the clock (moe_common/a2a_clock.py).
+`all_to_all` replaces the one in Megatron's token_dispatcher module (megatron.core.tensor_parallel
+.all_to_all's contract; the reverse exchange in backward): the combine's tokens. `token_dispatch`
+replaces the all-to-all dispatcher's (0.13+): the tokens and their routing probabilities go out
+together as one autograd step, both launched before the turn passes once and both waited after,
+and in backward their gradients the same way. Sent one after the other with a wait each, the
+small probabilities' exchange would pay alone for whatever the ranks drifted apart while the
+other micro-batch computed; sent with the tokens, the other micro-batch's compute hides it too.
+
+Each transfer uses `async_op=True`; the turn goes to the other micro-batch (turns.py) before the
+wait, so its compute runs while the rows are on the wire. With no pair (a lone forward or
+backward, a serial step) it waits at once, as Megatron's does. Every transfer is on the clock
+(moe_common/a2a_clock.py).
 """
 from __future__ import annotations
 
@@ -23,33 +28,39 @@ def _splits(sizes):
     return None if sizes is None else [int(s) for s in sizes]
 
 
-def exchange(x: torch.Tensor, group, out_splits, in_splits, label: str) -> torch.Tensor:
+def _launch(x: torch.Tensor, group, out_splits, in_splits):
     x = x.contiguous()
-    if out_splits is None:
-        out = torch.empty_like(x)
-    else:
-        out = x.new_empty((sum(out_splits), *x.shape[1:]))
+    out = torch.empty_like(x) if out_splits is None else x.new_empty((sum(out_splits), *x.shape[1:]))
     work = dist.all_to_all_single(out, x, output_split_sizes=out_splits, input_split_sizes=in_splits,
                                   group=group, async_op=True)
-    flight = a2a_clock.launch(work)
+    return out, work, a2a_clock.launch(work)
+
+
+def _settle(launched, label: str) -> None:
+    """Pass the turn once for every transfer in `launched`, then wait for each."""
     pair = turns.current()
-    if pair is not None and x.dim() > 1 and pair.pass_turn():
-        telemetry.count(f"moe.fb_overlap.a2a.{label}.overlapped")
-    else:
-        telemetry.count(f"moe.fb_overlap.a2a.{label}.alone")
-    flight.wait(work)
-    return out
+    passed = pair is not None and pair.pass_turn()
+    telemetry.count(f"moe.fb_overlap.a2a.{label}.{'overlapped' if passed else 'alone'}", len(launched))
+    for _out, work, flight in launched:
+        flight.wait(work)
+
+
+def exchange(tensors, group, out_splits, in_splits, label: str) -> list:
+    """all_to_all_single of each tensor (None passes through), launched together, settled together."""
+    launched = [None if t is None else _launch(t, group, out_splits, in_splits) for t in tensors]
+    _settle([item for item in launched if item is not None], label)
+    return [None if item is None else item[0] for item in launched]
 
 
 class _Exchange(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, group, x, out_splits, in_splits):
+    def forward(ctx, group, out_splits, in_splits, *tensors):
         ctx.group, ctx.out_splits, ctx.in_splits = group, out_splits, in_splits
-        return exchange(x, group, out_splits, in_splits, "forward")
+        return tuple(exchange(tensors, group, out_splits, in_splits, "forward"))
 
     @staticmethod
-    def backward(ctx, grad):
-        return None, exchange(grad, ctx.group, ctx.in_splits, ctx.out_splits, "backward"), None, None
+    def backward(ctx, *grads):
+        return (None, None, None, *exchange(grads, ctx.group, ctx.in_splits, ctx.out_splits, "backward"))
 
 
 def all_to_all(group, input_, output_split_sizes_=None, input_split_sizes=None, **_kwargs):
@@ -57,4 +68,19 @@ def all_to_all(group, input_, output_split_sizes_=None, input_split_sizes=None, 
     every transfer is asynchronous here)."""
     if group.size() == 1:
         return input_
-    return _Exchange.apply(group, input_, _splits(output_split_sizes_), _splits(input_split_sizes))
+    (out,) = _Exchange.apply(group, _splits(output_split_sizes_), _splits(input_split_sizes), input_)
+    return out
+
+
+def token_dispatch_wrapper(original):
+    """MoEAlltoAllTokenDispatcher.token_dispatch: the tokens and probabilities in one step
+    (upstream's path where a shared-expert overlap hooks into it: refused with the flag)."""
+
+    def token_dispatch(self, permutated_local_input_tokens, permuted_probs):
+        if getattr(self, "shared_experts", None) is not None or self.ep_size == 1:
+            return original(self, permutated_local_input_tokens, permuted_probs)
+        self.tokens_per_expert = self._maybe_dtoh_and_synchronize("before_ep_alltoall", self.tokens_per_expert)
+        return _Exchange.apply(self.ep_group, _splits(self.output_splits), _splits(self.input_splits),
+                               permutated_local_input_tokens, permuted_probs)
+
+    return token_dispatch

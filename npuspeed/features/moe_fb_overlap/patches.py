@@ -16,4 +16,6 @@ def register(registry, ctx, config, feature: str) -> None:
     registry.register(f"{SCHEDULES}.forward_step", wrapper=schedule.forward_step_wrapper, feature=feature)
     registry.register(f"{SCHEDULES}.backward_step", wrapper=schedule.backward_step_wrapper, feature=feature)
     registry.register(f"{DISPATCHER}.all_to_all", exchange.all_to_all, feature=feature)
+    registry.register(f"{DISPATCHER}.MoEAlltoAllTokenDispatcher.token_dispatch", wrapper=exchange.token_dispatch_wrapper,
+                      feature=feature, megatron=">=0.13")
     registry.register(CONFIG, wrapper=takeover.config_wrapper(ctx.note), feature=feature, megatron=takeover.RANGE)
