@@ -1,6 +1,8 @@
 """--moe-fb-overlap against the same run without it: EP2 at PP 1 (2 ranks), 4 micro-batches a
-step, fp32, dropout off, 8 iterations. Losses, every step's gradients and the final weights
-within 1e-6 (pairing changes when work runs, not what it computes: they match to the bit);
+step, fp32, dropout off, 8 iterations. Losses and every step's gradients within 1e-6, the final
+weights within 1e-4 (pairing changes when work runs, not what it computes; with shared experts,
+whose forward and backward move inside the combine, a gradient summed from three branches adds
+them in another order, which Adam's normalised step turns into ~1e-5 on near-zero gradients);
 counters prove the pairs ran (forwards beside backwards, all-to-alls passing the turn) and
 that the baseline ran none. Megatron's --overlap-moe-expert-parallel-comm runs the same
 schedule; bf16 matches too; a checkpoint saved with the flag resumes without it bit for bit.
@@ -12,6 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 from launch import NO_DROPOUT, free_port  # noqa: F401
+
+from packaging.version import Version
+
+from npuspeed.patching.versions import megatron_version
 
 RUNNER = Path(__file__).resolve().parent / "_example_with_step_grads.py"
 TOL = 1e-6
@@ -40,9 +46,15 @@ def _run(tmp_path_factory, name: str, args: list[str], env: dict | None = None) 
     return run
 
 
-def assert_same_run(a: dict, b: dict, tol: float = TOL) -> None:
+PARAM_TOL = 1e-4
+BF16_TOL = 2e-2  # bf16 keeps 8 bits of mantissa: 2^-8 = 3.9e-3 a rounding, a few of them per value
+
+
+def assert_same_run(a: dict, b: dict, tol: float = TOL, param_tol: float = PARAM_TOL, loss_tol: float = TOL) -> None:
+    """Losses within `loss_tol` (absolute), each gradient within `tol` and each weight within
+    `param_tol` of the parameter's largest entry (at least 1)."""
     assert len(a["losses"]) == len(b["losses"]) == ITERS
-    assert max(abs(x - y) for x, y in zip(a["losses"], b["losses"])) <= tol, (a["losses"], b["losses"])
+    assert max(abs(x - y) for x, y in zip(a["losses"], b["losses"])) <= loss_tol, (a["losses"], b["losses"])
     for da, db in zip(a["dumps"], b["dumps"]):
         assert len(da["grads"]) == len(db["grads"]) == ITERS
         for step, (ga, gb) in enumerate(zip(da["grads"], db["grads"])):
@@ -53,7 +65,7 @@ def assert_same_run(a: dict, b: dict, tol: float = TOL) -> None:
                 assert gap <= tol * scale, f"step {step + 1} grad {name}: {gap}"
         for name in da["params"]:
             gap = float((da["params"][name] - db["params"][name]).abs().max())
-            assert gap <= tol * max(float(db["params"][name].abs().max()), 1.0), f"param {name}: {gap}"
+            assert gap <= param_tol * max(float(db["params"][name].abs().max()), 1.0), f"param {name}: {gap}"
 
 
 def pairs(run) -> list[int]:
@@ -70,6 +82,8 @@ def test_pp1_ep2_matches_megatron(tmp_path_factory):
         assert c.get("moe.fb_overlap.a2a.forward.overlapped", 0) > 0, c
         assert c.get("moe.fb_overlap.a2a.backward.overlapped", 0) > 0, c
         assert c.get("moe.fb_overlap.turn.forward", 0) > 0 and c.get("moe.fb_overlap.turn.backward", 0) > 0, c
+        if megatron_version() >= Version("0.16"):  # warm-up/cool-down masking: shared experts inside the combine
+            assert c.get("moe.fb_overlap.shared_during_combine", 0) == ITERS * MICRO * 2, c
     assert not any(k.startswith("moe.fb_overlap") for d in base["dumps"] for k in d["counters"])
     hidden = fb["a2a_hidden_fraction"]
     assert set(hidden["per_phase"]) == {"warm_up", "steady", "cool_down"}, hidden
@@ -86,7 +100,9 @@ def test_megatrons_flag_runs_the_same_schedule(tmp_path_factory):
 def test_bf16_matches(tmp_path_factory):
     base = _run(tmp_path_factory, "bf16-base", ["--bf16"])
     fb = _run(tmp_path_factory, "bf16-fb", ["--bf16", "--moe-fb-overlap"], PAIRED)
-    assert_same_run(fb, base, tol=1e-6)  # same kernels in the same order: bf16 matches to the bit too
+    # bf16 activation gradients summed from three branches in another order (the shared experts'
+    # backward moves inside the combine) round differently: bf16's tolerance
+    assert_same_run(fb, base, tol=BF16_TOL, param_tol=BF16_TOL, loss_tol=BF16_TOL * max(base["losses"]))
     assert pairs(fb) == [ITERS * (MICRO - 1)] * 2
 
 

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from npuspeed import telemetry
 from npuspeed.features.moe_common import a2a_clock
-from npuspeed.features.moe_fb_overlap import turns
+from npuspeed.features.moe_fb_overlap import masking, turns
 
 
 def _splits(sizes):
@@ -84,3 +84,57 @@ def token_dispatch_wrapper(original):
                                permutated_local_input_tokens, permuted_probs)
 
     return token_dispatch
+
+
+class _CombineStart(torch.autograd.Function):
+    """The combine's launch; its backward waits for the gradient's transfer that
+    _CombineFinish.backward launched (autograd runs the shared experts' backward in between)."""
+
+    @staticmethod
+    def forward(ctx, x, group, out_splits, in_splits, held):
+        ctx.held = held
+        held["group"], held["splits"] = group, (out_splits, in_splits)
+        out, work, flight = _launch(x, group, out_splits, in_splits)
+        held["forward"] = (out, work, flight)
+        return out
+
+    @staticmethod
+    def backward(ctx, _token):
+        out, work, flight = ctx.held.pop("backward")
+        flight.wait(work)
+        return out, None, None, None, None
+
+
+class _CombineFinish(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y, held):
+        ctx.held = held
+        _settle([held.pop("forward")], "forward")
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, grad):
+        held = ctx.held
+        out_splits, in_splits = held["splits"]
+        launched = _launch(grad, held["group"], in_splits, out_splits)
+        held["backward"] = launched
+        pair = turns.current()
+        passed = pair is not None and pair.pass_turn()
+        telemetry.count(f"moe.fb_overlap.a2a.backward.{'overlapped' if passed else 'alone'}")
+        return grad, None
+
+
+def token_combine_wrapper(original):
+    """MoEAlltoAllTokenDispatcher.token_combine in two steps with the layer's held-back shared
+    experts (masking.py) computed between them."""
+
+    def token_combine(self, hidden_states, *args, **kwargs):
+        if getattr(self, "shared_experts", None) is not None or self.ep_size == 1:
+            return original(self, hidden_states, *args, **kwargs)
+        held: dict = {}
+        out = _CombineStart.apply(hidden_states, self.ep_group, _splits(self.input_splits),
+                                  _splits(self.output_splits), held)
+        masking.run_pending()
+        return _CombineFinish.apply(out, held)
+
+    return token_combine

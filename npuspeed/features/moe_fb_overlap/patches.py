@@ -5,11 +5,12 @@ from __future__ import annotations
 
 SCHEDULES = "megatron.core.pipeline_parallel.schedules"
 DISPATCHER = "megatron.core.transformer.moe.token_dispatcher"
+MOE_LAYER = "megatron.core.transformer.moe.moe_layer"
 CONFIG = "megatron.core.transformer.transformer_config.TransformerConfig.__post_init__"
 
 
 def register(registry, ctx, config, feature: str) -> None:
-    from npuspeed.features.moe_fb_overlap import exchange, schedule, takeover
+    from npuspeed.features.moe_fb_overlap import exchange, masking, schedule, takeover
 
     registry.register(f"{SCHEDULES}.forward_backward_no_pipelining", wrapper=schedule.no_pipelining_wrapper(ctx.note),
                       feature=feature)
@@ -18,4 +19,9 @@ def register(registry, ctx, config, feature: str) -> None:
     registry.register(f"{DISPATCHER}.all_to_all", exchange.all_to_all, feature=feature)
     registry.register(f"{DISPATCHER}.MoEAlltoAllTokenDispatcher.token_dispatch", wrapper=exchange.token_dispatch_wrapper,
                       feature=feature, megatron=">=0.13")
+    registry.register(f"{DISPATCHER}.MoEAlltoAllTokenDispatcher.token_combine", wrapper=exchange.token_combine_wrapper,
+                      feature=feature, megatron=">=0.13")
+    for target, wrapper in (("shared_experts_compute", masking.shared_experts_compute_wrapper),
+                            ("postprocess", masking.postprocess_wrapper)):
+        registry.register(f"{MOE_LAYER}.MoELayer.{target}", wrapper=wrapper, feature=feature, megatron=masking.RANGE)
     registry.register(CONFIG, wrapper=takeover.config_wrapper(ctx.note), feature=feature, megatron=takeover.RANGE)
