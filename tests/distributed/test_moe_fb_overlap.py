@@ -113,3 +113,25 @@ def test_forced_serial_runs_no_pairs(tmp_path_factory, path):
     assert_same_run(serial, base)
     assert pairs(serial) == [0, 0]
     assert all(d["counters"].get("moe.fb_overlap.serial_steps", 0) == ITERS for d in serial["dumps"])
+
+
+@pytest.mark.parametrize("saved_with", ["flag", "plain"])
+def test_checkpoint_resumes_across_the_flag(tmp_path, saved_with):
+    """Saved at iteration 4 with the flag (without it), resumed without it (with it): iterations
+    5-8 give the uninterrupted run's losses to the bit (no shared experts: without a three-branch
+    gradient the pairing changes no sum's order)."""
+    from launch import run_example
+
+    model = [a for a in MODEL]
+    i = model.index("--moe-shared-expert-intermediate-size")
+    del model[i:i + 2]
+    flag, plain = ["--moe-fb-overlap"], []
+    first, second = (flag, plain) if saved_with == "flag" else (plain, flag)
+    ckpt = tmp_path / "ckpt"
+    full = run_example(model + first + ["--save", str(ckpt), "--save-interval", "4"], tmp_path, nproc=2,
+                       name="full", env=PAIRED)
+    resumed = run_example(model + second + ["--load", str(ckpt), "--ckpt-step", "4"], tmp_path, nproc=2,
+                          name="resumed", env=PAIRED)
+    assert resumed["first_iteration"] == 5
+    assert resumed["losses"] == full["losses"][4:], (resumed["losses"], full["losses"])
+    assert (resumed["npuspeed_counters"].get("moe.fb_overlap.pairs", 0) > 0) == (second == flag)
