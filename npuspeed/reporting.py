@@ -48,6 +48,9 @@ def collect(measure_peak: bool = False) -> dict:
         # every path choice in the process, one record shape (npuspeed.ops.choose.record.Choice):
         # the fused ops, fused attention's fallback, the weight gradient, fused linear cross-entropy
         "path_choices": _path_choices(),
+        # the expert all-to-alls this process ran so far (--moe-fb-overlap, --moe-alltoall-overlap-comm):
+        # the share of their time in flight the compute did not wait for, per phase (None: none ran)
+        "a2a_hidden_fraction": _a2a_hidden(),
         # on an NPU: torch_npu's release and, per op npuspeed calls, whether it has it (None elsewhere)
         "torch_npu": _torch_npu(acc),
         # the table's bf16 dense peak for this device (None: not in the table, e.g. CPU) and,
@@ -86,6 +89,12 @@ def _path_choices() -> list[dict]:
 
     return [dict(c.as_dict(), chooser=chooser.name, line=c.line())
             for chooser in sorted(all_choosers(), key=lambda ch: ch.name) for c in chooser.choices.values()]
+
+
+def _a2a_hidden() -> dict | None:
+    from npuspeed.features.moe_common import a2a_clock
+
+    return a2a_clock.summary()
 
 
 def _attention_calls() -> dict:
