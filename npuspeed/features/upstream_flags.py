@@ -8,8 +8,9 @@ code path, and running both would do the work twice or undo each other:
 - `--recompute-modules layernorm` (selective) checkpoints the input/pre-MLP norms, as
   `--recompute-norm` does: two checkpoints of one output. `moe_act` checkpoints the experts'
   activation (grouped GEMM), which `--recompute-activation-function` frees in MLP.forward.
-- `--overlap-moe-expert-parallel-comm` runs its own combined 1F1B schedule with the EP
-  all-to-all on side streams; `--moe-alltoall-overlap-comm` chunks the same all-to-all.
+- `--overlap-moe-expert-parallel-comm` hides the EP all-to-all behind another micro-batch (with
+  npuspeed: --moe-fb-overlap's schedule, features/moe_fb_overlap/takeover.py);
+  `--moe-alltoall-overlap-comm` chunks the same all-to-all inside one.
 - `--fine-grained-activation-offloading` moves module inputs to the host, as `--swap-attention`.
 - an emerging optimizer (`--optimizer muon|dist_muon|lion|soap|adaptive_muon`) builds the
   layer-wise distributed optimizer, whose buffers are not the masters and states that
@@ -29,7 +30,7 @@ from npuspeed.features.base import FeatureError
 _EMERGING = ("muon", "dist_muon", "lion", "soap", "adaptive_muon")
 _CUDA_GRAPH_FEATURES = ("fused_attention", "fused_rmsnorm", "fused_swiglu", "fused_rotary_pos_emb", "fused_linear_ce",
                         "recompute_activation", "recompute_norm", "swap_attention", "coc_overlap", "moe_grouped_gemm",
-                        "moe_fused_permute", "moe_alltoall_overlap", "context_parallel")
+                        "moe_fused_permute", "moe_alltoall_overlap", "moe_fb_overlap", "context_parallel")
 
 
 def _selective(m, module: str) -> bool:
