@@ -15,7 +15,7 @@ gradient reduction are the same either way and not counted (the ratio is the for
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from npuspeed.plan import ops
 from npuspeed.plan.graph import Graph
@@ -93,7 +93,8 @@ def _parts(run: ResolvedRun, backend: str) -> tuple[float, float, float]:
 
 def predict(run: ResolvedRun, backend: str) -> FbOverlapStep:
     """The step of the busiest pipeline stage with and without the pairing (`backend`: the
-    planned device's name, whose rates and links price it)."""
+    planned device's name, whose rates and links price it); the pairs are the feature's
+    (m - 1 at PP 1, the one schedule it runs), never more than the micro-batches allow."""
     spec, d = run.spec, run.dims
     lay = spec.layout
     mbs = spec.batch.num_microbatches(lay.dp)
@@ -112,7 +113,3 @@ def predict(run: ResolvedRun, backend: str) -> FbOverlapStep:
                          attention_f=attention_f, mlp_f=mlp_f, a2a=a2a, step_without_s=without,
                          step_with_s=without - hidden, a2a_s=a2a_total, hidden_s=hidden)
 
-
-def with_pairs(run: ResolvedRun, pairs: int) -> ResolvedRun:
-    """`run` with the effects' pair count replaced (tests; the planner reads the feature's)."""
-    return replace(run, effects=replace(run.effects, fb_pairs=pairs))
