@@ -96,6 +96,14 @@ class PlanEffect:
     #: --swap-modules names whose saved activations are kept in host memory between forward
     #: and backward (SWAP_PARTS); empty where the host is the device
     swap_modules: tuple = ()
+    #: forward/backward pairs a step runs (--moe-fb-overlap: micro-batch i's backward beside
+    #: i+1's forward, m - 1 of them): the planner hides each expert all-to-all of one behind
+    #: the other's compute at the four pairing points, up to that compute (plan/fb_overlap.py);
+    #: None: the schedule pairs nothing
+    fb_pairs: int | None = None
+    #: micro-batches' activations held at once beyond what the pipeline schedule holds (the
+    #: paired schedule keeps micro-batch i's and i+1's alive together at PP 1)
+    extra_in_flight: int = 0
     #: one line for the plan: what it removes or costs
     summary: str = ""
 
@@ -117,6 +125,9 @@ def check(name: str, effect: PlanEffect) -> None:
     for dim in (*effect.overlap, *effect.comm_per_layer):
         if dim not in DIMENSIONS:
             raise PlanEffectError(f"feature {name}: overlap or communication of unknown dimension {dim!r}")
+    if effect.fb_pairs is not None and effect.fb_pairs < 0 or effect.extra_in_flight < 0:
+        raise PlanEffectError(f"feature {name}: fb_pairs {effect.fb_pairs} and extra_in_flight "
+                              f"{effect.extra_in_flight} count micro-batches (>= 0)")
     for module in effect.swap_modules:
         if module not in SWAP_PARTS:
             raise PlanEffectError(f"feature {name}: swapped module {module!r} is not one the planner models "

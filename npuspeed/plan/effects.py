@@ -50,6 +50,9 @@ def _merge(out: dict, name: str, effect: PlanEffect) -> None:
         out["comm_per_layer"][dim] = out["comm_per_layer"].get(dim, 0.0) + nbytes
     for dim, frac in effect.overlap.items():
         out["overlap"][dim] = max(out["overlap"].get(dim, 0.0), frac)
+    if effect.fb_pairs is not None:
+        out["fb_pairs"] = max(out["fb_pairs"] or 0, effect.fb_pairs)
+    out["extra_in_flight"] = max(out["extra_in_flight"], effect.extra_in_flight)
     if effect.summary:
         out["summaries"].append((name, effect.summary))
 
@@ -57,7 +60,7 @@ def _merge(out: dict, name: str, effect: PlanEffect) -> None:
 def collect(spec, ctx, features) -> Effects:
     """Merge the plan effects of the features enabled in `ctx` for the run `spec`."""
     out = {"variants": {}, "variant_layers": {}, "master_bytes_per_param": None, "kernels": {}, "overlap": {},
-           "options": {}, "comm_per_layer": {}, "swap_optimizer": {}, "swap_modules": (), "summaries": [],
+           "options": {}, "comm_per_layer": {}, "swap_optimizer": {}, "swap_modules": (), "fb_pairs": None, "extra_in_flight": 0, "summaries": [],
            "features": []}
     for feature in features:
         if not feature.enabled(ctx.args) or feature.always_on:

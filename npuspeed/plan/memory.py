@@ -75,6 +75,18 @@ def swap_optimizer(static, step_static, effects) -> tuple[int, int]:
     return swapped, window
 
 
+def _events(run: ResolvedRun, pp_rank: int) -> list:
+    """The rank's forwards and backwards in order; at PP 1 a feature that keeps more micro-batches
+    alive (PlanEffect.extra_in_flight: --moe-fb-overlap runs i's backward beside i+1's forward)
+    runs that many more forwards before the first backward."""
+    lay = run.spec.layout
+    m = run.spec.batch.num_microbatches(lay.dp)
+    extra = min(run.effects.extra_in_flight, max(m - 1, 0)) if lay.pp == 1 else 0
+    if not extra:
+        return schedule.events(lay.pp, pp_rank, lay.chunks, m)
+    return [("F", 0)] * extra + [ev for _ in range(m - extra) for ev in (("F", 0), ("B", 0))] + [("B", 0)] * extra
+
+
 def rank_memory(run: ResolvedRun, pp_rank: int) -> RankMemory:
     spec, effects, d = run.spec, run.effects, run.dims
     lay = spec.layout
@@ -90,7 +102,7 @@ def rank_memory(run: ResolvedRun, pp_rank: int) -> RankMemory:
         for k, v in r.by_term.items():
             terms[k] = max(terms.get(k, 0), v)
     held = top = count = top_count = 0
-    for kind, chunk in schedule.events(lay.pp, pp_rank, lay.chunks, spec.batch.num_microbatches(lay.dp)):
+    for kind, chunk in _events(run, pp_rank):
         r = replays[chunk]
         if kind == "F":
             if held + r.fwd_peak > top:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from npuspeed.plan import comm, context, effects as effects_mod, inputs as inputs_mod, memory, script, speed
+from npuspeed.plan import comm, context, effects as effects_mod, fb_overlap, inputs as inputs_mod, memory, script, speed
 from npuspeed.plan.context import PlannedDevice, context_for  # noqa: F401  (re-exported)
 from npuspeed.plan.flags import PlanInputError  # noqa: F401  (re-exported)
 from npuspeed.plan.run import ResolvedRun, resolve
@@ -28,6 +28,8 @@ class Plan:
     removes: dict = field(default_factory=dict)  # feature -> peak bytes it removes (+) or adds (-)
     #: the run resolved once (run.py): what memory, communication and speed were read from
     run: ResolvedRun | None = None
+    #: --moe-fb-overlap: the step with and without it at the device's rates (fb_overlap.py)
+    fb_overlap: object = None
 
     @property
     def ok(self) -> bool:
@@ -57,6 +59,8 @@ def plan(argv: list[str], profile=None, with_removes: bool = True, spec: RunSpec
     result.comm = comm.volume(run)
     if inputs.profile is not None:
         result.speed = speed.step_time(run, inputs.profile)
+    if run.effects.fb_pairs is not None:
+        result.fb_overlap = fb_overlap.predict(run, inputs.ctx.accelerator.name)
     for feature in inputs.features if with_removes else ():
         if feature.name not in inputs.effects.features or feature.name == "context_parallel":
             continue  # context parallelism is a layout, not a memory feature: at CP 1 it is another layout

@@ -27,6 +27,8 @@ def as_json(p) -> dict:
                    "sp": lay.sp, "world": lay.world, "distributed_optimizer": lay.distributed_optimizer,
                    "num_microbatches": spec.batch.num_microbatches(lay.dp)},
         "breakdown": {},
+        # --moe-fb-overlap: the predicted step with and without it (None when the flag is off)
+        "moe_fb_overlap": p.fb_overlap.as_dict() if getattr(p, "fb_overlap", None) else None,
     }
     if not p.ok:
         return out
@@ -95,7 +97,18 @@ def text(p) -> str:
                      ", ".join(f"{k.upper()} {v:,.1f}" for k, v in s.comm_ms.items()) + " ms")
     else:
         lines.append("step time: no profile (run `npuspeed plan --calibrate ...` and pass --profile)")
+    if getattr(p, "fb_overlap", None):
+        lines.append(fb_overlap_line(p.fb_overlap))
     return "\n".join(lines)
+
+
+def fb_overlap_line(f) -> str:
+    """The predicted step with and without --moe-fb-overlap (plan/fb_overlap.py's FbOverlapStep)."""
+    return (f"--moe-fb-overlap at {f.device} rates (roofline compute, all-to-all over {f.links}; prediction): "
+            f"step {f.step_without_s * 1e3:,.1f} ms without, {f.step_with_s * 1e3:,.1f} ms with: {f.ratio:.3f}x; "
+            f"all-to-all {f.a2a_s * 1e3:,.1f} ms, {f.hidden_s * 1e3:,.1f} ms of it hidden ({f.hidden_fraction:.0%}) "
+            f"in {f.pairs} forward/backward pairs (a layer: attention {f.attention_f * 1e3:,.2f} ms, "
+            f"MLP {f.mlp_f * 1e3:,.2f} ms forward, each all-to-all {f.a2a * 1e3:,.2f} ms)")
 
 
 def search_json(ranked, rejected, top: int) -> dict:
