@@ -53,6 +53,8 @@ FEATURES: dict[str, Enable] = {
                                                                          "--moe-token-dispatcher-type", "alltoall"],
                                    ranks=2),
     "moe_fb_overlap": Enable(["--moe-fb-overlap"], MOE + ["--expert-model-parallel-size", "2",
-                                                         "--moe-token-dispatcher-type", "alltoall"], ranks=2),
+                                                         "--moe-token-dispatcher-type", "alltoall",
+                                                         "--micro-batch-size", "1", "--global-batch-size", "4"],
+                             ranks=2),  # 2 micro-batches a step at DP 2: one pair
 }
 FEATURE_ARGV = {name: enable.argv for name, enable in FEATURES.items()}
