@@ -86,3 +86,31 @@ def test_forcing_variable(monkeypatch):
     monkeypatch.setenv(choice.FORCE_ENV, "sometimes")
     with pytest.raises(ValueError, match="NPUSPEED_FB_OVERLAP_PATH='sometimes'"):
         choice.StepTrial(3).mode()
+
+
+class _Layer:
+    use_shared_expert, shared_expert_overlap = True, False
+
+
+def test_shared_experts_run_once_inside_the_combine_or_at_postprocess():
+    from npuspeed.features.moe_fb_overlap import masking
+
+    calls = []
+    compute = masking.shared_experts_compute_wrapper(lambda layer, h: calls.append(h) or h * 2)
+    post = masking.postprocess_wrapper(lambda layer, out, shared: out + shared)
+    layer = _Layer()
+    held = compute(layer, 3)
+    assert isinstance(held, masking.Deferred) and calls == []  # held back, not computed
+    assert masking.run_pending() == 1 and calls == [3]  # the combine computes it
+    assert post(layer, 1, held) == 7 and calls == [3]  # postprocess takes the result: not computed twice
+    other = compute(layer, 5)
+    assert post(layer, 1, other) == 11 and calls == [3, 5]  # no combine ran it: postprocess computes it
+    assert masking.run_pending() == 0  # and nothing is left held
+
+
+def test_no_shared_expert_is_not_held():
+    from npuspeed.features.moe_fb_overlap import masking
+
+    layer = _Layer()
+    layer.use_shared_expert = False
+    assert masking.shared_experts_compute_wrapper(lambda layer, h: None)(layer, 3) is None

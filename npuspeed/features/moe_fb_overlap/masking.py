@@ -25,12 +25,16 @@ class Deferred:
     def __init__(self, compute, layer, hidden_states):
         self._args = (compute, layer, hidden_states)
         self._out = None
-        _PENDING.setdefault(threading.get_ident(), []).append(self)
+        self._thread = threading.get_ident()
+        _PENDING.setdefault(self._thread, []).append(self)
 
     def result(self):
         if self._args is not None:
             compute, layer, hidden_states = self._args
             self._args = None
+            pending = _PENDING.get(self._thread, [])
+            if self in pending:  # taken by postprocess where no combine ran it (nothing kept alive)
+                pending.remove(self)
             self._out = compute(layer, hidden_states)
         return self._out
 

@@ -32,6 +32,7 @@ class Session:
         self.setup_worker = setup_worker
         self.backwards = 0
         self.held = None
+        self.backward_original = None  # Megatron's backward_step, for the held one
 
 
 _SESSION: list[Session] = []
