@@ -1,8 +1,9 @@
 """MoE all-to-all hidden behind another micro-batch's compute (`--moe-fb-overlap`, and
 Megatron's `--overlap-moe-expert-parallel-comm`): the feature and its flags
 (moe_fb_overlap_feature.py), its patches (patches.py), its plan effect (plan.py), the paired
-schedule (schedule.py), the two parties taking turns (turns.py), the asynchronous dispatcher
-all-to-all (exchange.py) and Megatron's flag taken over (takeover.py)."""
+schedule and its step trial (schedule.py, choice.py), the two parties taking turns (turns.py), the
+asynchronous dispatcher all-to-alls (exchange.py), the combine with the shared experts inside
+(combine.py, masking.py) and Megatron's flag taken over (takeover.py)."""
 from npuspeed.features.moe_fb_overlap.moe_fb_overlap_feature import FbOverlapFeature
 
 __all__ = ["FbOverlapFeature"]

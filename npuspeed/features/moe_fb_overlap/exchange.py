@@ -2,12 +2,14 @@
 are in flight.
 
 `all_to_all` replaces the one in Megatron's token_dispatcher module (megatron.core.tensor_parallel
-.all_to_all's contract; the reverse exchange in backward): the combine's tokens. `token_dispatch`
-replaces the all-to-all dispatcher's (0.13+): the tokens and their routing probabilities go out
-together as one autograd step, both launched before the turn passes once and both waited after,
-and in backward their gradients the same way. Sent one after the other with a wait each, the
-small probabilities' exchange would pay alone for whatever the ranks drifted apart while the
-other micro-batch computed; sent with the tokens, the other micro-batch's compute hides it too.
+.all_to_all's contract; the reverse exchange in backward): every exchange on 0.12, which has no
+separate dispatch and combine steps. From 0.13 `token_combine` runs in two steps with the layer's
+held-back shared experts between them (combine.py), and `token_dispatch` sends the tokens and
+their routing probabilities together as one autograd step, both launched before the turn passes
+once and both waited after, and in backward their gradients the same way. Sent one after the other
+with a wait each, the small probabilities' exchange would pay alone for whatever the ranks drifted
+apart while the other micro-batch computed; sent with the tokens, the other micro-batch's compute
+hides it too.
 
 Each transfer uses `async_op=True`; the turn goes to the other micro-batch (turns.py) before the
 wait, so its compute runs while the rows are on the wire. With no pair (a lone forward or
@@ -21,14 +23,14 @@ import torch.distributed as dist
 
 from npuspeed import telemetry
 from npuspeed.features.moe_common import a2a_clock
-from npuspeed.features.moe_fb_overlap import masking, turns
+from npuspeed.features.moe_fb_overlap import turns
 
 
-def _splits(sizes):
+def split_sizes(sizes):
     return None if sizes is None else [int(s) for s in sizes]
 
 
-def _launch(x: torch.Tensor, group, out_splits, in_splits):
+def launch(x: torch.Tensor, group, out_splits, in_splits):
     x = x.contiguous()
     out = torch.empty_like(x) if out_splits is None else x.new_empty((sum(out_splits), *x.shape[1:]))
     work = dist.all_to_all_single(out, x, output_split_sizes=out_splits, input_split_sizes=in_splits,
@@ -36,7 +38,7 @@ def _launch(x: torch.Tensor, group, out_splits, in_splits):
     return out, work, a2a_clock.launch(work)
 
 
-def _settle(launched, label: str) -> None:
+def settle(launched, label: str) -> None:
     """Pass the turn once for every transfer in `launched`, then wait for each."""
     pair = turns.current()
     passed = pair is not None and pair.pass_turn()
@@ -47,8 +49,8 @@ def _settle(launched, label: str) -> None:
 
 def exchange(tensors, group, out_splits, in_splits, label: str) -> list:
     """all_to_all_single of each tensor (None passes through), launched together, settled together."""
-    launched = [None if t is None else _launch(t, group, out_splits, in_splits) for t in tensors]
-    _settle([item for item in launched if item is not None], label)
+    launched = [None if t is None else launch(t, group, out_splits, in_splits) for t in tensors]
+    settle([item for item in launched if item is not None], label)
     return [None if item is None else item[0] for item in launched]
 
 
@@ -68,7 +70,7 @@ def all_to_all(group, input_, output_split_sizes_=None, input_split_sizes=None, 
     every transfer is asynchronous here)."""
     if group.size() == 1:
         return input_
-    (out,) = _Exchange.apply(group, _splits(output_split_sizes_), _splits(input_split_sizes), input_)
+    (out,) = _Exchange.apply(group, split_sizes(output_split_sizes_), split_sizes(input_split_sizes), input_)
     return out
 
 
@@ -80,61 +82,8 @@ def token_dispatch_wrapper(original):
         if getattr(self, "shared_experts", None) is not None or self.ep_size == 1:
             return original(self, permutated_local_input_tokens, permuted_probs)
         self.tokens_per_expert = self._maybe_dtoh_and_synchronize("before_ep_alltoall", self.tokens_per_expert)
-        return _Exchange.apply(self.ep_group, _splits(self.output_splits), _splits(self.input_splits),
+        return _Exchange.apply(self.ep_group, split_sizes(self.output_splits), split_sizes(self.input_splits),
                                permutated_local_input_tokens, permuted_probs)
 
     return token_dispatch
 
-
-class _CombineStart(torch.autograd.Function):
-    """The combine's launch; its backward waits for the gradient's transfer that
-    _CombineFinish.backward launched (autograd runs the shared experts' backward in between)."""
-
-    @staticmethod
-    def forward(ctx, x, group, out_splits, in_splits, held):
-        ctx.held = held
-        held["group"], held["splits"] = group, (out_splits, in_splits)
-        out, work, flight = _launch(x, group, out_splits, in_splits)
-        held["forward"] = (out, work, flight)
-        return out
-
-    @staticmethod
-    def backward(ctx, _token):
-        out, work, flight = ctx.held.pop("backward")
-        flight.wait(work)
-        return out, None, None, None, None
-
-
-class _CombineFinish(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, y, held):
-        ctx.held = held
-        _settle([held.pop("forward")], "forward")
-        return y.view_as(y)
-
-    @staticmethod
-    def backward(ctx, grad):
-        held = ctx.held
-        out_splits, in_splits = held["splits"]
-        launched = _launch(grad, held["group"], in_splits, out_splits)
-        held["backward"] = launched
-        pair = turns.current()
-        passed = pair is not None and pair.pass_turn()
-        telemetry.count(f"moe.fb_overlap.a2a.backward.{'overlapped' if passed else 'alone'}")
-        return grad, None
-
-
-def token_combine_wrapper(original):
-    """MoEAlltoAllTokenDispatcher.token_combine in two steps with the layer's held-back shared
-    experts (masking.py) computed between them."""
-
-    def token_combine(self, hidden_states, *args, **kwargs):
-        if getattr(self, "shared_experts", None) is not None or self.ep_size == 1:
-            return original(self, hidden_states, *args, **kwargs)
-        held: dict = {}
-        out = _CombineStart.apply(hidden_states, self.ep_group, _splits(self.input_splits),
-                                  _splits(self.output_splits), held)
-        masking.run_pending()
-        return _CombineFinish.apply(out, held)
-
-    return token_combine

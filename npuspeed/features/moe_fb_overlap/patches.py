@@ -10,16 +10,17 @@ CONFIG = "megatron.core.transformer.transformer_config.TransformerConfig.__post_
 
 
 def register(registry, ctx, config, feature: str) -> None:
-    from npuspeed.features.moe_fb_overlap import exchange, masking, schedule, takeover
+    from npuspeed.features.moe_fb_overlap import combine, exchange, masking, schedule, takeover
 
     registry.register(f"{SCHEDULES}.forward_backward_no_pipelining", wrapper=schedule.no_pipelining_wrapper(ctx.note),
                       feature=feature)
     registry.register(f"{SCHEDULES}.forward_step", wrapper=schedule.forward_step_wrapper, feature=feature)
     registry.register(f"{SCHEDULES}.backward_step", wrapper=schedule.backward_step_wrapper, feature=feature)
     registry.register(f"{DISPATCHER}.all_to_all", exchange.all_to_all, feature=feature)
-    registry.register(f"{DISPATCHER}.MoEAlltoAllTokenDispatcher.token_dispatch", wrapper=exchange.token_dispatch_wrapper,
-                      feature=feature, megatron=">=0.13")
-    registry.register(f"{DISPATCHER}.MoEAlltoAllTokenDispatcher.token_combine", wrapper=exchange.token_combine_wrapper,
+    dispatcher = f"{DISPATCHER}.MoEAlltoAllTokenDispatcher"
+    registry.register(f"{dispatcher}.token_dispatch", wrapper=exchange.token_dispatch_wrapper, feature=feature,
+                      megatron=">=0.13")
+    registry.register(f"{dispatcher}.token_combine", wrapper=combine.token_combine_wrapper,
                       feature=feature, megatron=">=0.13")
     for target, wrapper in (("shared_experts_compute", masking.shared_experts_compute_wrapper),
                             ("postprocess", masking.postprocess_wrapper)):
