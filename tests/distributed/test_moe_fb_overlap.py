@@ -135,3 +135,12 @@ def test_checkpoint_resumes_across_the_flag(tmp_path, saved_with):
     assert resumed["first_iteration"] == 5
     assert resumed["losses"] == full["losses"][4:], (resumed["losses"], full["losses"])
     assert (resumed["npuspeed_counters"].get("moe.fb_overlap.pairs", 0) > 0) == (second == flag)
+
+
+def test_drop_and_pad_matches(tmp_path_factory):
+    """Token drop-and-pad (capacity 1.0, padded): every exchange has equal splits; still Megatron's numbers."""
+    pad = ["--moe-expert-capacity-factor", "1.0", "--moe-pad-expert-input-to-capacity"]
+    base = _run(tmp_path_factory, "pad-base", pad)
+    fb = _run(tmp_path_factory, "pad-fb", pad + ["--moe-fb-overlap"], PAIRED)
+    assert_same_run(fb, base)
+    assert pairs(fb) == [ITERS * (MICRO - 1)] * 2
