@@ -12,7 +12,6 @@ report`'s path_choices (chooser "moe_fb_overlap"), and said once in the log.
 """
 from __future__ import annotations
 
-import os
 import time
 
 from npuspeed.ops.choose.chooser import Chooser
@@ -41,10 +40,8 @@ class StepTrial:
         self.times: dict[str, list[float]] = {PAIRED: [], SERIAL: []}
 
     def mode(self) -> str:
-        forced = os.environ.get(FORCE_ENV, "auto").strip().lower() or "auto"
-        if forced not in ("auto", PAIRED, SERIAL):
-            raise ValueError(f"{FORCE_ENV}={forced!r}: use auto, {PAIRED} or {SERIAL}")
-        if forced != "auto":
+        forced = chooser().forced()  # the variable, checked as every chooser checks its own
+        if forced is not None:
             self._record(Choice("fb_overlap", self._label(), PAIRED if forced == PAIRED else MEGATRON,
                                 f"forced by {FORCE_ENV}={forced}"))
             return forced

@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from npuspeed import telemetry
-from npuspeed.features.moe_fb_overlap import masking, turns
-from npuspeed.features.moe_fb_overlap.exchange import launch, settle, split_sizes
+from npuspeed.features.moe_fb_overlap import masking
+from npuspeed.features.moe_fb_overlap.exchange import hand_over, launch, settle, split_sizes
 
 
 class _CombineStart(torch.autograd.Function):
@@ -47,9 +46,7 @@ class _CombineFinish(torch.autograd.Function):
         out_splits, in_splits = held["splits"]
         launched = launch(grad, held["group"], in_splits, out_splits)
         held["backward"] = launched
-        pair = turns.current()
-        passed = pair is not None and pair.pass_turn()
-        telemetry.count(f"moe.fb_overlap.a2a.backward.{'overlapped' if passed else 'alone'}")
+        hand_over("backward")
         return grad, None
 
 

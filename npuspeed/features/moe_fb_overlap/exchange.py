@@ -38,11 +38,16 @@ def launch(x: torch.Tensor, group, out_splits, in_splits):
     return out, work, a2a_clock.launch(work)
 
 
-def settle(launched, label: str) -> None:
-    """Pass the turn once for every transfer in `launched`, then wait for each."""
+def hand_over(label: str, transfers: int = 1) -> None:
+    """Pass the turn (if a pair is taking turns) while `transfers` launched all-to-alls travel."""
     pair = turns.current()
     passed = pair is not None and pair.pass_turn()
-    telemetry.count(f"moe.fb_overlap.a2a.{label}.{'overlapped' if passed else 'alone'}", len(launched))
+    telemetry.count(f"moe.fb_overlap.a2a.{label}.{'overlapped' if passed else 'alone'}", transfers)
+
+
+def settle(launched, label: str) -> None:
+    """Pass the turn once for every transfer in `launched`, then wait for each."""
+    hand_over(label, len(launched))
     for _out, work, flight in launched:
         flight.wait(work)
 

@@ -20,8 +20,6 @@ from npuspeed.features.moe_common import a2a_clock
 from npuspeed.features.moe_fb_overlap import turns
 from npuspeed.features.moe_fb_overlap.choice import SERIAL, StepTrial
 
-SCHEDULES = "megatron.core.pipeline_parallel.schedules"
-
 
 class Session:
     """One call of the schedule: how many backwards are left to hold back, the one held."""
