@@ -9,7 +9,7 @@ from npuspeed.accelerator.devices import for_device
 from npuspeed.features.base import Feature, FeatureError
 from npuspeed.features.config import FeatureConfig, flag
 from npuspeed.features.moe_alltoall_overlap import overlap
-from npuspeed.features.moe_common.layout import Layout, layers_of, needs_experts, needs_release
+from npuspeed.features.moe_common.layout import Layout, built_all_to_all, needs_all_to_all, needs_release
 
 
 @dataclass(frozen=True)
@@ -45,13 +45,8 @@ class AllToAllOverlapFeature(Feature):
         if self.chunks(ctx) < 2:
             raise FeatureError(f"--moe-alltoall-chunks must be >= 2 (got {config.moe_alltoall_chunks}): one chunk "
                                "leaves the all-to-all nothing to overlap with")
+        needs_all_to_all("--moe-alltoall-overlap-comm", ctx)
         lay = Layout.from_ctx(ctx)
-        if lay.dispatcher is not None and lay.dispatcher != "alltoall":
-            raise FeatureError(f"--moe-alltoall-overlap-comm overlaps the all-to-all dispatcher; "
-                               f"--moe-token-dispatcher-type is {lay.dispatcher}: use alltoall or drop the flag")
-        if lay.expert_parallel == 1 and (ctx.megatron.expert_model_parallel_size is not None or lay.tp_extend_ep):
-            raise FeatureError("--moe-alltoall-overlap-comm: expert-parallel size is 1, so there is no all-to-all to "
-                               "overlap; use --expert-model-parallel-size > 1 (or --moe-tp-extend-ep with TP > 1)")
         if lay.expert_tp > 1:
             raise FeatureError(f"--moe-alltoall-overlap-comm chunks whole token rows, but experts are split over "
                                f"{lay.expert_tp} tensor-parallel ranks; add --moe-tp-extend-ep or "
@@ -61,15 +56,7 @@ class AllToAllOverlapFeature(Feature):
                                "drop Megatron's --moe-shared-expert-overlap")
 
     def check_built(self, block, ctx) -> str | None:
-        from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
-
-        problem = needs_experts("--moe-alltoall-overlap-comm", block)
-        if problem:
-            return problem
-        kinds = {type(layer.token_dispatcher).__name__ for layer in layers_of(block)}
-        if kinds and not any(isinstance(layer.token_dispatcher, MoEAlltoAllTokenDispatcher) for layer in layers_of(block)):
-            return f"--moe-alltoall-overlap-comm needs --moe-token-dispatcher-type alltoall (built: {sorted(kinds)})"
-        return None
+        return built_all_to_all("--moe-alltoall-overlap-comm", block)
 
     def path(self, ctx) -> str:
         if not self.enabled(ctx.args):

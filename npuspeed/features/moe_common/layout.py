@@ -71,3 +71,29 @@ def needs_release(flag: str, spec: str, why: str) -> None:
     if not in_range(spec):
         raise FeatureError(f"{flag} needs megatron-core {spec} ({why}); this is {megatron_version()}: upgrade "
                            "megatron-core or drop the flag")
+
+
+def needs_all_to_all(flag: str, ctx) -> None:
+    """A flag that overlaps the all-to-all dispatcher's exchange refuses another dispatcher and
+    expert-parallel size 1 (no exchange), as given on the command line."""
+    lay = Layout.from_ctx(ctx)
+    if lay.dispatcher is not None and lay.dispatcher != "alltoall":
+        raise FeatureError(f"{flag} overlaps the all-to-all dispatcher; --moe-token-dispatcher-type is "
+                           f"{lay.dispatcher}: use alltoall or drop the flag")
+    if lay.expert_parallel == 1 and (ctx.megatron.expert_model_parallel_size is not None or lay.tp_extend_ep):
+        raise FeatureError(f"{flag}: expert-parallel size is 1, so there is no all-to-all to overlap; use "
+                           "--expert-model-parallel-size > 1 (or --moe-tp-extend-ep with TP > 1)")
+
+
+def built_all_to_all(flag: str, block) -> str | None:
+    """The built block's problem for such a flag: no experts, or no all-to-all dispatcher."""
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    problem = needs_experts(flag, block)
+    if problem:
+        return problem
+    layers = layers_of(block)
+    if layers and not any(isinstance(layer.token_dispatcher, MoEAlltoAllTokenDispatcher) for layer in layers):
+        kinds = sorted({type(layer.token_dispatcher).__name__ for layer in layers})
+        return f"{flag} needs --moe-token-dispatcher-type alltoall (built: {kinds})"
+    return None

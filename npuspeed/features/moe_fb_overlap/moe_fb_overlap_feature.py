@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from npuspeed.accelerator.devices import for_device
 from npuspeed.features.base import Feature, FeatureError
 from npuspeed.features.config import FeatureConfig, flag
-from npuspeed.features.moe_common.layout import Layout, layers_of, needs_experts
+from npuspeed.features.moe_common.layout import built_all_to_all, needs_all_to_all
 
 
 @dataclass(frozen=True)
@@ -35,16 +35,11 @@ class FbOverlapFeature(Feature):
 
     def validate(self, ctx) -> None:
         flag_ = self.config(ctx.args).flag_given
-        m, lay = ctx.megatron, Layout.from_ctx(ctx)
+        m = ctx.megatron
         if vars(ctx.args).get("moe_alltoall_overlap_comm", False):
             raise FeatureError(f"{flag_} hides the all-to-all behind another micro-batch; --moe-alltoall-overlap-comm "
                                "chunks the same all-to-all inside one: choose one of the two")
-        if lay.dispatcher is not None and lay.dispatcher != "alltoall":
-            raise FeatureError(f"{flag_} overlaps the all-to-all dispatcher; --moe-token-dispatcher-type is "
-                               f"{lay.dispatcher}: use alltoall or drop the flag")
-        if lay.expert_parallel == 1 and (m.expert_model_parallel_size is not None or lay.tp_extend_ep):
-            raise FeatureError(f"{flag_}: expert-parallel size is 1, so there is no all-to-all to hide; use "
-                               "--expert-model-parallel-size > 1 or drop the flag")
+        needs_all_to_all(flag_, ctx)
         if (m.pipeline_model_parallel_size or 1) > 1:
             raise FeatureError(f"{flag_} pairs micro-batches at pipeline-parallel size 1 in this release (the "
                                "interleaved and DualPipeV schedules are not built yet); use "
@@ -60,17 +55,7 @@ class FbOverlapFeature(Feature):
                                "--moe-shared-expert-overlap")
 
     def check_built(self, block, ctx) -> str | None:
-        from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
-
-        flag_ = self.config(ctx.args).flag_given
-        problem = needs_experts(flag_, block)
-        if problem:
-            return problem
-        layers = layers_of(block)
-        if layers and not any(isinstance(layer.token_dispatcher, MoEAlltoAllTokenDispatcher) for layer in layers):
-            kinds = sorted({type(layer.token_dispatcher).__name__ for layer in layers})
-            return f"{flag_} needs --moe-token-dispatcher-type alltoall (built: {kinds})"
-        return None
+        return built_all_to_all(self.config(ctx.args).flag_given, block)
 
     def path(self, ctx) -> str:
         if not self.enabled(ctx.args):
