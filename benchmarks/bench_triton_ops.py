@@ -214,7 +214,9 @@ def moe_cases(bench, dev, dtype, name, args):
                 permuted, idx, _ = permute_reference(x, rmap)
                 row_probs = probs.T.contiguous().masked_select(rmap.T.contiguous())
                 return unpermute_reference(permuted * 2, idx, row_probs, t)
-            permuted, _, idx = moe_utils.permute(x, rmap)
+            # 0.19's argsort permute needs the routed-token count (earlier releases accept it too)
+            # and returns five values where earlier releases return three
+            permuted, _, idx = moe_utils.permute(x, rmap, num_out_tokens=t * topk)[:3]
             return moe_utils.unpermute(permuted * 2, idx, x.shape, probs=probs, routing_map=rmap)
 
         check("moe permute/unpermute", triton_pair(), megatron_pair(), dtype)

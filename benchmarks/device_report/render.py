@@ -112,8 +112,15 @@ def markdown(report: dict, derived: dict) -> str:
     for key, title in (("fused_ops", "Fused ops"), ("triton_ops", "Triton kernels")):
         section = report.get(key) or {}
         out += ["", f"**{title}** (fwd+bwd; speedup = Megatron's default or the named peer over the other column):", ""]
-        out += _fused_rows(section) if section.get("rows") else [section.get("error") or section.get("skipped") or "not run"]
+        out += _fused_rows(section) if section.get("rows") else [_last_line(section.get("error")) or section.get("skipped")
+                                                                   or "not run"]
     return "\n".join(out) + "\n"
+
+
+def _last_line(error: str | None) -> str | None:
+    """A failed bench's exception line (its whole output is in the part's log next to the report)."""
+    lines = [line.strip() for line in (error or "").splitlines() if line.strip()]
+    return f"failed: {lines[-1]} (the whole output: the bench's log in the report's folder)" if lines else None
 
 
 def plots(derived: dict, out: Path) -> list[str]:
