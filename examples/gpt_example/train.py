@@ -27,6 +27,7 @@ from gpt_example.model import (
 from npuspeed import get_accelerator, telemetry
 from npuspeed.features.fused_attention.forward import attention_calls
 from npuspeed.features.moe_common import a2a_clock
+from npuspeed.features.moe_fb_overlap import bubble
 from npuspeed.memory import weight_bytes
 
 
@@ -231,6 +232,16 @@ def _collective_device() -> torch.device:
     return get_accelerator().device()
 
 
+def _bubbles() -> list[dict] | None:
+    """Every rank's pipeline bubble (bubble.summary), in rank order; None when no rank measured one."""
+    mine = bubble.summary()
+    if not torch.distributed.is_initialized():
+        return [mine] if mine else None
+    every = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(every, mine)
+    return [dict(b, rank=r) for r, b in enumerate(every) if b] or None
+
+
 def _max_over_ranks(value: float) -> float:
     t = torch.tensor([value], dtype=torch.float64, device=_collective_device())
     torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
@@ -348,6 +359,7 @@ def _train(args, progress) -> dict:
         losses.append(loss)
         if iteration == start_iteration + 1:
             a2a_clock.reset()  # the first iteration's transfers include the process group's set-up
+            bubble.reset()
         step_times.append(step_ms)
         parts["forward_backward_ms"].append((t1 - t0) * 1000.0)
         parts["optimizer_step_ms"].append((t2 - t1) * 1000.0)
@@ -366,6 +378,9 @@ def _train(args, progress) -> dict:
     hidden = a2a_clock.summary()
     if rank0 and hidden:
         print(f"npuspeed: {a2a_clock.line(hidden)}", flush=True)
+    bubbles = _bubbles()
+    if rank0 and bubbles:
+        print(f"npuspeed: {bubble.line(bubbles[0])} (rank 0)", flush=True)
     measured = step_times[1:] or step_times
     mean_ms = sum(measured) / max(len(measured), 1)
     summary = {
@@ -415,6 +430,10 @@ def _train(args, progress) -> dict:
         # the compute did not wait for, overall and per phase (warm_up / steady / cool_down with
         # --moe-fb-overlap, layer with --moe-alltoall-overlap-comm); None without expert all-to-alls
         "a2a_hidden_fraction": hidden,
+        # each rank's pipeline bubble after the first iteration (--moe-fb-overlap at PP > 1): its
+        # time blocked in pipeline send/receive a step beside (PP-1)(F+B) from its own lone
+        # forward/backward calls; None when it was not measured
+        "pipeline_bubble": bubbles,
         "skipped_iterations": skipped,
         # iterations whose loss or gradient was NaN/Inf (reported in the log as they happen)
         "nonfinite_iterations": nonfinite,

@@ -10,8 +10,9 @@ CONFIG = "megatron.core.transformer.transformer_config.TransformerConfig.__post_
 
 
 def register(registry, ctx, config, feature: str) -> None:
-    from npuspeed.features.moe_fb_overlap import combine, exchange, masking, schedule, takeover
+    from npuspeed.features.moe_fb_overlap import bubble, combine, exchange, masking, schedule, takeover
 
+    bubble.register(registry, ctx, feature)  # PP > 1: the bubble measured (first: innermost wrappers)
     registry.register(f"{SCHEDULES}.forward_backward_no_pipelining", wrapper=schedule.no_pipelining_wrapper(ctx.note),
                       feature=feature)
     registry.register(f"{SCHEDULES}.forward_step", wrapper=schedule.forward_step_wrapper, feature=feature)

@@ -1,0 +1,161 @@
+"""Each rank's pipeline bubble per step, measured, beside the schedule's formula for it.
+
+Idle: the time this rank spent blocked in Megatron's pipeline send/receive (`_communicate`,
+which waits on its requests unless `--overlap-p2p-comm` defers them) with the device drained
+first, so the time is the wait and not queued compute. F and B: the mean `forward_step` and
+`backward_step` of one model chunk and micro-batch, from the calls that ran alone (a paired
+forward and backward overlap, so neither half is one chunk's cost). The interleaved schedule's
+bubble is (PP-1)(F+B)/v in whole-stage units, (PP-1)(F+B) in the chunk units measured here, the
+same expression without VPP (v = 1). The example reports it as `pipeline_bubble`.
+"""
+from __future__ import annotations
+
+import functools
+import threading
+import time
+
+_lock = threading.Lock()
+_totals = {"idle": 0.0, "waits": 0, "forward": 0.0, "forwards": 0, "backward": 0.0, "backwards": 0, "steps": 0}
+_layout = {"pp": 1, "vpp": 1}
+
+
+def _sync() -> None:
+    from npuspeed.accelerator import get_accelerator
+
+    get_accelerator().synchronize()
+
+
+def _add(key: str, count: str, seconds: float) -> None:
+    with _lock:
+        _totals[key] += seconds
+        _totals[count] += 1
+
+
+def communicate_wrapper(original):
+    @functools.wraps(original)
+    def communicate(*args, **kwargs):
+        _sync()
+        t0 = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            if kwargs.get("wait_on_reqs", True):
+                _sync()
+                _add("idle", "waits", time.perf_counter() - t0)
+
+    return communicate
+
+
+class _Call:
+    __slots__ = ("overlapped",)
+
+    def __init__(self, overlapped: bool):
+        self.overlapped = overlapped
+
+
+_running: set = set()
+
+
+def _timed(key: str, count: str):
+    """A call counts only when no other forward/backward ran during it (a pair's halves do)."""
+
+    def wrap(original):
+        @functools.wraps(original)
+        def run(*args, **kwargs):
+            _sync()
+            with _lock:
+                call = _Call(bool(_running))
+                for other in _running:
+                    other.overlapped = True
+                _running.add(call)
+            t0 = time.perf_counter()
+            try:
+                out = original(*args, **kwargs)
+                _sync()
+            finally:
+                with _lock:
+                    _running.discard(call)
+            if not call.overlapped:
+                _add(key, count, time.perf_counter() - t0)
+            return out
+
+        return run
+
+    return wrap
+
+
+forward_step_wrapper = _timed("forward", "forwards")
+backward_step_wrapper = _timed("backward", "backwards")
+
+
+def schedule_wrapper(original):
+    """Counts the training steps of a pipelined schedule and notes its layout."""
+
+    @functools.wraps(original)
+    def schedule(*args, **kwargs):
+        if not kwargs.get("forward_only", False):
+            from megatron.core import parallel_state
+
+            model = kwargs.get("model", args[1] if len(args) > 1 else None)
+            _layout["pp"] = parallel_state.get_pipeline_model_parallel_world_size()
+            _layout["vpp"] = len(model) if isinstance(model, list) else 1
+            with _lock:
+                _totals["steps"] += 1
+        return original(*args, **kwargs)
+
+    return schedule
+
+
+def reset() -> None:
+    with _lock:
+        for key in _totals:
+            _totals[key] = 0 if isinstance(_totals[key], int) else 0.0
+
+
+def summary() -> dict | None:
+    """{idle_ms_per_step, forward_ms, backward_ms, formula_ms, measured_over_formula, pp, vpp,
+    steps}; None before a pipelined training step ran."""
+    with _lock:
+        t = dict(_totals)
+    if not t["steps"] or _layout["pp"] < 2:
+        return None
+    f = t["forward"] / t["forwards"] if t["forwards"] else None
+    b = t["backward"] / t["backwards"] if t["backwards"] else None
+    idle = t["idle"] / t["steps"]
+    formula = (_layout["pp"] - 1) * (f + b) if f is not None and b is not None else None
+    return {"idle_ms_per_step": idle * 1e3, "forward_ms": f and f * 1e3, "backward_ms": b and b * 1e3,
+            "formula_ms": formula and formula * 1e3,
+            "measured_over_formula": idle / formula if formula else None,
+            "pp": _layout["pp"], "vpp": _layout["vpp"], "steps": t["steps"], "waits": t["waits"]}
+
+
+def line(s: dict) -> str:
+    ratio = s["measured_over_formula"]
+    return (f"pipeline bubble: {s['idle_ms_per_step']:.1f} ms idle a step on this rank (PP {s['pp']}, VPP {s['vpp']}); "
+            f"formula (PP-1)(F+B) = {s['formula_ms'] or float('nan'):.1f} ms from F {s['forward_ms'] or float('nan'):.1f} ms, "
+            f"B {s['backward_ms'] or float('nan'):.1f} ms a chunk; measured/formula "
+            + (f"{ratio:.2f}" if ratio is not None else "n/a"))
+
+
+P2P = "megatron.core.pipeline_parallel.p2p_communication"
+SCHEDULES = "megatron.core.pipeline_parallel.schedules"
+MEASURE_ENV = "NPUSPEED_MEASURE_BUBBLE"
+
+
+def register(registry, ctx, feature: str) -> None:
+    """At PP > 1: on CPU always (draining the host is free), on a device only with
+    NPUSPEED_MEASURE_BUBBLE=1 (draining it at every send/receive and chunk would cost time)."""
+    import os
+
+    if (ctx.megatron.pipeline_model_parallel_size or 1) < 2:
+        return
+    if ctx.accelerator.name != "cpu" and os.environ.get(MEASURE_ENV) != "1":
+        return
+    # registered first, so innermost: a pair's forward and backward are the timed calls
+    registry.register(f"{SCHEDULES}.forward_step", wrapper=forward_step_wrapper, feature=feature)
+    registry.register(f"{SCHEDULES}.backward_step", wrapper=backward_step_wrapper, feature=feature)
+    registry.register(f"{P2P}._communicate", wrapper=communicate_wrapper, feature=feature, megatron="<0.14")
+    registry.register(f"{P2P}.P2PCommunicator._communicate", wrapper=communicate_wrapper, feature=feature,
+                      megatron=">=0.14")
+    for name in ("forward_backward_pipelining_with_interleaving", "forward_backward_pipelining_without_interleaving"):
+        registry.register(f"{SCHEDULES}.{name}", wrapper=schedule_wrapper, feature=feature)
