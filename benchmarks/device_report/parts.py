@@ -162,7 +162,7 @@ def triton_ops(budget: Budget, out: Path, smoke: bool) -> dict:
 
 KEEP = ("losses", "tokens_per_s", "median_step_ms", "mean_step_ms", "peak_mem_bytes", "forward_backward_peak_bytes",
         "optimizer_step_peak_bytes", "weight_bytes", "tflops_per_s_per_rank", "mfu", "device_peak_tflops",
-        "device", "npuspeed_counters", "attention_calls", "param_devices", "batch_devices")
+        "device", "npuspeed_counters", "attention_calls", "param_devices", "batch_devices", "step_ms")
 
 
 def training_runs(budget: Budget, out: Path, smoke: bool) -> dict:

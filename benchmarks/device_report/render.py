@@ -46,6 +46,7 @@ def derive(report: dict) -> dict:
         flags.append({"name": name, "base": base_name, "step_ms": run["median_step_ms"],
                       "base_step_ms": base["median_step_ms"],
                       "time_ratio": _ratio(run["median_step_ms"], base["median_step_ms"]),
+                      "range": _range(run), "base_range": _range(base),
                       "peak_gib": run["peak_mem_bytes"] / GiB, "base_peak_gib": base["peak_mem_bytes"] / GiB,
                       "ran": {k: v for k, v in (run.get("npuspeed_counters") or {}).items()
                               if prefix and k.startswith(prefix)}})
@@ -56,6 +57,18 @@ def derive(report: dict) -> dict:
         if _ok(base):
             share.append({**t, "step_ms": base["median_step_ms"], "share": t["ms_per_step"] / base["median_step_ms"]})
     return {"e2e": e2e, "flags": flags, "codec_share": share}
+
+
+def _range(run: dict) -> list[float] | None:
+    """The fastest and slowest step after the first (None where the run kept no step times)."""
+    steps = (run.get("step_ms") or [])[1:]
+    return [min(steps), max(steps)] if steps else None
+
+
+def _within_spread(r: dict) -> bool:
+    """The flag run's steps and its base's overlap: the ratio of medians is not a measured effect."""
+    a, b = r.get("range"), r.get("base_range")
+    return bool(a and b) and a[0] <= b[1] and b[0] <= a[1]
 
 
 def _f(x, fmt="{:.2f}", none="-"):
@@ -97,13 +110,16 @@ def markdown(report: dict, derived: dict) -> str:
             out.append(f"| {r['name']} | {r['tokens_per_s']:.0f} | {_f(r['vs_off'], '{:.2f}x')} | {_f(r['tflops'], '{:.1f}')} "
                        f"| {_f(r['mfu'], '{:.1%}')} | {r['peak_gib']:.2f} |")
     out += ["", "**One flag at a time** (against flash attention alone, same model and batch):", "",
-            "| flag run | step ms (base) | x step | peak GiB (base) | what ran |", "|---|---|---|---|---|"]
+            "| flag run | median step ms (base); fastest-slowest | x step | peak GiB (base) | what ran |", "|---|---|---|---|---|"]
     for r in derived["flags"]:
         if "error" in r:
             out.append(f"| {r['name']} | failed: {r['error'][:120]} | | | |")
         else:
             ran = ", ".join(f"{k}={v}" for k, v in sorted(r["ran"].items())[:6])
-            out.append(f"| {r['name']} | {r['step_ms']:.1f} ({r['base_step_ms']:.1f}) | {_f(r['time_ratio'], '{:.3f}x')} "
+            steps = (f"; steps {r['range'][0]:.0f}-{r['range'][1]:.0f} ({r['base_range'][0]:.0f}-{r['base_range'][1]:.0f})"
+                     if r.get("range") and r.get("base_range") else "")
+            spread = " (within the steps' spread)" if _within_spread(r) else ""
+            out.append(f"| {r['name']} | {r['step_ms']:.1f} ({r['base_step_ms']:.1f}){steps} | {_f(r['time_ratio'], '{:.3f}x')}{spread} "
                        f"| {r['peak_gib']:.2f} ({r['base_peak_gib']:.2f}) | {ran} |")
     for s in derived["codec_share"]:
         out.append(f"- `--reuse-fp32-param` codec ({s['codec']}, {s['params'] / 1e6:.0f}M masters, "

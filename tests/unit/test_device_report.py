@@ -54,6 +54,19 @@ def test_markdown_derives_the_figures_and_lists_failures():
     assert "| rms_norm 4096x4096 | bf16 | chosen | 0.500 | 0.250 | 2.00x | triton |" in md
 
 
+def test_step_spread_marks_a_ratio_that_is_not_a_measured_effect():
+    report = _report()
+    runs = report["training"]["runs"]
+    runs["flash-attn"]["step_ms"] = [900.0, 380.0, 420.0, 400.0]
+    runs["reuse-fp32-param"]["step_ms"] = [950.0, 395.0, 410.0, 404.0]  # inside the base's 380-420
+    runs["swap-attention"] = dict(_run(60000, 600, 8 * 2**30), step_ms=[900.0, 590.0, 610.0, 600.0])
+    report["triton_ops"] = {"error": "Traceback (most recent call last):\n  File x\nAssertionError: boom\n"}
+    md = render.markdown(report, render.derive(report))
+    assert "| reuse-fp32-param | 404.0 (400.0); steps 395-410 (380-420) | 1.010x (within the steps' spread) |" in md
+    assert "| swap-attention | 600.0 (400.0); steps 590-610 (380-420) | 1.500x |" in md
+    assert "failed: AssertionError: boom (the whole output" in md and "Traceback" not in md
+
+
 def _write(tmp_path: Path, report: dict) -> Path:
     out = tmp_path / "report"
     out.mkdir()
