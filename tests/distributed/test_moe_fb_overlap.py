@@ -68,6 +68,18 @@ def assert_same_run(a: dict, b: dict, tol: float = TOL, param_tol: float = PARAM
             assert gap <= param_tol * max(float(db["params"][name].abs().max()), 1.0), f"param {name}: {gap}"
 
 
+def assert_wgrad_split(c: dict, built: str) -> None:
+    """Every micro-batch's experts (2 layers x 2 local experts, fc1 and fc2, or 2 grouped
+    matmuls a layer) owed their dW, and every owed dW ran inside a dispatch gradient's all-to-all."""
+    if megatron_version() < Version("0.13"):  # no separate token_dispatch: dW stays joined
+        return
+    per_layer = 4 if built.endswith("split_linear") else 2
+    assert c.get("moe.wgrad.owed", 0) == ITERS * MICRO * 2 * per_layer, c
+    assert c.get("moe.fb_overlap.wgrad.during_a2a", 0) == c["moe.wgrad.owed"], c
+    if built.endswith("split_linear"):
+        assert c.get(built, 0) == c["moe.wgrad.owed"], c
+
+
 def pairs(run) -> list[int]:
     return [d["counters"].get("moe.fb_overlap.pairs", 0) for d in run["dumps"]]
 
@@ -84,6 +96,7 @@ def test_pp1_ep2_matches_megatron(tmp_path_factory):
         assert c.get("moe.fb_overlap.turn.forward", 0) > 0 and c.get("moe.fb_overlap.turn.backward", 0) > 0, c
         if megatron_version() >= Version("0.16"):  # warm-up/cool-down masking: shared experts inside the combine
             assert c.get("moe.fb_overlap.shared_during_combine", 0) == ITERS * MICRO * 2, c
+        assert_wgrad_split(c, "moe.fb_overlap.wgrad.split_linear")
     assert not any(k.startswith("moe.fb_overlap") for d in base["dumps"] for k in d["counters"])
     hidden = fb["a2a_hidden_fraction"]
     assert set(hidden["per_phase"]) == {"warm_up", "steady", "cool_down"}, hidden
@@ -143,3 +156,15 @@ def test_drop_and_pad_matches(tmp_path_factory):
     fb = _run(tmp_path_factory, "pad-fb", pad + ["--moe-fb-overlap"], PAIRED)
     assert_same_run(fb, base)
     assert pairs(fb) == [ITERS * (MICRO - 1)] * 2
+
+
+def test_grouped_experts_with_their_dw_split_match(tmp_path_factory):
+    """--moe-grouped-gemm (GroupedMLP <0.17, npuspeed's grouped experts 0.17+): the grouped
+    matmuls' weight gradients owed and run inside the dispatch gradient's all-to-all."""
+    grouped = ["--moe-grouped-gemm"]
+    base = _run(tmp_path_factory, "gg-base", grouped)
+    fb = _run(tmp_path_factory, "gg-fb", grouped + ["--moe-fb-overlap"], PAIRED)
+    assert_same_run(fb, base)
+    for d in fb["dumps"]:
+        assert_wgrad_split(d["counters"], "grouped")
+    assert not any(k.startswith("moe.wgrad") for d in base["dumps"] for k in d["counters"])

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from npuspeed.features.moe_fb_overlap import masking
+from npuspeed.features.moe_fb_overlap import masking, wgrad
 from npuspeed.features.moe_fb_overlap.exchange import hand_over, launch, settle, split_sizes
 
 
@@ -57,6 +57,7 @@ def token_combine_wrapper(original):
     def token_combine(self, hidden_states, *args, **kwargs):
         if getattr(self, "shared_experts", None) is not None or self.ep_size == 1:
             return original(self, hidden_states, *args, **kwargs)
+        wgrad.disarm()
         held: dict = {}
         out = _CombineStart.apply(hidden_states, self.ep_group, split_sizes(self.input_splits),
                                   split_sizes(self.output_splits), held)

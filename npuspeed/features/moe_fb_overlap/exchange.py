@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from npuspeed import telemetry
 from npuspeed.features.moe_common import a2a_clock
-from npuspeed.features.moe_fb_overlap import turns
+from npuspeed.features.moe_fb_overlap import turns, wgrad
 
 
 def split_sizes(sizes):
@@ -52,9 +52,12 @@ def settle(launched, label: str) -> None:
         flight.wait(work)
 
 
-def exchange(tensors, group, out_splits, in_splits, label: str) -> list:
-    """all_to_all_single of each tensor (None passes through), launched together, settled together."""
+def exchange(tensors, group, out_splits, in_splits, label: str, between=None) -> list:
+    """all_to_all_single of each tensor (None passes through), launched together, settled
+    together; `between()` runs after the launch, before the turn passes."""
     launched = [None if t is None else launch(t, group, out_splits, in_splits) for t in tensors]
+    if between is not None:
+        between()
     settle([item for item in launched if item is not None], label)
     return [None if item is None else item[0] for item in launched]
 
@@ -67,7 +70,9 @@ class _Exchange(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        return (None, None, None, *exchange(grads, ctx.group, ctx.in_splits, ctx.out_splits, "backward"))
+        # the experts' owed weight gradients (wgrad.py) compute while the token gradients travel
+        return (None, None, None, *exchange(grads, ctx.group, ctx.in_splits, ctx.out_splits, "backward",
+                                            between=wgrad.run_owed))
 
 
 def all_to_all(group, input_, output_split_sizes_=None, input_split_sizes=None, **_kwargs):
@@ -87,8 +92,10 @@ def token_dispatch_wrapper(original):
         if getattr(self, "shared_experts", None) is not None or self.ep_size == 1:
             return original(self, permutated_local_input_tokens, permuted_probs)
         self.tokens_per_expert = self._maybe_dtoh_and_synchronize("before_ep_alltoall", self.tokens_per_expert)
-        return _Exchange.apply(self.ep_group, split_sizes(self.output_splits), split_sizes(self.input_splits),
-                               permutated_local_input_tokens, permuted_probs)
+        out = _Exchange.apply(self.ep_group, split_sizes(self.output_splits), split_sizes(self.input_splits),
+                              permutated_local_input_tokens, permuted_probs)
+        wgrad.arm()  # the experts between here and the combine owe their dW to this exchange's backward
+        return out
 
     return token_dispatch
 

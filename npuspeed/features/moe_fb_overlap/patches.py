@@ -1,16 +1,18 @@
 """--moe-fb-overlap's patches: the PP-1 schedule's forward_step/backward_step held and paired
 (schedule.py), the token dispatcher's all-to-all asynchronous with the turn passed (exchange.py),
-and, where Megatron has its own flag (0.14+), its TransformerConfig checks taken over."""
+the experts' local linears with their weight gradient split off (wgrad.py; the grouped experts
+split theirs in grouped_gemm.py), and, where Megatron has its own flag (0.14+), its TransformerConfig checks taken over."""
 from __future__ import annotations
 
 SCHEDULES = "megatron.core.pipeline_parallel.schedules"
 DISPATCHER = "megatron.core.transformer.moe.token_dispatcher"
 MOE_LAYER = "megatron.core.transformer.moe.moe_layer"
+LAYERS = "megatron.core.tensor_parallel.layers"
 CONFIG = "megatron.core.transformer.transformer_config.TransformerConfig.__post_init__"
 
 
 def register(registry, ctx, config, feature: str) -> None:
-    from npuspeed.features.moe_fb_overlap import bubble, combine, exchange, masking, schedule, takeover
+    from npuspeed.features.moe_fb_overlap import bubble, combine, exchange, masking, schedule, takeover, wgrad
 
     bubble.register(registry, ctx, feature)  # PP > 1: the bubble measured (first: innermost wrappers)
     registry.register(f"{SCHEDULES}.forward_backward_no_pipelining", wrapper=schedule.no_pipelining_wrapper(ctx.note),
@@ -26,4 +28,6 @@ def register(registry, ctx, config, feature: str) -> None:
     for target, wrapper in (("shared_experts_compute", masking.shared_experts_compute_wrapper),
                             ("postprocess", masking.postprocess_wrapper)):
         registry.register(f"{MOE_LAYER}.MoELayer.{target}", wrapper=wrapper, feature=feature, megatron=masking.RANGE)
+    registry.register(f"{LAYERS}.linear_with_grad_accumulation_and_async_allreduce", wrapper=wgrad.linear_wrapper,
+                      feature=feature, megatron=wgrad.RANGE)
     registry.register(CONFIG, wrapper=takeover.config_wrapper(ctx.note), feature=feature, megatron=takeover.RANGE)

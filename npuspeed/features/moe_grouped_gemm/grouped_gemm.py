@@ -38,6 +38,7 @@ import torch
 
 from npuspeed import telemetry
 from npuspeed.accelerator.devices import for_device
+from npuspeed.features.moe_common import deferred_wgrad
 from npuspeed.features.moe_common.grad_sink import GradSink
 from npuspeed.ops import _dispatch
 from npuspeed.ops.npu import moe as npu_moe
@@ -136,6 +137,12 @@ def _check(x, w, counts):
 
 
 def _dw(ctx, x, grad, w, fresh):
+    """The weight gradient now (None where `w` came detached with a Later: owed to it instead)."""
+    if ctx.later is not None:
+        ctx.later.owe(fresh)
+        return None
+    if not ctx.needs_input_grad[1]:
+        return None
     sink = ctx.sink
     return fresh() if sink is None else sink.take(x, grad, ctx.counts, w, fresh)
 
@@ -152,8 +159,8 @@ class _LoopGMM(torch.autograd.Function):
     """One mm per group; `upcast`: the loop_fp32 backend (see the module docstring)."""
 
     @staticmethod
-    def forward(ctx, x, w, counts, sink, upcast=False):
-        ctx.counts, ctx.sink, ctx.upcast = counts, sink, upcast
+    def forward(ctx, x, w, counts, sink, upcast=False, later=None):
+        ctx.counts, ctx.sink, ctx.upcast, ctx.later = counts, sink, upcast, later
         ctx.save_for_backward(x, w)
         out = x.new_empty(x.shape[0], w.shape[2])
         for xs, wg, os_ in zip(x.split(counts), w, out.split(counts)):
@@ -171,9 +178,8 @@ class _LoopGMM(torch.autograd.Function):
             for gs, wg, ds in zip(grad.split(ctx.counts), w, dx.split(ctx.counts)):
                 if gs.shape[0]:
                     _mm_into(ds, gs, wg.t(), ctx.upcast)
-        if ctx.needs_input_grad[1]:
-            dw = _dw(ctx, x, grad, w, lambda: _weight_grads(x, grad, ctx.counts, w, upcast=ctx.upcast))
-        return dx, dw, None, None, None
+        dw = _dw(ctx, x, grad, w, lambda: _weight_grads(x, grad, ctx.counts, w, upcast=ctx.upcast))
+        return dx, dw, None, None, None, None
 
 
 def _weight_grads(x, grad, counts, w, upcast: bool = False):
@@ -186,8 +192,8 @@ def _weight_grads(x, grad, counts, w, upcast: bool = False):
 
 class _TorchGMM(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w, offs, counts, sink):
-        ctx.counts, ctx.sink = counts, sink
+    def forward(ctx, x, w, offs, counts, sink, later=None):
+        ctx.counts, ctx.sink, ctx.later = counts, sink, later
         ctx.save_for_backward(x, w, offs)
         return _torch_grouped_mm()(x, w, offs=offs)
 
@@ -195,19 +201,19 @@ class _TorchGMM(torch.autograd.Function):
     def backward(ctx, grad):
         x, w, offs = ctx.saved_tensors
         if x.shape[0] == 0:  # no rows: zero, defined weight gradients
-            dw = _dw(ctx, x, grad, w, lambda: torch.zeros_like(w)) if ctx.needs_input_grad[1] else None
-            return x.new_zeros(x.shape), dw, None, None, None
+            dw = _dw(ctx, x, grad, w, lambda: torch.zeros_like(w))
+            return x.new_zeros(x.shape), dw, None, None, None, None
         grad = grad.contiguous()
         fn = _torch_grouped_mm()
         dx = fn(grad, w.transpose(-2, -1), offs=offs) if ctx.needs_input_grad[0] else None
-        dw = _dw(ctx, x, grad, w, lambda: fn(x.t(), grad, offs=offs)) if ctx.needs_input_grad[1] else None
-        return dx, dw, None, None, None
+        dw = _dw(ctx, x, grad, w, lambda: fn(x.t(), grad, offs=offs))
+        return dx, dw, None, None, None, None
 
 
 class _NpuGMM(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w, counts, sink):
-        ctx.counts, ctx.sink = counts, sink
+    def forward(ctx, x, w, counts, sink, later=None):
+        ctx.counts, ctx.sink, ctx.later = counts, sink, later
         ctx.save_for_backward(x, w)
         return _npu_gmm(x, w, counts)
 
@@ -216,8 +222,8 @@ class _NpuGMM(torch.autograd.Function):
         x, w = ctx.saved_tensors
         grad = grad.contiguous()
         dx = _npu_gmm(grad, w.transpose(1, 2), ctx.counts) if ctx.needs_input_grad[0] else None
-        dw = _dw(ctx, x, grad, w, lambda: _weight_grads(x, grad, ctx.counts, w)) if ctx.needs_input_grad[1] else None
-        return dx, dw, None, None
+        dw = _dw(ctx, x, grad, w, lambda: _weight_grads(x, grad, ctx.counts, w))
+        return dx, dw, None, None, None
 
 
 def _npu_gmm(x, w, counts):
@@ -229,7 +235,8 @@ def _npu_gmm(x, w, counts):
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts, backend: str | None = None,
                sink: GradSink | None = None) -> torch.Tensor:
     """[M, N]: each group's rows of x times its weight; `counts` per group (list or tensor);
-    `sink`: shared with the other calls of this weight in the step (see GradSink)."""
+    `sink`: shared with the other calls of this weight in the step (see GradSink). Where a
+    thread has armed moe_common/deferred_wgrad, the weight's gradient is owed, not returned."""
     counts = _counts(counts)
     _check(x, w, counts)
     backend = backend or choose_backend(x, w, counts)
@@ -238,9 +245,10 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts, backend: str | None = N
     if _dispatch.counting():  # not inside a fused_choice trial
         telemetry.count(f"moe.grouped_gemm.{backend}")
     x = x.contiguous()
+    w, later = deferred_wgrad.split(w) if _dispatch.counting() else (w, None)  # a trial's backward: its own
     if backend == "torch":
         offs = torch.tensor(counts, dtype=torch.int64).cumsum(0).to(device=x.device, dtype=torch.int32)
-        return _TorchGMM.apply(x, w, offs, counts, sink)
+        return _TorchGMM.apply(x, w, offs, counts, sink, later)
     if backend == _dispatch.NPU_IMPL:
-        return _NpuGMM.apply(x, w, counts, sink)
-    return _LoopGMM.apply(x, w, counts, sink, backend == UPCAST)
+        return _NpuGMM.apply(x, w, counts, sink, later)
+    return _LoopGMM.apply(x, w, counts, sink, backend == UPCAST, later)
