@@ -6,7 +6,8 @@ EP2 on 2 gloo ranks (real all-to-alls over loopback), 4 micro-batches a step.
 
 Runs, interleaved round by round: Megatron's MoE layer (no flag); --moe-fb-overlap forced serial
 (NPUSPEED_FB_OVERLAP_PATH=serial: the same transfers on the clock, none hidden: what the
-all-to-alls cost a step); forced paired; auto (what a user gets: the step trial picks); the
+all-to-alls cost a step); forced paired; forced paired with the experts' dW kept joined with dX
+(NPUSPEED_FB_OVERLAP_WGRAD=joined: not inside the dispatch gradient's all-to-all); auto (what a user gets: the step trial picks); the
 chunked overlap. Prints per configuration the median step, tokens/s against Megatron's, the
 all-to-all share of the serial step, and the hidden share two ways: per transfer (in flight -
 waited over in flight: a2a_hidden_fraction, per phase) and per step (the serial step's all-to-all
@@ -30,6 +31,7 @@ RUNS = {  # name -> (flags, environment)
     "megatron": ([], {}),
     "fb serial": (["--moe-fb-overlap"], {"NPUSPEED_FB_OVERLAP_PATH": "serial"}),
     "fb paired": (["--moe-fb-overlap"], {"NPUSPEED_FB_OVERLAP_PATH": "paired"}),
+    "fb joined": (["--moe-fb-overlap"], {"NPUSPEED_FB_OVERLAP_PATH": "paired", "NPUSPEED_FB_OVERLAP_WGRAD": "joined"}),
     "fb auto": (["--moe-fb-overlap"], {}),
     "chunked": (["--moe-alltoall-overlap-comm"], {}),
 }

@@ -168,3 +168,17 @@ def test_grouped_experts_with_their_dw_split_match(tmp_path_factory):
     for d in fb["dumps"]:
         assert_wgrad_split(d["counters"], "grouped")
     assert not any(k.startswith("moe.wgrad") for d in base["dumps"] for k in d["counters"])
+
+
+def test_fused_gradient_accumulation_with_the_split_matches(tmp_path_factory):
+    """--gradient-accumulation-fusion: the experts' owed dW accumulates into main_grad through
+    the layers' fused kernel, Megatron's placeholder and grad_added_to_main_grad (the fused
+    kernel forced in both runs: its per-shape timing trial could pick another one in each)."""
+    fused, forced = ["--gradient-accumulation-fusion"], {"NPUSPEED_WGRAD_PATH": "fused"}
+    base = _run(tmp_path_factory, "gaf-base", fused, forced)
+    fb = _run(tmp_path_factory, "gaf-fb", fused + ["--moe-fb-overlap"], dict(PAIRED, **forced))
+    assert_same_run(fb, base)
+    for d in fb["dumps"]:
+        c = d["counters"]
+        assert_wgrad_split(c, "moe.fb_overlap.wgrad.split_linear")
+        assert c.get("grad_accum_fusion.calls", 0) >= c.get("moe.wgrad.owed", 0) > 0, c
