@@ -4,7 +4,8 @@ weights within 1e-4 (pairing changes when work runs, not what it computes; with 
 whose forward and backward move inside the combine, a gradient summed from three branches adds
 them in another order, which Adam's normalised step turns into ~1e-5 on near-zero gradients);
 counters prove the pairs ran (forwards beside backwards, all-to-alls passing the turn) and
-that the baseline ran none. Megatron's --overlap-moe-expert-parallel-comm runs the same
+that the baseline ran none; the routed experts' weight gradients (local linears, grouped experts,
+fused accumulation) all ran inside the dispatch gradient's all-to-all. Megatron's --overlap-moe-expert-parallel-comm runs the same
 schedule; bf16 matches too; a checkpoint saved with the flag resumes without it bit for bit.
 """
 from __future__ import annotations

@@ -3,7 +3,8 @@ Megatron's `--overlap-moe-expert-parallel-comm`): the feature and its flags
 (moe_fb_overlap_feature.py), its patches (patches.py), its plan effect (plan.py), the paired
 schedule and its step trial (schedule.py, choice.py), the two parties taking turns (turns.py), the
 asynchronous dispatcher all-to-alls (exchange.py), the combine with the shared experts inside
-(combine.py, masking.py) and Megatron's flag taken over (takeover.py)."""
+(combine.py, masking.py), the routed experts' weight gradient run inside the dispatch
+gradient's all-to-all (wgrad.py) and Megatron's flag taken over (takeover.py)."""
 from npuspeed.features.moe_fb_overlap.moe_fb_overlap_feature import FbOverlapFeature
 
 __all__ = ["FbOverlapFeature"]
