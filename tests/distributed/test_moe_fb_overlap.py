@@ -183,3 +183,15 @@ def test_fused_gradient_accumulation_with_the_split_matches(tmp_path_factory):
         c = d["counters"]
         assert_wgrad_split(c, "moe.fb_overlap.wgrad.split_linear")
         assert c.get("grad_accum_fusion.calls", 0) >= c.get("moe.wgrad.owed", 0) > 0, c
+
+
+def test_overlap_grad_reduce_sees_every_owed_gradient(tmp_path_factory):
+    """--overlap-grad-reduce: DDP's bucket readiness (its hook asserts a gradient and launches a
+    bucket's reduction once every weight in it is ready) fires for the experts' owed dW, in the
+    cool-down's backward where the reductions start."""
+    ddp = ["--overlap-grad-reduce"]
+    base = _run(tmp_path_factory, "ogr-base", ddp)
+    fb = _run(tmp_path_factory, "ogr-fb", ddp + ["--moe-fb-overlap"], PAIRED)
+    assert_same_run(fb, base)
+    for d in fb["dumps"]:
+        assert_wgrad_split(d["counters"], "moe.fb_overlap.wgrad.split_linear")
