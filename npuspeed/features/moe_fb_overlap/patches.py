@@ -1,7 +1,8 @@
 """--moe-fb-overlap's patches: the PP-1 schedule's forward_step/backward_step held and paired
 (schedule.py), the token dispatcher's all-to-all asynchronous with the turn passed (exchange.py),
 the experts' local linears with their weight gradient split off (wgrad.py; the grouped experts
-split theirs in grouped_gemm.py), and, where Megatron has its own flag (0.14+), its TransformerConfig checks taken over."""
+split theirs in grouped_gemm.py), and, where Megatron has its own flag (0.14+), its
+TransformerConfig checks taken over."""
 from __future__ import annotations
 
 SCHEDULES = "megatron.core.pipeline_parallel.schedules"
