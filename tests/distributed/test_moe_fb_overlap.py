@@ -5,8 +5,8 @@ whose forward and backward move inside the combine, a gradient summed from three
 them in another order, which Adam's normalised step turns into ~1e-5 on near-zero gradients);
 counters prove the pairs ran (forwards beside backwards, all-to-alls passing the turn) and
 that the baseline ran none; the routed experts' weight gradients (local linears, grouped experts,
-fused accumulation) all ran inside the dispatch gradient's all-to-all. Megatron's --overlap-moe-expert-parallel-comm runs the same
-schedule; bf16 matches too; a checkpoint saved with the flag resumes without it bit for bit.
+fused accumulation, DDP's overlapped reduction) all ran inside the dispatch gradient's all-to-all.
+Megatron's --overlap-moe-expert-parallel-comm runs the same schedule; bf16 matches too; a checkpoint saved with the flag resumes without it bit for bit.
 """
 from __future__ import annotations
 
