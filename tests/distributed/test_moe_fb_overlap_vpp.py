@@ -99,3 +99,24 @@ def test_plain_vpp_baseline_matches_pp1(tmp_path_factory):
     gap = max(abs(x - y) for x, y in zip(base["losses"], flat["losses"]))
     print(f"PP2 x VPP2 vs PP 1: max loss gap {gap:.3g}")
     assert gap <= TOL, (base["losses"], flat["losses"])
+
+
+@pytest.mark.parametrize("path", ["serial", "auto"])
+def test_serial_and_measured_paths(tmp_path_factory, path):
+    """Forced serial: Megatron's plain interleaved schedule, no pair. Unforced: the step trial
+    times paired and serial steps and every rank keeps the same one (one all-reduce of the
+    timings over all ranks), still Megatron's numbers."""
+    base = _run(tmp_path_factory, "base", [])
+    env = {"NPUSPEED_FB_OVERLAP_PATH": "serial"} if path == "serial" else {}
+    run = _run(tmp_path_factory, f"path-{path}", ["--moe-fb-overlap"], env)
+    loss, grad = gaps(run, base)
+    assert loss <= TOL and grad <= TOL, (loss, grad)
+    steps = [d["counters"].get("moe.fb_overlap.steps", 0) for d in run["dumps"]]
+    serial = [d["counters"].get("moe.fb_overlap.serial_steps", 0) for d in run["dumps"]]
+    print(f"{path}: paired steps {steps}, serial steps {serial}, pairs {pairs(run)}")
+    assert len(set(steps)) == 1 and all(p + s == ITERS for p, s in zip(steps, serial))
+    assert pairs(run) == [steps[0] * s for s in STEADY]
+    if path == "serial":
+        assert steps == [0] * NPROC
+    else:
+        assert steps[0] >= 3  # the set-up step and the two timed paired ones at least
