@@ -27,7 +27,7 @@ class PlanInputError(ValueError):
 MEGATRON_DEFAULTS = {
     "normalization": "LayerNorm", "position_embedding_type": "learned_absolute", "attention_dropout": 0.1,
     "moe_token_dispatcher_type": "alltoall", "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1,
-    "context_parallel_size": 1, "expert_model_parallel_size": 1,
+    "context_parallel_size": 1, "expert_model_parallel_size": 1, "micro_batch_size": 1,
 }
 #: values the planner models, per megatron_flags.py flag that has a closed set
 CHOICES = {"recompute_granularity": ("full", "selective")}
@@ -52,14 +52,10 @@ def _megatron(p: argparse.ArgumentParser) -> None:
     add("--moe-shared-expert-intermediate-size", type=int)
     add("--recompute-method", choices=["uniform", "block"])
     add("--recompute-num-layers", type=int)
-    add("--num-layers-per-virtual-pipeline-stage", type=int)
-    add("--virtual-pipeline-model-parallel-size", type=int)
     add("--use-distributed-optimizer", action="store_true")
     add("--overlap-grad-reduce", action="store_true")
     # Megatron-LM checks every gradient bucket for NaN before its reduction unless told not to
     add("--no-check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad", action="store_false")
-    add("--micro-batch-size", type=int, default=1)
-    add("--global-batch-size", type=int)
 
 
 def megatron_args(ns: argparse.Namespace) -> argparse.Namespace:

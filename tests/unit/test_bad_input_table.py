@@ -18,6 +18,8 @@ from forked import error_lines, run_rows
 from launch import ROOT, free_port
 from tiers import pinned
 
+from packaging.version import Version
+
 from npuspeed.patching.versions import megatron_version
 
 W2 = {"WORLD_SIZE": "2"}
@@ -94,8 +96,18 @@ NPUSPEED_ROWS = [
      "--moe-fb-overlap overlaps the all-to-all dispatcher; --moe-token-dispatcher-type is allgather"),
     ("fb-overlap-ep1", ["--overlap-moe-expert-parallel-comm", "--expert-model-parallel-size", "1"], {},
      "--overlap-moe-expert-parallel-comm: expert-parallel size is 1"),
-    ("fb-overlap-pp2", ["--moe-fb-overlap", "--pipeline-model-parallel-size", "2"], {},
-     "--moe-fb-overlap pairs micro-batches at pipeline-parallel size 1"),
+    ("fb-overlap-pp2-without-vpp", ["--moe-fb-overlap", "--pipeline-model-parallel-size", "2"], {},
+     "--moe-fb-overlap at --pipeline-model-parallel-size 2 " + (
+         "pairs micro-batches in Megatron's interleaved schedule, as Megatron's own combined 1F1B does: add "
+         "--num-layers-per-virtual-pipeline-stage" if megatron_version() >= Version("0.14") else
+         "runs on the interleaved schedule's extra warm-up micro-batch, which megatron-core 0.14+ has")),
+    ("fb-overlap-vpp-batch", ["--overlap-moe-expert-parallel-comm", "--pipeline-model-parallel-size", "2",
+                              "--num-layers-per-virtual-pipeline-stage", "1", "--global-batch-size", "4",
+                              "--micro-batch-size", "1"], {"WORLD_SIZE": "4"},
+     "--overlap-moe-expert-parallel-comm at --pipeline-model-parallel-size 2 " + (
+         "with VPP runs one extra warm-up micro-batch, so it needs more micro-batches a step than pipeline "
+         "stages (2 <= 2): raise --global-batch-size" if megatron_version() >= Version("0.14") else
+         "runs on the interleaved schedule's extra warm-up micro-batch")),
     ("fb-overlap-full-recompute", ["--moe-fb-overlap", "--recompute-granularity", "full"], {},
      "--moe-fb-overlap: full recompute re-runs the layer's all-to-alls"),
     ("activation-offload-with-swap", ["--swap-attention", "--fine-grained-activation-offloading"], {},

@@ -9,7 +9,7 @@ def register(registry, ctx, config, feature: str) -> None:
     patches follow the accelerator."""
     from npuspeed.accelerator.devices import for_device
     from npuspeed.features.device import (
-        cuda_shim, dist_backend, distopt_fixes, gloo_collectives, megatron_compat, megatron_fixes, rng,
+        cuda_shim, dist_backend, distopt_fixes, gloo_collectives, gloo_p2p, megatron_compat, megatron_fixes, rng,
     )
 
     accelerator = ctx.accelerator
@@ -25,6 +25,7 @@ def register(registry, ctx, config, feature: str) -> None:
     )
     megatron_compat.register(registry, feature)  # older releases' own bugs (0.12)
     gloo_collectives.register(registry, feature)  # MoE's uneven expert-TP gather on gloo
+    gloo_p2p.register(registry, feature)  # PP 2 + VPP on gloo: activations and gradients told apart by tag
     # DistributedOptimizer with torch's Adam (no apex/TE): checkpoint save/load bugs.
     distopt_fixes.register(registry, feature, ">=0.16,<0.20")  # upstream bugs unchanged through 0.19
     traits = for_device(accelerator.name)
