@@ -82,6 +82,13 @@ def test_pp2_vpp2_ep2_matches_megatron(tmp_path_factory, flag):
         assert c.get("moe.fb_overlap.a2a.backward.overlapped", 0) > 0, c
         assert c.get("moe.fb_overlap.turn.forward", 0) > 0 and c.get("moe.fb_overlap.turn.backward", 0) > 0, c
     assert not any(k.startswith("moe.fb_overlap") for d in base["dumps"] for k in d["counters"])
+    # the bubble measure ran on every rank (bubble.py): pipeline waits timed in each step after the
+    # first, lone forwards (warm-up) and backwards (cool-down) timed, the formula beside them
+    bubbles = fb["pipeline_bubble"]
+    assert [b["rank"] for b in bubbles] == list(range(NPROC)) and base.get("pipeline_bubble") is None
+    for b in bubbles:
+        assert b["steps"] == ITERS - 1 and b["pp"] == 2 and b["vpp"] == 2 and b["waits"] > 0, b
+        assert b["idle_ms_per_step"] > 0 and b["formula_ms"] > 0 and b["measured_over_formula"] > 0, b
 
 
 def test_plain_vpp_baseline_matches_pp1(tmp_path_factory):
