@@ -81,6 +81,9 @@ def test_pp2_vpp2_ep2_matches_megatron(tmp_path_factory, flag):
         assert c.get("moe.fb_overlap.a2a.forward.overlapped", 0) > 0, c
         assert c.get("moe.fb_overlap.a2a.backward.overlapped", 0) > 0, c
         assert c.get("moe.fb_overlap.turn.forward", 0) > 0 and c.get("moe.fb_overlap.turn.backward", 0) > 0, c
+        # the experts' dW split off (wgrad.py): owed in the paired schedule, run inside the dispatch
+        # gradient's all-to-all
+        assert c.get("moe.wgrad.owed", 0) > 0 and c.get("moe.fb_overlap.wgrad.during_a2a") == c["moe.wgrad.owed"], c
     assert not any(k.startswith("moe.fb_overlap") for d in base["dumps"] for k in d["counters"])
     # the bubble measure ran on every rank (bubble.py): pipeline waits timed in each step after the
     # first, lone forwards (warm-up) and backwards (cool-down) timed, the formula beside them

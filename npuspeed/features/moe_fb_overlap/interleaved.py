@@ -87,6 +87,11 @@ def interleaving_wrapper(flag: str, note):
 _SETUP: list = []
 
 
+def pairing() -> bool:
+    """Inside a call of the interleaved schedule that pairs its steps (not a serial one)."""
+    return bool(_SETUP)
+
+
 def refuse_plain_1f1b(flag: str):
     def wrap(original):
         @functools.wraps(original)
