@@ -14,6 +14,7 @@ each token all-to-all (turns.py). A step with only a forward (warm-up) or only a
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 
@@ -21,11 +22,9 @@ from npuspeed import telemetry
 from npuspeed.features.base import FeatureError
 from npuspeed.features.moe_common import a2a_clock
 from npuspeed.features.moe_fb_overlap import turns
-from npuspeed.features.moe_fb_overlap.choice import SERIAL, StepTrial
-from npuspeed.features.moe_fb_overlap.schedule import _agree, _config_of, _worker_setup
+from npuspeed.features.moe_fb_overlap.schedule import _config_of, _worker_setup, trial_step
 
 RANGE = ">=0.14,<0.20"
-_TRIALS: dict[int, StepTrial] = {}
 
 
 def no_vpp_message(flag: str, pp: int) -> str:
@@ -60,24 +59,17 @@ def interleaving_wrapper(flag: str, note):
             n, pp = call["num_microbatches"], parallel_state.get_pipeline_model_parallel_world_size()
             if n <= pp:
                 raise FeatureError(batch_message(flag, n, pp))
-            from npuspeed.accelerator import get_accelerator
+            @contextlib.contextmanager
+            def paired(acc):
+                config.overlap_moe_expert_parallel_comm = True  # the schedule's extra warm-up and paired steps
+                _SETUP.append(_worker_setup(acc))
+                try:
+                    yield
+                finally:
+                    _SETUP.pop()
+                    config.overlap_moe_expert_parallel_comm = False
 
-            acc = get_accelerator()
-            trial = _TRIALS.setdefault(n, StepTrial(n))
-            mode = trial.mode()
-            run_ = lambda: original(*args, **kwargs)  # noqa: E731
-            if mode == SERIAL:
-                telemetry.count("moe.fb_overlap.serial_steps")
-                with a2a_clock.phase("serial"):
-                    return trial.timed(SERIAL, run_, acc.synchronize, _agree(acc), note)
-            telemetry.count("moe.fb_overlap.steps")
-            config.overlap_moe_expert_parallel_comm = True  # the schedule's extra warm-up and paired steps
-            _SETUP.append(_worker_setup(acc))
-            try:
-                return trial.timed(mode, run_, acc.synchronize, _agree(acc), note)
-            finally:
-                _SETUP.pop()
-                config.overlap_moe_expert_parallel_comm = False
+            return trial_step(n, lambda: original(*args, **kwargs), note, paired)
 
         return run
 

@@ -85,28 +85,39 @@ def no_pipelining_wrapper(note):
                      "with; raise --global-batch-size to at least 2 x micro-batch x data-parallel")
                 telemetry.count("moe.fb_overlap.single_microbatch")
                 return original(*args, **kwargs)
-            from npuspeed.accelerator import get_accelerator
-
-            acc = get_accelerator()
             n = call["num_microbatches"]
-            trial = _TRIALS.setdefault(n, StepTrial(n))
-            mode = trial.mode()
-            run_ = lambda: original(*args, **kwargs)  # noqa: E731
-            if mode == SERIAL:
-                telemetry.count("moe.fb_overlap.serial_steps")
-                with a2a_clock.phase("serial"):
-                    return trial.timed(SERIAL, run_, acc.synchronize, _agree(acc), note)
-            no_sync = config.no_sync_func or contextlib.nullcontext
-            _SESSION.append(Session(n, no_sync, _worker_setup(acc)))
-            telemetry.count("moe.fb_overlap.steps")
-            try:
-                return trial.timed(mode, run_, acc.synchronize, _agree(acc), note)
-            finally:
-                _SESSION.pop()
+
+            @contextlib.contextmanager
+            def session(acc):
+                _SESSION.append(Session(n, config.no_sync_func or contextlib.nullcontext, _worker_setup(acc)))
+                try:
+                    yield
+                finally:
+                    _SESSION.pop()
+
+            return trial_step(n, lambda: original(*args, **kwargs), note, session)
 
         return run
 
     return wrap
+
+
+def trial_step(n: int, run, note, paired):
+    """One training step of `n` micro-batches as the step trial says (choice.py): Megatron's
+    schedule alone (on the clock as `serial`), or inside `paired(acc)`, the context that makes the
+    schedule pair its forwards and backwards."""
+    from npuspeed.accelerator import get_accelerator
+
+    acc = get_accelerator()
+    trial = _TRIALS.setdefault(n, StepTrial(n))
+    mode = trial.mode()
+    if mode == SERIAL:
+        telemetry.count("moe.fb_overlap.serial_steps")
+        with a2a_clock.phase("serial"):
+            return trial.timed(SERIAL, run, acc.synchronize, _agree(acc), note)
+    telemetry.count("moe.fb_overlap.steps")
+    with paired(acc):
+        return trial.timed(mode, run, acc.synchronize, _agree(acc), note)
 
 
 def forward_step_wrapper(original):
