@@ -97,7 +97,7 @@ class PlanEffect:
     #: and backward (SWAP_PARTS); empty where the host is the device
     swap_modules: tuple = ()
     #: forward/backward pairs a step runs (--moe-fb-overlap: micro-batch i's backward beside
-    #: i+1's forward, m - 1 of them): the planner hides each expert all-to-all of one behind
+    #: i+1's forward, m - 1 of them at PP 1; at PP > 1 paired chunk steps of one chunk's layers): the planner hides each expert all-to-all of one behind
     #: the other's compute at the four pairing points, up to that compute (plan/fb_overlap.py);
     #: None: the schedule pairs nothing
     fb_pairs: int | None = None

@@ -94,11 +94,12 @@ def _parts(run: ResolvedRun, backend: str) -> tuple[float, float, float]:
 def predict(run: ResolvedRun, backend: str) -> FbOverlapStep:
     """The step of the busiest pipeline stage with and without the pairing (`backend`: the
     planned device's name, whose rates and links price it); the pairs are the feature's
-    (m - 1 at PP 1, the one schedule it runs), never more than the micro-batches allow."""
+    (m - 1 at PP 1; at PP > 1 paired chunk steps of the first stage: features/moe_fb_overlap/plan.py),
+    never more than the micro-batches allow."""
     spec, d = run.spec, run.dims
     lay = spec.layout
     mbs = spec.batch.num_microbatches(lay.dp)
-    pairs = min(run.effects.fb_pairs or 0, max(mbs - 1, 0))
+    pairs = min(run.effects.fb_pairs or 0, max(mbs * lay.chunks - 1, 0))  # chunk steps (PP 1: micro-batches)
     layers = spec.layers_per_chunk() * lay.chunks
     attention_f, mlp_f, head_f = _parts(run, backend)
     links = links_for(backend)
@@ -107,7 +108,7 @@ def predict(run: ResolvedRun, backend: str) -> FbOverlapStep:
     a2a = all_to_all_seconds(links, rows * d.hidden * d.act, run.experts.ep, per_node)  # dispatch = combine
     compute = mbs * (layers * 3 * (attention_f + mlp_f) + 3 * head_f)
     a2a_total = mbs * layers * 4 * a2a
-    hidden = pairs * layers * pair_hidden(attention_f, mlp_f, a2a, a2a)
+    hidden = pairs * spec.layers_per_chunk() * pair_hidden(attention_f, mlp_f, a2a, a2a)
     without = compute + a2a_total
     return FbOverlapStep(device=backend, links=f"{links.intra_name} / {links.inter_name}", pairs=pairs,
                          attention_f=attention_f, mlp_f=mlp_f, a2a=a2a, step_without_s=without,

@@ -99,3 +99,14 @@ def test_printed_line_and_json_keys(capsys):
     assert {"peak_mem_bytes", "step_ms", "breakdown", "layout"} <= set(out)  # the old keys stay
     cli.main(argv[:-1] + ["--json"])
     assert json.loads(capsys.readouterr().out)["moe_fb_overlap"] is None
+
+
+def test_pairs_at_pp1_and_in_the_interleaved_schedule():
+    """PP 1 pairs all but the first forward; PP 2 x VPP 2 with 4 micro-batches: the first stage
+    warms up 5 chunk steps (Megatron's 4 plus the extra one) and pairs 3 of its 8, as the
+    4-rank parity run counts (24 pairs in 8 iterations)."""
+    from npuspeed.features.moe_fb_overlap.plan import pairs_of
+
+    assert pairs_of(4, 1, 1) == (3, 4)
+    assert pairs_of(4, 2, 2) == (3, 8)
+    assert pairs_of(2, 2, 2) == (0, 4)  # all warm-up: nothing to pair
