@@ -22,7 +22,7 @@ from npuspeed import telemetry
 from npuspeed.features.base import FeatureError
 from npuspeed.features.moe_common import a2a_clock
 from npuspeed.features.moe_fb_overlap import turns
-from npuspeed.features.moe_fb_overlap.schedule import _config_of, _worker_setup, trial_step
+from npuspeed.features.moe_fb_overlap.schedule import _config_of, _worker_setup, training_call, trial_step
 
 RANGE = ">=0.14,<0.20"
 
@@ -48,10 +48,8 @@ def interleaving_wrapper(flag: str, note):
 
         @functools.wraps(original)
         def run(*args, **kwargs):
-            bound = signature.bind(*args, **kwargs)
-            bound.apply_defaults()
-            call = bound.arguments
-            if call.get("forward_only"):
+            call = training_call(signature, args, kwargs)
+            if call is None:
                 return original(*args, **kwargs)
             from megatron.core import parallel_state
 
@@ -59,6 +57,7 @@ def interleaving_wrapper(flag: str, note):
             n, pp = call["num_microbatches"], parallel_state.get_pipeline_model_parallel_world_size()
             if n <= pp:
                 raise FeatureError(batch_message(flag, n, pp))
+
             @contextlib.contextmanager
             def paired(acc):
                 config.overlap_moe_expert_parallel_comm = True  # the schedule's extra warm-up and paired steps

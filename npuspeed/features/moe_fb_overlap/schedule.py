@@ -66,16 +66,22 @@ def _agree(acc):
     return agree
 
 
+def training_call(signature, args, kwargs) -> dict | None:
+    """A schedule call's arguments by name; None for a forward-only (evaluation) call, which the
+    overlap leaves to Megatron."""
+    bound = signature.bind(*args, **kwargs)
+    bound.apply_defaults()
+    return None if bound.arguments.get("forward_only") else bound.arguments
+
+
 def no_pipelining_wrapper(note):
     def wrap(original):
         signature = inspect.signature(original)
 
         @functools.wraps(original)
         def run(*args, **kwargs):
-            bound = signature.bind(*args, **kwargs)
-            bound.apply_defaults()
-            call = bound.arguments
-            if call.get("forward_only") or current() is not None:
+            call = training_call(signature, args, kwargs)
+            if call is None or current() is not None:
                 return original(*args, **kwargs)
             config = _config_of(call["model"])
             if getattr(config, "overlap_moe_expert_parallel_comm", False):  # Megatron's combined 1F1B
