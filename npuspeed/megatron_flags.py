@@ -61,6 +61,18 @@ FLAGS: dict[str, tuple[str, dict]] = {
     "cuda_graph_impl": ("--cuda-graph-impl", {"type": str}),
     "tensor_parallel_num_weight_shards": ("--tensor-parallel-num-weight-shards", {"type": int}),
     "expert_tensor_parallel_num_weight_shards": ("--expert-tensor-parallel-num-weight-shards", {"type": int}),
+    # DualPipeV's V placement (npuspeed/features/dualpipev/dualpipev_feature.py)
+    "num_layers": ("--num-layers", {"type": int}),
+    "untie_embeddings_and_output_weights": ("--untie-embeddings-and-output-weights",
+                                            {"action": "store_const", "const": True}),
+    "overlap_param_gather": ("--overlap-param-gather", {"action": "store_const", "const": True}),
+    "mtp_num_layers": ("--mtp-num-layers", {"type": int}),
+    "decoder_first_pipeline_num_layers": ("--decoder-first-pipeline-num-layers", {"type": int}),
+    "decoder_last_pipeline_num_layers": ("--decoder-last-pipeline-num-layers", {"type": int}),
+    "account_for_embedding_in_pipeline_split": ("--account-for-embedding-in-pipeline-split",
+                                                {"action": "store_const", "const": True}),
+    "account_for_loss_in_pipeline_split": ("--account-for-loss-in-pipeline-split",
+                                           {"action": "store_const", "const": True}),
     # reproducible runs (npuspeed/features/device/determinism.py)
     "deterministic_mode": ("--deterministic-mode", {"action": "store_const", "const": True}),
 }

@@ -56,5 +56,9 @@ FEATURES: dict[str, Enable] = {
                                                          "--moe-token-dispatcher-type", "alltoall",
                                                          "--micro-batch-size", "1", "--global-batch-size", "4"],
                              ranks=2),  # 2 micro-batches a step at DP 2: one pair
+    "dualpipev": Enable(["--schedules-method", "dualpipev"],
+                        ["--pipeline-model-parallel-size", "2", "--num-layers", "4",
+                         "--num-layers-per-virtual-pipeline-stage", "1", "--untie-embeddings-and-output-weights",
+                         "--micro-batch-size", "1", "--global-batch-size", "4"], ranks=2),  # 4 micro-batches: 2 x PP
 }
 FEATURE_ARGV = {name: enable.argv for name, enable in FEATURES.items()}

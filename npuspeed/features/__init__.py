@@ -6,6 +6,7 @@ from npuspeed.features.base import Feature, FeatureError
 from npuspeed.features.coc_overlap import CocFeature
 from npuspeed.features.context_parallel import ContextParallelFeature
 from npuspeed.features.device import DeviceFeature
+from npuspeed.features.dualpipev import DualPipeVFeature
 from npuspeed.features.fused_attention import FusedAttentionFeature
 from npuspeed.features.fused_linear_ce import FusedLinearCrossEntropyFeature
 from npuspeed.features.fused_rmsnorm import FusedRMSNormFeature
@@ -30,7 +31,7 @@ def all_features() -> list[Feature]:
             FusedRoPEFeature(), FusedLinearCrossEntropyFeature(), ReuseFp32ParamFeature(), RecomputeActivationFeature(),
             RecomputeNormFeature(), SwapAttentionFeature(), SwapOptimizerFeature(), GradAccumFusionFeature(),
             CocFeature(), AdaptiveMemoryFeature(), TpExtendEpFeature(), GroupedGemmFeature(), FusedPermuteFeature(),
-            AllToAllOverlapFeature(), FbOverlapFeature(), MegatronLMFeature()]
+            AllToAllOverlapFeature(), FbOverlapFeature(), DualPipeVFeature(), MegatronLMFeature()]
 
 
 __all__ = ["Feature", "FeatureError", "all_features"]

@@ -38,12 +38,10 @@ def _megatron(p: argparse.ArgumentParser) -> None:
     for dest, (flag, kwargs) in megatron_flags.FLAGS.items():
         g.add_argument(flag, dest=dest, default=None, **kwargs)
     add = g.add_argument  # the Megatron flags only the planner reads
-    add("--num-layers", type=int)
     add("--hidden-size", type=int)
     add("--group-query-attention", action="store_true")
     add("--kv-channels", type=int)
     add("--max-position-embeddings", type=int)
-    add("--untie-embeddings-and-output-weights", action="store_true")
     add("--hidden-dropout", type=float, default=0.1)
     add("--make-vocab-size-divisible-by", type=int, default=128)
     add("--vocab-size", type=int)

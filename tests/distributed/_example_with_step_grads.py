@@ -2,8 +2,9 @@
 
 `--step-grads-out PATH`: before each optimizer step each rank appends {name: main_grad} (after
 Megatron's finalize_model_grads) and, after the run, writes {"grads": [per step], "params":
-{name: weight}, "counters": npuspeed's counters} to `PATH.rank<N>` (torch.save). The
-forward/backward overlap tests compare runs step by step with these.
+{name: weight}, "counters": npuspeed's counters, "global_names": {name: layout-independent
+name}} to `PATH.rank<N>` (torch.save). The forward/backward overlap tests compare runs step by
+step with these (across pipeline layouts by the global names).
 """
 import os
 import sys
@@ -20,6 +21,36 @@ def _named(model, attr=None):
             t = p if attr is None else (getattr(p, attr, None) if getattr(p, attr, None) is not None else p.grad)
             out[f"{i}.{name}"] = t.detach().float().clone()
     return out
+
+
+def _global_names(model) -> dict:
+    """{dump key: the layout-independent name} (global layer and expert numbers), so runs of
+    different pipeline layouts compare parameter by parameter."""
+    from gpt_example.model import _global_name
+    from megatron.core import parallel_state as mpu
+
+    experts = getattr(seen_args, "num_experts", None) or 0
+    local = experts // max(mpu.get_expert_model_parallel_world_size(), 1)
+    out = {}
+    for i, chunk in enumerate(model):
+        inner = chunk
+        while hasattr(inner, "module"):
+            inner = inner.module
+        prefix = chunk_prefix(chunk, inner)
+        for name, _ in chunk.named_parameters():
+            bare = name[len(prefix):]
+            out[f"{i}.{name}"] = _global_name(bare, inner, local, mpu.get_expert_model_parallel_rank())
+    return out
+
+
+def chunk_prefix(chunk, inner) -> str:
+    for name, module in chunk.named_modules():
+        if module is inner:
+            return f"{name}." if name else ""
+    return ""
+
+
+seen_args = None
 
 
 def main() -> None:
@@ -40,6 +71,8 @@ def main() -> None:
     build = train.build_optimizer
 
     def build_optimizer(args, model):
+        global seen_args
+        seen_args = args
         optimizer, scheduler = build(args, model)
         step = optimizer.step
         seen["model"] = model
@@ -55,7 +88,8 @@ def main() -> None:
     example = os.path.join(os.path.dirname(os.path.dirname(HERE)), "examples", "pretrain_gpt.py")
     sys.argv = [example, *argv]
     runpy.run_path(example, run_name="__main__")
-    torch.save({"grads": seen["grads"], "params": _named(seen["model"]), "counters": telemetry.snapshot()},
+    torch.save({"grads": seen["grads"], "params": _named(seen["model"]), "counters": telemetry.snapshot(),
+                "global_names": _global_names(seen["model"])},
                f"{out}.rank{os.environ.get('RANK', '0')}")
 
 

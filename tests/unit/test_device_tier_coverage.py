@@ -23,6 +23,7 @@ MULTI_RANK = {
     "--moe-alltoall-chunks": "chunks of the all-to-all overlap: EP > 1",
     "--moe-fb-overlap": "hides the expert-parallel all-to-all behind another micro-batch: EP > 1",
     "--overlap-moe-expert-parallel-comm": "Megatron's name for --moe-fb-overlap: EP > 1",
+    "--schedules-method": "DualPipeV's V places two chunks on each of PP > 1 ranks",
 }
 #: Megatron-LM's flags whose README claims the tier checks (TFLOP/s, bitwise runs)
 MEGATRON_FLAGS = ("--log-throughput", "--deterministic-mode")

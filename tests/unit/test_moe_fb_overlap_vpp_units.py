@@ -50,8 +50,8 @@ def test_micro_batches_must_outnumber_stages(monkeypatch, gbs, refused):
 
 def _step(monkeypatch, f_id, b_id, hooks=True):
     calls = []
-    monkeypatch.setattr(interleaved, "_forward", lambda *a: calls.append("forward") or ("out", 3))
-    monkeypatch.setattr(interleaved, "_backward", lambda *a: calls.append("backward") or "grad")
+    monkeypatch.setattr(interleaved, "forward_chunk", lambda *a: calls.append("forward") or ("out", 3))
+    monkeypatch.setattr(interleaved, "backward_chunk", lambda *a: calls.append("backward") or "grad")
     rec = lambda name, ret=None: (lambda *a: calls.append(name) or ret)  # noqa: E731
     out = interleaved.paired_step(
         None, None, [None, None], [None, None], 4, [],

@@ -142,21 +142,35 @@ SCHEDULES = "megatron.core.pipeline_parallel.schedules"
 MEASURE_ENV = "NPUSPEED_MEASURE_BUBBLE"
 
 
-def register(registry, ctx, feature: str) -> None:
+def measuring(ctx) -> bool:
     """At PP > 1: on CPU always (draining the host is free), on a device only with
     NPUSPEED_MEASURE_BUBBLE=1 (draining it at every send/receive and chunk would cost time)."""
     import os
 
     if (ctx.megatron.pipeline_model_parallel_size or 1) < 2:
-        return
+        return False
     from npuspeed.accelerator.devices import for_device
 
     # a device with streams queues work the drains would wait for; the host runs it at once
-    if for_device(ctx.accelerator.name).has_streams() and os.environ.get(MEASURE_ENV) != "1":
-        return
-    # registered first, so innermost: a pair's forward and backward are the timed calls
+    return not for_device(ctx.accelerator.name).has_streams() or os.environ.get(MEASURE_ENV) == "1"
+
+
+def record_wait(seconds: float) -> None:
+    """A pipeline receive of a schedule of npuspeed's own (DualPipeV's) blocked this long."""
+    _add("idle", "waits", seconds)
+
+
+def register_chunk_timers(registry, feature: str) -> None:
+    """Registered first, so innermost: a pair's forward and backward are the timed calls."""
     registry.register(f"{SCHEDULES}.forward_step", wrapper=forward_step_wrapper, feature=feature)
     registry.register(f"{SCHEDULES}.backward_step", wrapper=backward_step_wrapper, feature=feature)
+
+
+def register(registry, ctx, feature: str) -> None:
+    """Megatron's pipelined schedules measured, where `measuring` says."""
+    if not measuring(ctx):
+        return
+    register_chunk_timers(registry, feature)
     registry.register(f"{P2P}._communicate", wrapper=communicate_wrapper, feature=feature, megatron="<0.14")
     registry.register(f"{P2P}.P2PCommunicator._communicate", wrapper=communicate_wrapper, feature=feature,
                       megatron=">=0.14")

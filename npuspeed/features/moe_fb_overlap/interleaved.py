@@ -61,11 +61,10 @@ def interleaving_wrapper(flag: str, note):
             @contextlib.contextmanager
             def paired(acc):
                 config.overlap_moe_expert_parallel_comm = True  # the schedule's extra warm-up and paired steps
-                _SETUP.append(_worker_setup(acc))
                 try:
-                    yield
+                    with pairing_scope(acc):
+                        yield
                 finally:
-                    _SETUP.pop()
                     config.overlap_moe_expert_parallel_comm = False
 
             return trial_step(n, lambda: original(*args, **kwargs), note, paired)
@@ -79,8 +78,24 @@ _SETUP: list = []
 
 
 def pairing() -> bool:
-    """Inside a call of the interleaved schedule that pairs its steps (not a serial one)."""
+    """Inside a call of a pipelined schedule that pairs its steps (the interleaved one here, or
+    DualPipeV's), not a serial one."""
     return bool(_SETUP)
+
+
+def worker_setup():
+    """What the backward's worker thread runs first, inside a pairing schedule call."""
+    return _SETUP[-1] if _SETUP else None
+
+
+@contextlib.contextmanager
+def pairing_scope(acc):
+    """A pipelined schedule call whose steps pair (the experts' dW split arms inside it)."""
+    _SETUP.append(_worker_setup(acc))
+    try:
+        yield
+    finally:
+        _SETUP.pop()
 
 
 def refuse_plain_1f1b(flag: str):
@@ -98,15 +113,17 @@ def refuse_plain_1f1b(flag: str):
     return wrap
 
 
-def _forward(config, forward_step_func, data_iterator, model, num_microbatches, forward_data_store, chunk,
-             microbatch, input_tensor, is_first, collect_non_loss_data):
-    """Megatron's forward_step for one chunk and micro-batch, as its interleaved helper calls it."""
+def forward_chunk(config, forward_step_func, data_iterator, model, num_microbatches, forward_data_store, chunk,
+                  microbatch, input_tensor, is_first, collect_non_loss_data, last=None):
+    """Megatron's forward_step for one chunk and micro-batch, as its interleaved helper calls it
+    (`last`: whether this chunk computes the loss; by default Megatron's answer)."""
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import schedules
     from megatron.core.pipeline_parallel.utils import is_pp_last_stage, is_vp_last_stage
 
-    last = is_vp_last_stage(vp_stage=chunk, vp_size=config.virtual_pipeline_model_parallel_size) and \
-        is_pp_last_stage(parallel_state.get_pipeline_model_parallel_group())
+    if last is None:
+        last = is_vp_last_stage(vp_stage=chunk, vp_size=config.virtual_pipeline_model_parallel_size) and \
+            is_pp_last_stage(parallel_state.get_pipeline_model_parallel_group())
     return schedules.forward_step(
         forward_step_func, data_iterator[chunk], model[chunk], num_microbatches, input_tensor, forward_data_store,
         config, cp_group_size=parallel_state.get_context_parallel_world_size(),
@@ -114,7 +131,7 @@ def _forward(config, forward_step_func, data_iterator, model, num_microbatches, 
         is_first_microbatch=is_first, current_microbatch=microbatch, vp_stage=chunk, is_last_stage=last)
 
 
-def _backward(config, model, tensors):
+def backward_chunk(config, model, tensors):
     """Megatron's backward_step (0.19 dropped its model_type argument)."""
     from megatron.core.pipeline_parallel import schedules
 
@@ -152,16 +169,16 @@ def paired_step(config, forward_step_func, data_iterator, model, num_microbatche
     out = {}
 
     def forward():
-        out["f"] = _forward(config, forward_step_func, data_iterator, model, num_microbatches, forward_data_store,
+        out["f"] = forward_chunk(config, forward_step_func, data_iterator, model, num_microbatches, forward_data_store,
                             f_chunk, f_micro, input_tensor, is_first, collect_non_loss_data)
 
     def backward():
-        out["b"] = _backward(config, model, b_tensors)
+        out["b"] = backward_chunk(config, model, b_tensors)
 
     if f_chunk is not None and b_chunk is not None:
         telemetry.count("moe.fb_overlap.pairs")
         with a2a_clock.phase("steady"):
-            turns.run_pair(forward, backward, _SETUP[-1] if _SETUP else None)
+            turns.run_pair(forward, backward, worker_setup())
     elif f_chunk is not None:
         with a2a_clock.phase("warm_up"):
             forward()

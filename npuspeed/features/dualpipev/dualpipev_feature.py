@@ -1,0 +1,102 @@
+"""`--schedules-method dualpipev`: DualPipeV's V placement and schedule (megatron-core 0.14+),
+refused in one line each where it cannot compose; with `--moe-fb-overlap` its paired steps run
+taking turns at each expert all-to-all."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from npuspeed.features.base import Feature, FeatureError
+from npuspeed.features.config import FeatureConfig, flag
+from npuspeed.features.dualpipev.placement import RANGE
+from npuspeed.patching.versions import in_range, megatron_version
+
+FLAG = "--schedules-method dualpipev"
+
+
+@dataclass(frozen=True)
+class Config(FeatureConfig):
+    schedules_method: str | None = flag("--schedules-method", None, choices=["dualpipev"])
+    """Pipeline schedule: 'dualpipev' places two chunks per pipeline rank in a V (rank r holds
+    stages r and 2P-1-r: first and last stage on rank 0) and runs DualPipeV's order, whose steady
+    steps pair a forward with a backward of another micro-batch (with --moe-fb-overlap their
+    expert all-to-alls hide behind each other's compute). Needs megatron-core 0.14+,
+    --num-layers-per-virtual-pipeline-stage = num-layers / (2 x PP), untied embeddings, and at
+    least 2 x PP micro-batches a step."""
+
+
+def pairs_overlap(args) -> bool:
+    """Whether the forward/backward overlap's flag is on (it runs DualPipeV's pairs taking turns)."""
+    a = vars(args)
+    return bool(a.get("moe_fb_overlap") or a.get("overlap_moe_expert_parallel_comm"))
+
+
+def batch_message(microbatches: int, pp: int) -> str:
+    return (f"{FLAG} at --pipeline-model-parallel-size {pp} needs at least 2 x {pp} = {2 * pp} micro-batches a "
+            f"step (got {microbatches}): raise --global-batch-size to at least {2 * pp} x data-parallel x "
+            "--micro-batch-size")
+
+
+def _layers(m, pp: int) -> None:
+    layers = m.num_layers
+    if layers is None or layers % (2 * pp):
+        raise FeatureError(f"{FLAG} splits the layers into 2 x {pp} stages: give --num-layers as a multiple of "
+                           f"{2 * pp} (got {layers})")
+    per = layers // (2 * pp)
+    if m.num_layers_per_virtual_pipeline_stage != per or m.virtual_pipeline_model_parallel_size not in (None, 2):
+        raise FeatureError(f"{FLAG} builds two model chunks per pipeline rank: add "
+                           f"--num-layers-per-virtual-pipeline-stage {per} (num-layers / (2 x PP))")
+
+
+def _refusals(m) -> list[tuple[bool, str]]:
+    return [
+        (not m.untie_embeddings_and_output_weights,
+         f"{FLAG} puts the embedding and the output layer on rank 0 in two chunks; add "
+         "--untie-embeddings-and-output-weights (a tied weight across chunks is not supported)"),
+        (bool(m.pipeline_model_parallel_layout or m.decoder_first_pipeline_num_layers
+              or m.decoder_last_pipeline_num_layers or m.account_for_embedding_in_pipeline_split
+              or m.account_for_loss_in_pipeline_split),
+         f"{FLAG} places layers evenly in a V; drop --pipeline-model-parallel-layout, "
+         "--decoder-first/last-pipeline-num-layers and --account-for-*-in-pipeline-split"),
+        ((m.context_parallel_size or 1) > 1,
+         f"{FLAG} is not built for context parallelism: use --context-parallel-size 1 or Megatron's schedules"),
+        (bool(m.mtp_num_layers), f"{FLAG} has no multi-token-prediction stage: drop --mtp-num-layers"),
+        (bool(m.overlap_param_gather),
+         f"{FLAG} runs its own order, which does not drive --overlap-param-gather's parameter all-gathers: drop it"),
+    ]
+
+
+class DualPipeVFeature(Feature):
+    name = "dualpipev"
+    Config = Config
+
+    def enabled(self, args) -> bool:
+        return self.config(args).schedules_method == "dualpipev"
+
+    def validate(self, ctx) -> None:
+        m = ctx.megatron
+        pp = m.pipeline_model_parallel_size or 1
+        if pp < 2:
+            raise FeatureError(f"{FLAG} places two chunks per pipeline rank in a V: it needs "
+                               "--pipeline-model-parallel-size 2 or more")
+        if not in_range(RANGE):
+            raise FeatureError(f"{FLAG} builds its V from megatron-core 0.14+'s per-chunk layer offsets; this is "
+                               f"{megatron_version()}: upgrade megatron-core or use Megatron's schedules")
+        _layers(m, pp)
+        for refused, message in _refusals(m):
+            if refused:
+                raise FeatureError(message)
+        world = int(os.environ.get("WORLD_SIZE", "0") or 0)
+        tp = m.tensor_model_parallel_size or 1
+        if m.global_batch_size and world and world % (tp * pp) == 0:
+            microbatches = m.global_batch_size // ((m.micro_batch_size or 1) * (world // (tp * pp)))
+            if microbatches < 2 * pp:
+                raise FeatureError(batch_message(microbatches, pp))
+
+    def path(self, ctx) -> str:
+        if not self.enabled(ctx.args):
+            return "off"
+        how = ("taking turns at each expert all-to-all (--moe-fb-overlap)" if pairs_overlap(ctx.args)
+               else "one after the other (add --moe-fb-overlap to overlap them)")
+        return ("DualPipeV: rank r holds stages r and 2P-1-r (V placement through Megatron's layer offsets), "
+                f"npuspeed's per-rank order and sends/receives; steady steps pair a forward and a backward, {how}")

@@ -1,0 +1,24 @@
+"""--schedules-method dualpipev's patches: the V placement (placement.py) and Megatron's
+interleaved schedule replaced by DualPipeV's (schedule.py) for training and evaluation calls."""
+from __future__ import annotations
+
+SCHEDULES = "megatron.core.pipeline_parallel.schedules"
+
+
+def register(registry, ctx, config, feature: str) -> None:
+    from npuspeed.features.dualpipev import placement, schedule
+    from npuspeed.features.dualpipev.dualpipev_feature import pairs_overlap
+    from npuspeed.features.moe_fb_overlap import bubble
+
+    measure = bubble.measuring(ctx)
+    if measure and not pairs_overlap(ctx.args):  # the overlap's feature registers them otherwise
+        bubble.register_chunk_timers(registry, feature)
+    registry.register("megatron.core.transformer.transformer_layer.get_transformer_layer_offset",
+                      wrapper=placement.offset_wrapper, feature=feature, megatron=placement.RANGE)
+    registry.register("megatron.core.parallel_state.is_pipeline_last_stage", wrapper=placement.last_stage_wrapper,
+                      feature=feature, megatron=placement.RANGE)
+    registry.register("megatron.core.pipeline_parallel.utils.is_pp_last_stage", wrapper=placement.pp_last_wrapper,
+                      feature=feature, megatron=placement.RANGE)
+    registry.register(f"{SCHEDULES}.forward_backward_pipelining_with_interleaving",
+                      wrapper=schedule.wrapper(ctx.note, pairs_overlap(ctx.args), measure), feature=feature,
+                      megatron=placement.RANGE)

@@ -1,0 +1,58 @@
+"""Megatron's interleaved schedule function, called by the training script with the two V
+chunks, runs DualPipeV's step instead (run.py); with the forward/backward overlap on, the step
+trial of moe_fb_overlap (choice.py) decides per step count whether its pairs take turns or run
+one after the other, as it does for the other schedules."""
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+
+from npuspeed.features.base import FeatureError
+
+
+def wrapper(note, overlap: bool, measure: bool):
+    def wrap(original):
+        signature = inspect.signature(original)
+
+        @functools.wraps(original)
+        def schedule(*args, **kwargs):
+            from megatron.core import parallel_state
+
+            from npuspeed.features.dualpipev.dualpipev_feature import batch_message
+            from npuspeed.features.dualpipev.run import Step
+            from npuspeed.features.moe_fb_overlap import bubble
+
+            bound = signature.bind(*args, **kwargs)
+            bound.apply_defaults()
+            call = bound.arguments
+            pp = parallel_state.get_pipeline_model_parallel_world_size()
+            n = call["num_microbatches"]
+            if not call["forward_only"] and n < 2 * pp:
+                raise FeatureError(batch_message(n, pp))
+            waited = bubble.record_wait if measure else None
+            state = {"pair": None}
+
+            def step(**_):
+                return Step(call, state["pair"], waited).run()
+
+            run = (lambda: bubble.schedule_wrapper(step)(**call)) if measure else step
+            if call["forward_only"] or not overlap:
+                return run()
+            from npuspeed.features.moe_fb_overlap import interleaved, turns
+            from npuspeed.features.moe_fb_overlap.schedule import trial_step
+
+            @contextlib.contextmanager
+            def paired(acc):
+                with interleaved.pairing_scope(acc):
+                    state["pair"] = lambda f, b: turns.run_pair(f, b, interleaved.worker_setup())
+                    try:
+                        yield
+                    finally:
+                        state["pair"] = None
+
+            return trial_step(n, run, note, paired)
+
+        return schedule
+
+    return wrap

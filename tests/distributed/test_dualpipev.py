@@ -1,0 +1,116 @@
+"""--schedules-method dualpipev (megatron-core 0.14+) against Megatron's interleaved schedule at
+the same layout: 4 ranks (PP2 x DP2, EP2 inside DP), 4 layers, 4 experts top-2, fp32, dropout
+off, untied embeddings, 4 micro-batches a step, 8 iterations. The two place the layers
+differently (DualPipeV's V: pipeline rank 0 holds layers 1 and 4, rank 1 layers 2 and 3;
+Megatron's interleaving: 1 and 3, 2 and 4), so gradients are compared by their global names
+(the example initialises every layout's weights from the global names). Losses and every
+step's gradients within 1e-6, alone and with --moe-fb-overlap's turns; counters prove the V
+order ran (its paired steps per rank) and the overlap's pairs took turns.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from launch import NO_DROPOUT
+
+from npuspeed.patching.versions import in_range
+
+RUNNER = Path(__file__).resolve().parent / "_example_with_step_grads.py"
+TOL = 1e-6
+ITERS = 8
+NPROC = 4
+MICRO = 4
+MODEL = ["--use-cpu-initialization", "--make-vocab-size-divisible-by", "1", "--log-interval", "1",
+         *NO_DROPOUT, "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
+         "--seq-length", "32", "--num-experts", "4", "--moe-router-topk", "2", "--disable-bias-linear",
+         "--expert-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+         "--num-layers-per-virtual-pipeline-stage", "1", "--untie-embeddings-and-output-weights",
+         "--global-batch-size", "8", "--micro-batch-size", "1", "--train-iters", str(ITERS)]
+DUALPIPEV = ["--schedules-method", "dualpipev"]
+_RUNS: dict = {}
+
+pytestmark = pytest.mark.skipif(not in_range(">=0.14,<0.20"), reason="DualPipeV's V needs megatron-core 0.14+")
+
+
+def paired_per_step(pp: int, rank: int, m: int) -> int:
+    """DualPipeV's paired steps on pipeline rank `rank` (order.py): 2 per steady repeat, 1 per
+    cool-down repeat of backward-then-pair."""
+    return 2 * (m - 2 * pp + rank + 1) + (pp - rank - 1)
+
+
+def _run(tmp_path_factory, name: str, args: list[str], env: dict | None = None) -> dict:
+    if name in _RUNS:
+        return _RUNS[name]
+    from launch import run_example
+
+    tmp = tmp_path_factory.mktemp(name)
+    out = tmp / "dump"
+    run = run_example(MODEL + args + ["--step-grads-out", str(out)], tmp, nproc=NPROC, name=name, env=env,
+                      script=RUNNER, timeout=900)
+    run["dumps"] = [torch.load(f"{out}.rank{r}") for r in range(NPROC)]
+    _RUNS[name] = run
+    return run
+
+
+def global_grads(run) -> list[dict]:
+    """Per step {global name: gradient}, over all ranks (data-parallel copies agree)."""
+    steps = [{} for _ in range(ITERS)]
+    for dump in run["dumps"]:
+        names = dump["global_names"]
+        for step, grads in zip(steps, dump["grads"]):
+            for key, grad in grads.items():
+                step.setdefault(names[key], grad)
+    return steps
+
+
+def gaps(a: dict, b: dict) -> tuple[float, float]:
+    loss = max(abs(x - y) for x, y in zip(a["losses"], b["losses"]))
+    grad = 0.0
+    for ga, gb in zip(global_grads(a), global_grads(b)):
+        assert ga.keys() == gb.keys(), sorted(set(ga) ^ set(gb))[:8]
+        for name in ga:
+            scale = max(float(gb[name].abs().max()), 1.0)
+            grad = max(grad, float((ga[name] - gb[name]).abs().max()) / scale)
+    return loss, grad
+
+
+def layers_by_rank(run) -> list[list[int]]:
+    """Each rank's global layer numbers (1-based), chunk 0's then chunk 1's."""
+    out = []
+    for dump in run["dumps"]:
+        layers = []
+        for chunk in ("0", "1"):
+            numbers = {int(n.split("decoder.layers.")[1].split(".")[0]) + 1
+                       for k, n in dump["global_names"].items() if k.startswith(chunk + ".") and "decoder.layers." in n}
+            layers += sorted(numbers)
+        out.append(layers)
+    return out
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["alone", "moe-fb-overlap"])
+def test_dualpipev_matches_interleaved(tmp_path_factory, overlap):
+    base = _run(tmp_path_factory, "base", [])
+    args = DUALPIPEV + (["--moe-fb-overlap"] if overlap else [])
+    env = {"NPUSPEED_FB_OVERLAP_PATH": "paired"} if overlap else None
+    run = _run(tmp_path_factory, "fb" if overlap else "alone", args, env)
+    loss, grad = gaps(run, base)
+    print(f"dualpipev{' + overlap' if overlap else ''}: max loss gap {loss:.3g}, max grad gap {grad:.3g}")
+    assert loss <= TOL and grad <= TOL, (loss, grad, run["losses"], base["losses"])
+    # the V: pipeline rank 0 (global ranks 0, 1) holds layers 1 and 4, rank 1 (2, 3) layers 2 and 3
+    assert layers_by_rank(run) == [[1, 4], [1, 4], [2, 3], [2, 3]]
+    assert layers_by_rank(base) == [[1, 3], [1, 3], [2, 4], [2, 4]]
+    for rank, dump in enumerate(run["dumps"]):
+        c, pp_rank = dump["counters"], rank // 2
+        assert c.get("dualpipev.steps") == ITERS, c
+        assert c.get("dualpipev.paired_ops") == ITERS * paired_per_step(2, pp_rank, MICRO), c
+        assert c.get("moe.fb_overlap.pairs", 0) == (c["dualpipev.paired_ops"] if overlap else 0), c
+        if overlap:
+            assert c.get("moe.fb_overlap.turn.forward", 0) > 0 and c.get("moe.fb_overlap.turn.backward", 0) > 0, c
+            assert c.get("moe.fb_overlap.a2a.forward.overlapped", 0) > 0, c
+    assert not any(k.startswith("dualpipev") for d in base["dumps"] for k in d["counters"])
+    bubbles = run["pipeline_bubble"]
+    assert [b["rank"] for b in bubbles] == list(range(NPROC))
+    for b in bubbles:
+        assert b["steps"] == ITERS - 1 and b["waits"] > 0 and b["idle_ms_per_step"] > 0, b
