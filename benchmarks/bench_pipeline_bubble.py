@@ -1,13 +1,16 @@
-"""Each rank's pipeline bubble with `--moe-fb-overlap` at PP 2 x VPP 2 x EP 2 (4 gloo ranks,
-oversubscribed on a small host), measured against the interleaved schedule's formula, beside
-Megatron's own interleaved schedule (the flag forced serial: no extra micro-batch, no pairs).
+"""Each rank's pipeline bubble at PP 2, measured, against its schedule's formula: Megatron's
+interleaved schedule (VPP 2; formula (PP-1)(F+B)) and DualPipeV (`--schedules-method dualpipev`;
+formula (PP-1)(F&B+B-W)-F, W = 0), on gloo ranks of this host.
 
-    python benchmarks/bench_pipeline_bubble.py [--iters 6] [--micro-batches 8] [--hidden 128 ...]
+    python benchmarks/bench_pipeline_bubble.py [--ranks 2|4] [--iters 6] [--micro-batches 8] [--hidden 128 ...]
 
-The example's `pipeline_bubble` (every rank): the time blocked in pipeline send/receive a step,
-after the first iteration, beside (PP-1)(F+B) from the same rank's lone forward and backward
-calls of one model chunk and micro-batch. Prints one row per rank and the ratio measured/formula
-for each schedule.
+`--ranks 2`: PP 2 alone (one rank per core on a 2-core host: no oversubscription), MoE experts
+local. `--ranks 4`: PP 2 x EP 2 (oversubscribed on a small host), each schedule serial and with
+`--moe-fb-overlap` (the interleaved one runs its extra micro-batch and pairs; DualPipeV's pairs
+take turns). The example's `pipeline_bubble` (every rank): the time blocked in pipeline receives
+a step, after the first iteration, beside the formula from the same rank's lone forward and
+backward calls of one chunk and micro-batch (and its paired steps' time, F&B). Prints one row per
+rank and the ratio measured/formula for each run.
 """
 from __future__ import annotations
 
@@ -28,13 +31,25 @@ def model(a) -> list[str]:
             "--hidden-dropout", "0", "--attention-dropout", "0", "--disable-bias-linear",
             "--num-layers", "4", "--hidden-size", str(a.hidden), "--ffn-hidden-size", str(a.hidden),
             "--num-attention-heads", "4", "--seq-length", str(a.seq), "--num-experts", "4", "--moe-router-topk", "2",
-            "--expert-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+            "--expert-model-parallel-size", str(a.ranks // 2), "--pipeline-model-parallel-size", "2",
             "--num-layers-per-virtual-pipeline-stage", "1", "--micro-batch-size", "1",
-            "--global-batch-size", str(2 * a.micro_batches), "--train-iters", str(a.iters), "--moe-fb-overlap"]
+            "--untie-embeddings-and-output-weights",
+            "--global-batch-size", str(a.ranks // 2 * a.micro_batches), "--train-iters", str(a.iters)]
+
+
+def runs(a) -> list[tuple[str, list[str], str]]:
+    """(name, flags, NPUSPEED_FB_OVERLAP_PATH) of each run."""
+    dual = ["--schedules-method", "dualpipev"]
+    if a.ranks == 2:
+        return [("interleaved", [], ""), ("dualpipev", dual, "")]
+    fb = ["--moe-fb-overlap"]
+    return [("interleaved", fb, "serial"), ("interleaved + fb overlap", fb, "paired"),
+            ("dualpipev", dual, ""), ("dualpipev + fb overlap", dual + fb, "paired")]
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--ranks", type=int, choices=[2, 4], default=2)
     p.add_argument("--iters", type=int, default=6)
     p.add_argument("--micro-batches", type=int, default=8, help="per data-parallel rank")
     p.add_argument("--hidden", type=int, default=128)
@@ -42,16 +57,18 @@ def main() -> int:
     a = p.parse_args()
     from launch import free_port
 
-    print(f"PP 2 x VPP 2 x EP 2, 4 ranks, {a.micro_batches} micro-batches a step, hidden {a.hidden}, seq {a.seq}, "
-          f"{a.iters} iterations (first left out)")
+    print(f"PP 2 x VPP 2 (EP {a.ranks // 2}), {a.ranks} ranks, {a.micro_batches} micro-batches a step, hidden "
+          f"{a.hidden}, seq {a.seq}, {a.iters} iterations (first left out)")
     status = 0
-    for path in ("serial", "paired"):  # Megatron's interleaved schedule (the flag forced serial), then paired
+    for name, flags, path in runs(a):
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "summary.json"
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-addr",
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(a.ranks), "--master-addr",
                    "127.0.0.1", "--master-port", str(free_port()), str(ROOT / "examples" / "pretrain_gpt.py"),
-                   *model(a), "--summary-json", str(out)]
-            env = dict(os.environ, OMP_NUM_THREADS="1", NPUSPEED_FB_OVERLAP_PATH=path)
+                   *model(a), *flags, "--summary-json", str(out)]
+            env = dict(os.environ, OMP_NUM_THREADS="1")
+            if path:
+                env["NPUSPEED_FB_OVERLAP_PATH"] = path
             proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
             if proc.returncode:
                 print(proc.stdout[-3000:], proc.stderr[-3000:], sep="\n")
@@ -59,14 +76,16 @@ def main() -> int:
             summary = json.loads(out.read_text())
         rows = summary.get("pipeline_bubble") or []
         hidden = (summary.get("a2a_hidden_fraction") or {}).get("overall")
-        print(f"\n{path} (all-to-all hidden per transfer: {hidden if hidden is None else round(hidden, 2)}; "
-              f"median step {summary.get('median_step_ms', float('nan')):.0f} ms)")
-        print(f"{'rank':>4} {'idle ms/step':>13} {'F ms':>8} {'B ms':>8} {'formula ms':>11} {'measured/formula':>17}")
+        print(f"\n{name} (all-to-all hidden per transfer: {hidden if hidden is None else round(hidden, 2)}; "
+              f"median step {summary.get('median_step_ms', float('nan')):.0f} ms; formula "
+              f"{rows[0]['formula'] if rows else '?'})")
+        print(f"{'rank':>4} {'idle ms/step':>13} {'F ms':>8} {'B ms':>8} {'F&B ms':>8} {'formula ms':>11} "
+              f"{'measured/formula':>17}")
         for r in rows:
             ratio = r["measured_over_formula"]
             print(f"{r['rank']:>4} {r['idle_ms_per_step']:>13.1f} {r['forward_ms'] or float('nan'):>8.1f} "
-                  f"{r['backward_ms'] or float('nan'):>8.1f} {r['formula_ms'] or float('nan'):>11.1f} "
-                  f"{'n/a' if ratio is None else f'{ratio:.2f}':>17}")
+                  f"{r['backward_ms'] or float('nan'):>8.1f} {r.get('pair_ms') or float('nan'):>8.1f} "
+                  f"{r['formula_ms'] or float('nan'):>11.1f} {'n/a' if ratio is None else f'{ratio:.2f}':>17}")
         status = status or (0 if rows else 1)
     return status
 

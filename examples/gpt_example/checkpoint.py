@@ -74,10 +74,11 @@ def _describe(args, optimizer, iteration: int) -> dict:
 
 
 def _merged(model_state: dict) -> dict:
-    merged = {}
-    for part in model_state.values():
-        merged.update(part)
-    return merged
+    """The model chunks' sharded state dicts the optimizer maps its parameters through, kept
+    apart: chunks share local keys (each one's first layer is `decoder.layers.0`), and Megatron
+    matches parameters by value over the nested dict, so flattening them would lose all but the
+    last chunk's (VPP could not save)."""
+    return {name: part for name, part in model_state.items() if name.startswith("model")}
 
 
 def _fsync_dir(path: str) -> None:

@@ -40,6 +40,10 @@ def paired_per_step(pp: int, rank: int, m: int) -> int:
     return 2 * (m - 2 * pp + rank + 1) + (pp - rank - 1)
 
 
+SAVE_AT = 4
+SAVES = ("base", "fb")  # these two save at SAVE_AT too: the sources of the resume test
+
+
 def _run(tmp_path_factory, name: str, args: list[str], env: dict | None = None) -> dict:
     if name in _RUNS:
         return _RUNS[name]
@@ -47,9 +51,11 @@ def _run(tmp_path_factory, name: str, args: list[str], env: dict | None = None) 
 
     tmp = tmp_path_factory.mktemp(name)
     out = tmp / "dump"
-    run = run_example(MODEL + args + ["--step-grads-out", str(out)], tmp, nproc=NPROC, name=name, env=env,
+    save = ["--save", str(tmp / "ckpt"), "--save-interval", str(SAVE_AT)] if name in SAVES else []
+    run = run_example(MODEL + args + save + ["--step-grads-out", str(out)], tmp, nproc=NPROC, name=name, env=env,
                       script=RUNNER, timeout=900)
     run["dumps"] = [torch.load(f"{out}.rank{r}") for r in range(NPROC)]
+    run["ckpt"] = str(tmp / "ckpt") if save else None
     _RUNS[name] = run
     return run
 
@@ -114,3 +120,22 @@ def test_dualpipev_matches_interleaved(tmp_path_factory, overlap):
     assert [b["rank"] for b in bubbles] == list(range(NPROC))
     for b in bubbles:
         assert b["steps"] == ITERS - 1 and b["waits"] > 0 and b["idle_ms_per_step"] > 0, b
+
+
+@pytest.mark.parametrize("direction", ["dualpipev-to-interleaved", "interleaved-to-dualpipev"])
+def test_checkpoints_resume_across_the_flag(tmp_path_factory, direction):
+    """A DualPipeV checkpoint holds Megatron's keys (global layer numbers): Megatron's interleaved
+    schedule resumes from it at iteration 5, and DualPipeV from the interleaved schedule's, each
+    continuing the uninterrupted run's losses."""
+    from launch import run_example
+
+    base = _run(tmp_path_factory, "base", [])
+    fb = _run(tmp_path_factory, "fb", DUALPIPEV + ["--moe-fb-overlap"], {"NPUSPEED_FB_OVERLAP_PATH": "paired"})
+    src, args = (fb, []) if direction == "dualpipev-to-interleaved" else (base, DUALPIPEV + ["--moe-fb-overlap"])
+    tmp = tmp_path_factory.mktemp(direction)
+    resumed = run_example(MODEL + args + ["--load", src["ckpt"], "--ckpt-step", str(SAVE_AT)], tmp, nproc=NPROC,
+                          name=direction, env={"NPUSPEED_FB_OVERLAP_PATH": "paired"}, timeout=900)
+    assert resumed["first_iteration"] == SAVE_AT + 1
+    gap = max(abs(x - y) for x, y in zip(resumed["losses"], base["losses"][SAVE_AT:]))
+    print(f"{direction}: losses {resumed['losses']}, max gap to the uninterrupted run {gap:.3g}")
+    assert len(resumed["losses"]) == ITERS - SAVE_AT and gap <= TOL, (resumed["losses"], base["losses"])

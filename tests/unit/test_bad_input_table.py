@@ -110,6 +110,25 @@ NPUSPEED_ROWS = [
          "runs on the interleaved schedule's extra warm-up micro-batch")),
     ("fb-overlap-full-recompute", ["--moe-fb-overlap", "--recompute-granularity", "full"], {},
      "--moe-fb-overlap: full recompute re-runs the layer's all-to-alls"),
+    # --schedules-method dualpipev: what its V placement needs
+    ("dualpipev-pp1", ["--schedules-method", "dualpipev"], {},
+     "--schedules-method dualpipev places two chunks per pipeline rank in a V: it needs "
+     "--pipeline-model-parallel-size 2 or more"),
+    ("dualpipev-old-release" if megatron_version() < Version("0.14") else "dualpipev-no-vpp",
+     ["--schedules-method", "dualpipev", "--pipeline-model-parallel-size", "2", "--num-layers", "4"], {},
+     "--schedules-method dualpipev builds its V from megatron-core 0.14+'s per-chunk layer offsets"
+     if megatron_version() < Version("0.14") else
+     "--schedules-method dualpipev builds two model chunks per pipeline rank: add "
+     "--num-layers-per-virtual-pipeline-stage 1 (num-layers / (2 x PP))"),
+    *([("dualpipev-tied", ["--schedules-method", "dualpipev", "--pipeline-model-parallel-size", "2", "--num-layers",
+                           "4", "--num-layers-per-virtual-pipeline-stage", "1"], {},
+        "--schedules-method dualpipev puts the embedding and the output layer on rank 0 in two chunks; add "
+        "--untie-embeddings-and-output-weights"),
+       ("dualpipev-batch", ["--schedules-method", "dualpipev", "--pipeline-model-parallel-size", "2", "--num-layers",
+                            "4", "--num-layers-per-virtual-pipeline-stage", "1", "--untie-embeddings-and-output-weights",
+                            "--global-batch-size", "3", "--micro-batch-size", "1"], {"WORLD_SIZE": "2"},
+        "--schedules-method dualpipev at --pipeline-model-parallel-size 2 needs at least 2 x 2 = 4 micro-batches a "
+        "step (got 3)")] if megatron_version() >= Version("0.14") else []),
     ("activation-offload-with-swap", ["--swap-attention", "--fine-grained-activation-offloading"], {},
      "--swap-attention with Megatron's --fine-grained-activation-offloading"),
     ("layer-wise-optimizer-with-swap", ["--swap-optimizer", "--optimizer", "muon"], {},

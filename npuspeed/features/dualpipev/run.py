@@ -13,6 +13,7 @@ interleaved schedule.
 from __future__ import annotations
 
 import contextlib
+import time
 
 import torch
 
@@ -20,7 +21,12 @@ from npuspeed import telemetry
 from npuspeed.features.dualpipev import order
 from npuspeed.features.dualpipev.links import Links
 
-PHASE = {True: "steady"}
+
+
+def _bubble():
+    from npuspeed.features.moe_fb_overlap import bubble
+
+    return bubble
 
 
 def _no_sync(config, chunk: int):
@@ -42,7 +48,7 @@ def _shape(config, seq_length: int, micro_batch_size: int):
 class Step:
     """One call of the schedule on this rank."""
 
-    def __init__(self, call: dict, pair=None, waited=None):
+    def __init__(self, call: dict, pair=None, measure: bool = False):
         from megatron.core.utils import get_model_config
 
         from npuspeed.accelerator import get_accelerator
@@ -51,8 +57,9 @@ class Step:
         self.config = config = get_model_config(self.model[0])
         self.m = call["num_microbatches"]
         dtype = config.pipeline_dtype or torch.float32
+        self.measure = measure  # the bubble measure (moe_fb_overlap/bubble.py): receive waits and paired steps
         self.links = Links(_shape(config, call["seq_length"], call["micro_batch_size"]), dtype,
-                           get_accelerator().device(), waited)
+                           get_accelerator().device(), _bubble().record_wait if measure else None)
         self.pair = pair  # run_pair(forward, backward) when the overlap is on
         self.store, self.tokens = [], torch.zeros([], dtype=torch.int, device=get_accelerator().device())
         self.inputs, self.outputs = {}, {}
@@ -144,6 +151,7 @@ class Step:
 
         if op.paired:
             telemetry.count("dualpipev.paired_ops")
+            t0 = time.perf_counter()
             if self.pair is not None:
                 telemetry.count("moe.fb_overlap.pairs")
                 with a2a_clock.phase("steady"):
@@ -151,6 +159,11 @@ class Step:
             else:
                 backward()
                 forward()
+            if self.measure:
+                from npuspeed.accelerator import get_accelerator
+
+                get_accelerator().synchronize()
+                _bubble().record_pair(time.perf_counter() - t0)
         elif op.forward is not None:
             with a2a_clock.phase("warm_up"):
                 forward()

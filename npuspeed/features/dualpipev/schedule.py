@@ -30,11 +30,12 @@ def wrapper(note, overlap: bool, measure: bool):
             n = call["num_microbatches"]
             if not call["forward_only"] and n < 2 * pp:
                 raise FeatureError(batch_message(n, pp))
-            waited = bubble.record_wait if measure else None
             state = {"pair": None}
+            if measure:
+                bubble.note_schedule("dualpipev")
 
             def step(**_):
-                return Step(call, state["pair"], waited).run()
+                return Step(call, state["pair"], measure).run()
 
             run = (lambda: bubble.schedule_wrapper(step)(**call)) if measure else step
             if call["forward_only"] or not overlap:

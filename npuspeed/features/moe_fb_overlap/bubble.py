@@ -15,8 +15,9 @@ import threading
 import time
 
 _lock = threading.Lock()
-_totals = {"idle": 0.0, "waits": 0, "forward": 0.0, "forwards": 0, "backward": 0.0, "backwards": 0, "steps": 0}
-_layout = {"pp": 1, "vpp": 1}
+_totals = {"idle": 0.0, "waits": 0, "forward": 0.0, "forwards": 0, "backward": 0.0, "backwards": 0, "steps": 0,
+           "paired": 0.0, "pairs": 0}
+_layout = {"pp": 1, "vpp": 1, "schedule": "interleaved"}
 
 
 def _sync() -> None:
@@ -122,18 +123,46 @@ def summary() -> dict | None:
     f = t["forward"] / t["forwards"] if t["forwards"] else None
     b = t["backward"] / t["backwards"] if t["backwards"] else None
     idle = t["idle"] / t["steps"]
-    formula = (_layout["pp"] - 1) * (f + b) if f is not None and b is not None else None
+    pair = t["paired"] / t["pairs"] if t["pairs"] else None
+    formula = _formula(_layout["schedule"], _layout["pp"], f, b, pair)
     return {"idle_ms_per_step": idle * 1e3, "forward_ms": f and f * 1e3, "backward_ms": b and b * 1e3,
             "formula_ms": formula and formula * 1e3,
             "measured_over_formula": idle / formula if formula else None,
-            "pp": _layout["pp"], "vpp": _layout["vpp"], "steps": t["steps"], "waits": t["waits"]}
+            "pp": _layout["pp"], "vpp": _layout["vpp"], "steps": t["steps"], "waits": t["waits"],
+            "schedule": _layout["schedule"], "pair_ms": pair and pair * 1e3, "formula": FORMULAS[_layout["schedule"]]}
+
+
+FORMULAS = {"interleaved": "(PP-1)(F+B)", "dualpipev": "(PP-1)(F&B+B-W)-F, W=0"}
+
+
+def _formula(schedule: str, pp: int, f, b, pair):
+    """The schedule's bubble in chunk units: the interleaved schedule's (PP-1)(F+B); DualPipeV's
+    (PP-1)(F&B + B - W) - F (DeepSeek's DualPipe report) with F&B a paired step's time (F + B
+    where none was timed) and W = 0 (no dense weight-gradient split here)."""
+    if f is None or b is None:
+        return None
+    if schedule == "dualpipev":
+        return (pp - 1) * ((pair if pair is not None else f + b) + b) - f
+    return (pp - 1) * (f + b)
+
+
+def note_schedule(name: str) -> None:
+    """Which schedule's formula applies (npuspeed's DualPipeV says so at each step)."""
+    _layout["schedule"] = name
+
+
+def record_pair(seconds: float) -> None:
+    """One paired step (a forward beside a backward) of DualPipeV's order took this long."""
+    _add("paired", "pairs", seconds)
 
 
 def line(s: dict) -> str:
     ratio = s["measured_over_formula"]
-    return (f"pipeline bubble: {s['idle_ms_per_step']:.1f} ms idle a step on this rank (PP {s['pp']}, VPP {s['vpp']}); "
-            f"formula (PP-1)(F+B) = {s['formula_ms'] or float('nan'):.1f} ms from F {s['forward_ms'] or float('nan'):.1f} ms, "
-            f"B {s['backward_ms'] or float('nan'):.1f} ms a chunk; measured/formula "
+    return (f"pipeline bubble: {s['idle_ms_per_step']:.1f} ms idle a step on this rank (PP {s['pp']}, VPP {s['vpp']}, "
+            f"{s['schedule']}); formula {s['formula']} = {s['formula_ms'] or float('nan'):.1f} ms from F "
+            f"{s['forward_ms'] or float('nan'):.1f} ms, "
+            f"B {s['backward_ms'] or float('nan'):.1f} ms a chunk"
+            + (f", F&B {s['pair_ms']:.1f} ms" if s.get("pair_ms") else "") + "; measured/formula "
             + (f"{ratio:.2f}" if ratio is not None else "n/a"))
 
 
