@@ -129,10 +129,13 @@ def _set_step(tree, step: int) -> None:
     if isinstance(tree, dict):
         groups = tree.get("param_groups")
         if isinstance(groups, list) and groups and isinstance(groups[0], dict):
-            if all("step" in g for g in groups):
+            # megatron-core 0.14's plain optimizer lists "step": None in its groups (the step is the
+            # per-parameter state's, saved as common_step): only a group holding one keeps it there
+            if all("step" in g for g in groups) and any(g["step"] is not None for g in groups):
                 for group in groups:
                     old = group["step"]
-                    group["step"] = torch.full_like(old, step) if torch.is_tensor(old) else type(old)(step)
+                    if old is not None:
+                        group["step"] = torch.full_like(old, step) if torch.is_tensor(old) else type(old)(step)
             elif isinstance(tree.get("state"), dict):
                 tree["state"]["common_step"] = torch.tensor(float(step))
             return
