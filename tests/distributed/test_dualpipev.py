@@ -139,3 +139,15 @@ def test_checkpoints_resume_across_the_flag(tmp_path_factory, direction):
     gap = max(abs(x - y) for x, y in zip(resumed["losses"], base["losses"][SAVE_AT:]))
     print(f"{direction}: losses {resumed['losses']}, max gap to the uninterrupted run {gap:.3g}")
     assert len(resumed["losses"]) == ITERS - SAVE_AT and gap <= TOL, (resumed["losses"], base["losses"])
+
+
+def test_bf16_matches_interleaved(tmp_path_factory):
+    """bf16 (Megatron's Float16Module: its fp32 output belongs to the chunk that computes the
+    loss, rank 0's chunk 1 under the V): losses within bf16's tolerance of the interleaved run."""
+    base = _run(tmp_path_factory, "base-bf16", ["--bf16"])
+    run = _run(tmp_path_factory, "fb-bf16", DUALPIPEV + ["--moe-fb-overlap", "--bf16"],
+               {"NPUSPEED_FB_OVERLAP_PATH": "paired"})
+    gap = max(abs(x - y) for x, y in zip(run["losses"], base["losses"]))
+    print(f"bf16: max loss gap {gap:.3g}")
+    assert gap <= 2e-2, (run["losses"], base["losses"])
+    assert all(d["counters"].get("moe.fb_overlap.pairs", 0) > 0 for d in run["dumps"])
