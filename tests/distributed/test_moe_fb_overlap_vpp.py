@@ -111,7 +111,7 @@ def test_plain_vpp_baseline_matches_pp1(tmp_path_factory):
     assert gap <= TOL, (base["losses"], flat["losses"])
 
 
-@pytest.mark.parametrize("path", ["serial", "auto"])
+@pytest.mark.parametrize("path", [pytest.param("serial", marks=pytest.mark.slow), "auto"])  # CI time: serial with `make bench`
 def test_serial_and_measured_paths(tmp_path_factory, path):
     """Forced serial: Megatron's plain interleaved schedule, no pair. Unforced: the step trial
     times paired and serial steps and every rank keeps the same one (one all-reduce of the
