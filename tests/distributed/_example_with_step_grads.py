@@ -3,7 +3,7 @@
 `--step-grads-out PATH`: before each optimizer step each rank appends {name: main_grad} (after
 Megatron's finalize_model_grads) and, after the run, writes {"grads": [per step], "params":
 {name: weight}, "counters": npuspeed's counters, "global_names": {name: layout-independent
-name}} to `PATH.rank<N>` (torch.save). The forward/backward overlap tests compare runs step by
+name}, "eval": the lm losses of one more forward-only schedule call} to `PATH.rank<N>` (torch.save). The forward/backward overlap tests compare runs step by
 step with these (across pipeline layouts by the global names).
 """
 import os
@@ -53,6 +53,18 @@ def chunk_prefix(chunk, inner) -> str:
 seen_args = None
 
 
+def _evaluate(seen) -> list[float]:
+    """The schedule once more with forward_only=True (as Megatron-LM's evaluation calls it) on the
+    next micro-batches of the same data: the 'lm loss' values this rank's schedule returned (the
+    rank whose chunk computes the loss has them; the others none)."""
+    import torch
+
+    call = dict(seen["call"], forward_only=True)
+    with torch.no_grad():
+        store = seen["func"](**call)
+    return [float(x["lm loss"]) for x in store or []]
+
+
 def main() -> None:
     import runpy
 
@@ -85,11 +97,31 @@ def main() -> None:
         return optimizer, scheduler
 
     train.build_optimizer = build_optimizer
+    get_func = train.get_forward_backward_func
+
+    def get_forward_backward_func(*a, **k):
+        func = get_func(*a, **k)
+
+        def forward_backward(**kwargs):
+            seen["call"] = kwargs  # the last training call: evaluated again, forward only, after the run
+            return func(**kwargs)
+
+        seen["func"] = func
+        return forward_backward
+
+    train.get_forward_backward_func = get_forward_backward_func
+    destroy = train.mpu.destroy_model_parallel
+
+    def evaluate_then_destroy(*a, **k):  # the example tears the groups down at its end
+        seen["eval"] = _evaluate(seen)
+        return destroy(*a, **k)
+
+    train.mpu.destroy_model_parallel = evaluate_then_destroy
     example = os.path.join(os.path.dirname(os.path.dirname(HERE)), "examples", "pretrain_gpt.py")
     sys.argv = [example, *argv]
     runpy.run_path(example, run_name="__main__")
     torch.save({"grads": seen["grads"], "params": _named(seen["model"]), "counters": telemetry.snapshot(),
-                "global_names": _global_names(seen["model"])},
+                "global_names": _global_names(seen["model"]), "eval": seen.get("eval")},
                f"{out}.rank{os.environ.get('RANK', '0')}")
 
 

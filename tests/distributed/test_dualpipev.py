@@ -118,6 +118,13 @@ def test_dualpipev_matches_interleaved(tmp_path_factory, overlap):
             assert c.get("moe.fb_overlap.turn.forward", 0) > 0 and c.get("moe.fb_overlap.turn.backward", 0) > 0, c
             assert c.get("moe.fb_overlap.a2a.forward.overlapped", 0) > 0, c
     assert not any(k.startswith("dualpipev") for d in base["dumps"] for k in d["counters"])
+    # evaluation (forward only, as Megatron-LM calls it): the same losses, on the loss's rank (the
+    # V's rank 0, global ranks 0-1; the interleaved schedule's last, 2-3)
+    evals = [d["eval"] for d in run["dumps"]]
+    assert [bool(e) for e in evals] == [True, True, False, False], evals
+    assert [bool(d["eval"]) for d in base["dumps"]] == [False, False, True, True]
+    gap = max(abs(x - y) for x, y in zip(evals[0] + evals[1], base["dumps"][2]["eval"] + base["dumps"][3]["eval"]))
+    assert len(evals[0]) == MICRO and gap <= TOL, (evals, [d["eval"] for d in base["dumps"]])
     bubbles = run["pipeline_bubble"]
     assert [b["rank"] for b in bubbles] == list(range(NPROC))
     for b in bubbles:
