@@ -242,9 +242,10 @@ def step_time(run: ResolvedRun, profile: dict) -> StepTime:
     n = spec.layers_per_chunk()
     g = profile["groups"][key]  # Megatron's schedule, per micro-batch and chunk:
     sched = _pick(g, "schedule", profile) if "schedule" in g else 0.0
-    fwd = [[sched + n * lf + (ef if r == 0 and c == 0 else 0.0) + (hf if r == lay.pp - 1 and c == lay.chunks - 1 else 0.0)
+    where = run.placement
+    fwd = [[sched + n * lf + (ef if where.first(r, c) else 0.0) + (hf if where.last(r, c) else 0.0)
             for c in range(lay.chunks)] for r in range(lay.pp)]
-    bwd = [[n * lb + (eb if r == 0 and c == 0 else 0.0) + (hb if r == lay.pp - 1 and c == lay.chunks - 1 else 0.0)
+    bwd = [[n * lb + (eb if where.first(r, c) else 0.0) + (hb if where.last(r, c) else 0.0)
             for c in range(lay.chunks)] for r in range(lay.pp)]
     coll = profile["collective"]
     hop = _line(coll["p2p"], d.h()) if lay.pp > 1 and coll.get("p2p") else 0.0
@@ -270,7 +271,7 @@ def step_time(run: ResolvedRun, profile: dict) -> StepTime:
     swap = swap_seconds(run, optimizer)
     optimizer += swap
     model_flops_step = megatron_model_flops(spec)
-    pipeline = schedule.simulate(lay.pp, lay.chunks, mbs, fwd, bwd, hop)
+    pipeline = schedule.simulate(lay.pp, lay.chunks, mbs, fwd, bwd, hop, where.schedule)
     total = pipeline + comm["dp"] + (comm.get("pp", 0.0) - hop * 2 * lay.chunks * mbs if lay.pp > 1 else 0.0) \
         + optimizer
     tokens = spec.batch.global_size(lay.dp) * spec.model.seq_length
