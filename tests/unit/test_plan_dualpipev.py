@@ -127,3 +127,15 @@ def test_with_moe_fb_overlap_the_pairs_are_the_vs_and_both_halves_are_held():
     assert both.effects.fb_pairs == both.fb_overlap.pairs == 2 * (m - 4 + 1) + 1
     assert both.ranks[0].in_flight == schedule.max_in_flight(2, 0, 2, m, V, taking_turns=True)
     assert alone.ranks[0].in_flight == schedule.max_in_flight(2, 0, 2, m, V) < both.ranks[0].in_flight
+
+
+@pytest.mark.parametrize("p", range(2, 9))
+def test_every_rank_holds_deepseeks_pp_plus_1_chunks(p):
+    """DeepSeek's README: DualPipeV holds PP + 1 stages' activations a device (PP = 2P stages);
+    the walk along order.py gives 2P + 1 chunk-micro-batches on every rank when a pair's halves
+    take turns, 2P when its backward frees before its forward, against the interleaved
+    schedule's 3P - 1 on rank 0."""
+    for m in (2 * p, 2 * p + 3):
+        assert {schedule.max_in_flight(p, r, 2, m, V, taking_turns=True) for r in range(p)} == {2 * p + 1}
+        assert {schedule.max_in_flight(p, r, 2, m, V) for r in range(p)} == {2 * p}
+    assert schedule.max_in_flight(p, 0, 2, 4 * p) == 3 * p - 1
