@@ -33,6 +33,14 @@ class Placement:
             return pp_rank if chunk == 0 else 2 * self.pp - 1 - pp_rank
         return chunk * self.pp + pp_rank
 
+    def sends_per_microbatch(self) -> int:
+        """Activations and gradients the busiest rank sends to another rank per micro-batch: one
+        each way per chunk (Megatron's count); in the V the end ranks hand one chunk's output to
+        the other chunk or the loss inside the rank, so at PP 2 every rank sends two."""
+        if self.pp < 2:
+            return 0
+        return 2 if self.v and self.pp == 2 else 2 * self.chunks
+
     def first(self, pp_rank: int, chunk: int) -> bool:
         """Whether the chunk is the first stage (it holds the embedding)."""
         return self.stage(pp_rank, chunk) == 0

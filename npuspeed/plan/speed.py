@@ -263,8 +263,9 @@ def step_time(run: ResolvedRun, profile: dict) -> StepTime:
         comm["dp"] = finalize * ring
     else:  # no data-parallel reduction: what finalize does besides it (measured with one, so a bound)
         comm["dp"] = 0.0
+    hops = hop * run.placement.sends_per_microbatch() * mbs
     if lay.pp > 1:
-        comm["pp"] = hop * 2 * lay.chunks * mbs
+        comm["pp"] = hops
         if spec.model.tied_embeddings:
             comm["pp"] += _line(coll["all_reduce"], d.vocab * spec.model.hidden * 4)
     optimizer = _per_param(pts, params, 2)
@@ -272,8 +273,7 @@ def step_time(run: ResolvedRun, profile: dict) -> StepTime:
     optimizer += swap
     model_flops_step = megatron_model_flops(spec)
     pipeline = schedule.simulate(lay.pp, lay.chunks, mbs, fwd, bwd, hop, where.schedule)
-    total = pipeline + comm["dp"] + (comm.get("pp", 0.0) - hop * 2 * lay.chunks * mbs if lay.pp > 1 else 0.0) \
-        + optimizer
+    total = pipeline + comm["dp"] + (comm.get("pp", 0.0) - hops if lay.pp > 1 else 0.0) + optimizer
     tokens = spec.batch.global_size(lay.dp) * spec.model.seq_length
     flops = (layer_flops(d) * spec.model.num_layers + 6.0 * d.tokens * d.hidden * d.vocab) * mbs * lay.dp * lay.tp \
         * lay.cp

@@ -139,3 +139,9 @@ def test_every_rank_holds_deepseeks_pp_plus_1_chunks(p):
         assert {schedule.max_in_flight(p, r, 2, m, V, taking_turns=True) for r in range(p)} == {2 * p + 1}
         assert {schedule.max_in_flight(p, r, 2, m, V) for r in range(p)} == {2 * p}
     assert schedule.max_in_flight(p, 0, 2, 4 * p) == 3 * p - 1
+
+
+def test_the_v_sends_less_at_pp2_where_both_ends_hand_off_inside_a_rank():
+    v, megatron = _plan(*FLAG), _plan()
+    assert v.comm["pp"] == megatron.comm["pp"] / 2
+    assert Placement(4, 2, V).sends_per_microbatch() == Placement(4, 2).sends_per_microbatch() == 4
