@@ -37,6 +37,9 @@ KERNELS = {
 }
 #: parallel dimensions an effect may overlap or send over
 DIMENSIONS = ("tp", "dp", "pp", "cp", "ep")
+#: pipeline schedules a feature may run instead of Megatron's (npuspeed/plan/placement.py
+#: places the stages, npuspeed/plan/schedule.py runs the order)
+SCHEDULES = ("dualpipev",)
 
 
 @dataclass(frozen=True)
@@ -104,6 +107,9 @@ class PlanEffect:
     #: micro-batches' activations held at once beyond what the pipeline schedule holds (the
     #: paired schedule keeps micro-batch i's and i+1's alive together at PP 1)
     extra_in_flight: int = 0
+    #: the pipeline schedule run instead of Megatron's (SCHEDULES; None: Megatron's). "dualpipev":
+    #: rank r holds stages r and 2P-1-r (first and last on rank 0) and runs DualPipeV's order
+    schedule: str | None = None
     #: one line for the plan: what it removes or costs
     summary: str = ""
 
@@ -128,6 +134,9 @@ def check(name: str, effect: PlanEffect) -> None:
     if effect.fb_pairs is not None and effect.fb_pairs < 0 or effect.extra_in_flight < 0:
         raise PlanEffectError(f"feature {name}: fb_pairs {effect.fb_pairs} and extra_in_flight "
                               f"{effect.extra_in_flight} count micro-batches (>= 0)")
+    if effect.schedule is not None and effect.schedule not in SCHEDULES:
+        raise PlanEffectError(f"feature {name}: pipeline schedule {effect.schedule!r} is not one the planner "
+                              f"models ({SCHEDULES})")
     for module in effect.swap_modules:
         if module not in SWAP_PARTS:
             raise PlanEffectError(f"feature {name}: swapped module {module!r} is not one the planner models "

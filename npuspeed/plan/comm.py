@@ -33,8 +33,7 @@ def volume(run: ResolvedRun) -> dict:
         per_layer = 2 * 2 * 2 * _ring(lay.tp) * act_full  # 2 collectives, fwd+bwd, all-reduce = 2x
         out["tp"] = per_layer * layers * mbs
     if lay.pp > 1:
-        boundaries = 2 * lay.chunks  # send forward, gradient back; per chunk
-        out["pp"] = boundaries * d.h() * mbs
+        out["pp"] = run.placement.sends_per_microbatch() * d.h() * mbs  # forward, gradient back; per chunk
     grads = max(sum(stage) for stage in run.buffers) * 4  # the busiest stage's fp32 gradient buffers
     if lay.dp > 1:
         out["dp"] = 2 * _ring(lay.dp) * grads

@@ -53,6 +53,11 @@ def _merge(out: dict, name: str, effect: PlanEffect) -> None:
     if effect.fb_pairs is not None:
         out["fb_pairs"] = max(out["fb_pairs"] or 0, effect.fb_pairs)
     out["extra_in_flight"] = max(out["extra_in_flight"], effect.extra_in_flight)
+    if effect.schedule is not None:
+        if out["schedule"] not in (None, effect.schedule):
+            raise PlanEffectError(f"feature {name}: pipeline schedule {effect.schedule} conflicts with "
+                                  f"{out['schedule']} from another feature")
+        out["schedule"] = effect.schedule
     if effect.summary:
         out["summaries"].append((name, effect.summary))
 
@@ -60,7 +65,8 @@ def _merge(out: dict, name: str, effect: PlanEffect) -> None:
 def collect(spec, ctx, features) -> Effects:
     """Merge the plan effects of the features enabled in `ctx` for the run `spec`."""
     out = {"variants": {}, "variant_layers": {}, "master_bytes_per_param": None, "kernels": {}, "overlap": {},
-           "options": {}, "comm_per_layer": {}, "swap_optimizer": {}, "swap_modules": (), "fb_pairs": None, "extra_in_flight": 0, "summaries": [],
+           "options": {}, "comm_per_layer": {}, "swap_optimizer": {}, "swap_modules": (), "fb_pairs": None,
+           "extra_in_flight": 0, "schedule": None, "summaries": [],
            "features": []}
     for feature in features:
         if not feature.enabled(ctx.args) or feature.always_on:

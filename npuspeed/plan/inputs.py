@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from npuspeed.plan import context, effects as effects_mod
 from npuspeed.plan.flags import build_parser, megatron_args, parse
-from npuspeed.plan.spec import RunSpec, layout_problems
+from npuspeed.plan.spec import RunSpec, layout_problems, microbatch_problems
 
 
 @dataclass(frozen=True)
@@ -43,12 +43,12 @@ def read(argv: list[str], profile=None, spec: RunSpec | None = None, megatron=No
             profile = load_profile(ns.profile)
     elif megatron is None:
         megatron = megatron_args(build_parser().parse_known_args(list(argv))[0])
-    problems = layout_problems(spec)
+    problems = layout_problems(spec, microbatches=False)
     ctx, features, refused = context.make(argv, megatron)
     problems += refused
     effects = None
-    if not problems:
+    if not problems:  # the micro-batch count's needs depend on the schedule the features run
         effects = effects_mod.collect(spec, ctx, features)
-        problems += effects_mod.not_modeled(spec, effects)
+        problems += microbatch_problems(spec, effects.schedule) + effects_mod.not_modeled(spec, effects)
     return Inputs(argv=tuple(argv), spec=spec, megatron=megatron, ctx=ctx, features=features,
                   problems=tuple(problems), effects=effects, profile=profile)

@@ -76,11 +76,15 @@ def swap_optimizer(static, step_static, effects) -> tuple[int, int]:
 
 
 def _events(run: ResolvedRun, pp_rank: int) -> list:
-    """The rank's forwards and backwards in order; at PP 1 a feature that keeps more micro-batches
-    alive (PlanEffect.extra_in_flight: --moe-fb-overlap runs i's backward beside i+1's forward)
-    runs that many more forwards before the first backward."""
+    """The rank's forwards and backwards in order (DualPipeV's under its V placement, a paired
+    step's halves both alive when they take turns: PlanEffect.fb_pairs); at PP 1 a feature that
+    keeps more micro-batches alive (PlanEffect.extra_in_flight: --moe-fb-overlap runs i's
+    backward beside i+1's forward) runs that many more forwards before the first backward."""
     lay = run.spec.layout
     m = run.spec.batch.num_microbatches(lay.dp)
+    if run.placement.v:
+        return schedule.events(lay.pp, pp_rank, lay.chunks, m, run.placement.schedule,
+                               taking_turns=run.effects.fb_pairs is not None)
     extra = min(run.effects.extra_in_flight, max(m - 1, 0)) if lay.pp == 1 else 0
     if not extra:
         return schedule.events(lay.pp, pp_rank, lay.chunks, m)
@@ -96,7 +100,7 @@ def rank_memory(run: ResolvedRun, pp_rank: int) -> RankMemory:
     replays = []
     terms: dict = {}
     for chunk in range(lay.chunks):
-        last = pp_rank == lay.pp - 1 and chunk == lay.chunks - 1
+        last = run.placement.last(pp_rank, chunk)
         r = replay(ops.chunk_ops(run, pp_rank, chunk), output_grad=0 if last else d.h())
         replays.append(r)
         for k, v in r.by_term.items():

@@ -298,8 +298,7 @@ def chunk_ops(run: ResolvedRun, pp_rank: int, chunk: int) -> Graph:
     spec, effects, d = run.spec, run.effects, run.dims
     m, lay = spec.model, spec.layout
     g = Graph()
-    first = pp_rank == 0 and chunk == 0
-    last = pp_rank == lay.pp - 1 and chunk == lay.chunks - 1
+    first, last = run.placement.first(pp_rank, chunk), run.placement.last(pp_rank, chunk)
     x = embedding_ops(g, d, m) if first else recv_ops(g, d)
     n = spec.layers_per_chunk()
     variants = dict(effects.variants)

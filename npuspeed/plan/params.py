@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from npuspeed.plan import placement as placement_mod
 from npuspeed.plan.spec import ExpertLayout, RunSpec
 
 
@@ -81,8 +82,11 @@ def expert_param_sizes(spec: RunSpec, experts: ExpertLayout, grouped: bool = Fal
     return one * local
 
 
-def chunk_params(spec: RunSpec, pp_rank: int, chunk: int, experts: ExpertLayout, grouped: bool = False) -> ChunkParams:
+def chunk_params(spec: RunSpec, pp_rank: int, chunk: int, experts: ExpertLayout, grouped: bool = False,
+                 placement: placement_mod.Placement | None = None) -> ChunkParams:
+    """`placement`: where the first and last stages sit (None: Megatron's, placement.py)."""
     m, lay = spec.model, spec.layout
+    placement = placement or placement_mod.of(lay)
     out = ChunkParams()
     per_layer = layer_param_sizes(spec)
     n_layers = spec.layers_per_chunk()
@@ -91,8 +95,7 @@ def chunk_params(spec: RunSpec, pp_rank: int, chunk: int, experts: ExpertLayout,
     out.expert_sizes = expert_param_sizes(spec, experts, grouped) * n_layers
     out.experts = sum(out.expert_sizes)
     vocab = m.padded_vocab(lay.tp) // lay.tp
-    first = pp_rank == 0 and chunk == 0
-    last = pp_rank == lay.pp - 1 and chunk == lay.chunks - 1
+    first, last = placement.first(pp_rank, chunk), placement.last(pp_rank, chunk)
     if first:
         emb = [vocab * m.hidden]
         if m.position_embedding == "learned_absolute":
@@ -173,11 +176,13 @@ def static_memory(spec: RunSpec, edp: int, stage, buffers, master_bytes: float |
     return out
 
 
-def stages(spec: RunSpec, experts: ExpertLayout, grouped: bool, master_bytes: float | None):
-    """Per pipeline stage: its chunks' ChunkParams, their DDP buffer elements, and its static
-    bytes with the features' fp32 masters (`master_bytes`) and at the optimizer step (full)."""
+def stages(spec: RunSpec, experts: ExpertLayout, grouped: bool, master_bytes: float | None,
+           placement: placement_mod.Placement | None = None):
+    """Per pipeline rank: its chunks' ChunkParams, their DDP buffer elements, and its static
+    bytes with the features' fp32 masters (`master_bytes`) and at the optimizer step (full);
+    `placement`: which chunks hold the embedding and the head (None: Megatron's)."""
     lay = spec.layout
-    params = tuple(tuple(chunk_params(spec, r, c, experts, grouped) for c in range(lay.chunks))
+    params = tuple(tuple(chunk_params(spec, r, c, experts, grouped, placement) for c in range(lay.chunks))
                    for r in range(lay.pp))
     buffers = tuple(tuple(buffer_numel(spec, cp, experts.edp) for cp in stage) for stage in params)
     static = tuple(static_memory(spec, experts.edp, s, b, master_bytes) for s, b in zip(params, buffers))

@@ -13,6 +13,14 @@ def _tflops(x: float) -> str:
     return f"{x:,.1f}" if x >= 1 else f"{x:.4g}"
 
 
+def schedule_name(p) -> str:
+    """The pipeline schedule the plan simulates: the features' (DualPipeV) or Megatron's."""
+    lay = p.spec.layout
+    if p.effects is not None and p.effects.schedule == "dualpipev":
+        return "DualPipeV"
+    return "1F1B" if lay.pp > 1 and not lay.vpp else "interleaved 1F1B" if lay.vpp else "no pipelining"
+
+
 def as_json(p) -> dict:
     lay, spec = p.spec.layout, p.spec
     out = {
@@ -25,7 +33,7 @@ def as_json(p) -> dict:
         "problems": list(p.problems),
         "layout": {"tp": lay.tp, "pp": lay.pp, "vpp": lay.vpp, "dp": lay.dp, "cp": lay.cp, "ep": lay.ep,
                    "sp": lay.sp, "world": lay.world, "distributed_optimizer": lay.distributed_optimizer,
-                   "num_microbatches": spec.batch.num_microbatches(lay.dp)},
+                   "num_microbatches": spec.batch.num_microbatches(lay.dp), "schedule": schedule_name(p)},
         "breakdown": {},
         # --moe-fb-overlap: the predicted step with and without it (None when the flag is off)
         "moe_fb_overlap": p.fb_overlap.as_dict() if getattr(p, "fb_overlap", None) else None,
@@ -55,8 +63,7 @@ def text(p) -> str:
         lines += [f"  - {reason}" for reason in p.problems]
         return "\n".join(lines)
     mbs = spec.batch.num_microbatches(lay.dp)
-    lines.append(f"micro-batch {spec.batch.micro_batch}, {mbs} micro-batches a step "
-                 f"({'1F1B' if lay.pp > 1 and not lay.vpp else 'interleaved 1F1B' if lay.vpp else 'no pipelining'})")
+    lines.append(f"micro-batch {spec.batch.micro_batch}, {mbs} micro-batches a step ({schedule_name(p)})")
     lines.append("")
     lines.append(f"{'stage':>5} {'params':>12} {'grads':>12} {'masters':>12} {'optimizer':>12} {'buffers':>10} "
                  f"{'act/layer':>11} {'act/mb':>11} {'in flight':>9} {'step peak':>12} {'peak':>12}")

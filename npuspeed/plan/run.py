@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from npuspeed.plan.dims import Dims, dims
+from npuspeed.plan import placement as placement_mod
 from npuspeed.plan.params import ChunkParams, StaticMemory, stages
 from npuspeed.plan.spec import ExpertLayout, RunSpec
 from npuspeed.plan_vocabulary import PlanOptions
@@ -36,6 +37,12 @@ class ResolvedRun:
     #: optimizer step (full masters); copy before changing one (dataclasses.replace)
     static: tuple = ()
     step_static: tuple = ()
+    #: which (pipeline rank, chunk) is which stage: Megatron's, or the V of the features' schedule
+    placement: placement_mod.Placement | None = None
+
+    def __post_init__(self):
+        if self.placement is None:  # Megatron's
+            object.__setattr__(self, "placement", placement_mod.of(self.spec.layout))
 
     @property
     def layer_options(self) -> PlanOptions:
@@ -64,6 +71,7 @@ def resolve(spec: RunSpec, effects) -> ResolvedRun:
     options = PlanOptions.of(effects.options)
     experts = expert_layout(spec, options)
     d = dims(spec)
-    params, buffers, static, step = stages(spec, experts, options.moe_grouped, effects.master_bytes)
+    where = placement_mod.of(spec.layout, effects.schedule)
+    params, buffers, static, step = stages(spec, experts, options.moe_grouped, effects.master_bytes, where)
     return ResolvedRun(spec=spec, effects=effects, dims=d, options=options, experts=experts,
-                       stages=params, buffers=buffers, static=static, step_static=step)
+                       stages=params, buffers=buffers, static=static, step_static=step, placement=where)

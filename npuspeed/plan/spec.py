@@ -127,8 +127,10 @@ class RunSpec:
         return self.model.num_layers // (self.layout.pp * self.layout.chunks)
 
 
-def layout_problems(spec: RunSpec) -> list[str]:
-    """Every reason this layout cannot run (empty when it can), each naming the flag to change."""
+def layout_problems(spec: RunSpec, microbatches: bool = True) -> list[str]:
+    """Every reason this layout cannot run (empty when it can), each naming the flag to change;
+    with `microbatches`, also Megatron's schedules' needs of the micro-batch count (the planner
+    asks microbatch_problems itself once the features have said which schedule runs)."""
     m, lay, b = spec.model, spec.layout, spec.batch
     out = list(spec.extra.get("problems", ()))
     for name, value in (("--tensor-model-parallel-size", lay.tp), ("--pipeline-model-parallel-size", lay.pp),
@@ -183,14 +185,28 @@ def layout_problems(spec: RunSpec) -> list[str]:
         if gbs % (b.micro_batch * dp):
             out.append(f"--global-batch-size {gbs} is not a multiple of --micro-batch-size x DP = "
                        f"{b.micro_batch * dp}")
-        elif lay.vpp:
-            mbs = b.num_microbatches(dp)
-            if mbs < lay.pp:
-                out.append(f"{mbs} micro-batches per step are fewer than --pipeline-model-parallel-size "
-                           f"{lay.pp} (interleaved schedule needs at least PP)")
-            elif 0 < mbs % lay.pp < lay.pp and mbs % lay.pp:
-                out.append(f"{mbs} micro-batches are not a multiple of PP {lay.pp} (interleaved schedule)")
+        elif microbatches:
+            out += microbatch_problems(spec)
     return out
+
+
+def microbatch_problems(spec: RunSpec, schedule: str | None = None) -> list[str]:
+    """What the pipeline schedule needs of the micro-batch count: Megatron's interleaved one a
+    multiple of PP, DualPipeV (`schedule` "dualpipev") at least 2 x PP."""
+    lay, b = spec.layout, spec.batch
+    mbs = b.num_microbatches(lay.dp)
+    if schedule == "dualpipev":
+        if mbs < 2 * lay.pp:
+            return [f"{mbs} micro-batches per step are fewer than 2 x --pipeline-model-parallel-size = {2 * lay.pp} "
+                    "(DualPipeV needs at least 2 x PP): raise --global-batch-size"]
+        return []
+    if lay.vpp:
+        if mbs < lay.pp:
+            return [f"{mbs} micro-batches per step are fewer than --pipeline-model-parallel-size "
+                    f"{lay.pp} (interleaved schedule needs at least PP)"]
+        if mbs % lay.pp:
+            return [f"{mbs} micro-batches are not a multiple of PP {lay.pp} (interleaved schedule)"]
+    return []
 
 
 def replace_layout(spec: RunSpec, **changes) -> RunSpec:

@@ -242,9 +242,10 @@ def step_time(run: ResolvedRun, profile: dict) -> StepTime:
     n = spec.layers_per_chunk()
     g = profile["groups"][key]  # Megatron's schedule, per micro-batch and chunk:
     sched = _pick(g, "schedule", profile) if "schedule" in g else 0.0
-    fwd = [[sched + n * lf + (ef if r == 0 and c == 0 else 0.0) + (hf if r == lay.pp - 1 and c == lay.chunks - 1 else 0.0)
+    where = run.placement
+    fwd = [[sched + n * lf + (ef if where.first(r, c) else 0.0) + (hf if where.last(r, c) else 0.0)
             for c in range(lay.chunks)] for r in range(lay.pp)]
-    bwd = [[n * lb + (eb if r == 0 and c == 0 else 0.0) + (hb if r == lay.pp - 1 and c == lay.chunks - 1 else 0.0)
+    bwd = [[n * lb + (eb if where.first(r, c) else 0.0) + (hb if where.last(r, c) else 0.0)
             for c in range(lay.chunks)] for r in range(lay.pp)]
     coll = profile["collective"]
     hop = _line(coll["p2p"], d.h()) if lay.pp > 1 and coll.get("p2p") else 0.0
@@ -262,17 +263,17 @@ def step_time(run: ResolvedRun, profile: dict) -> StepTime:
         comm["dp"] = finalize * ring
     else:  # no data-parallel reduction: what finalize does besides it (measured with one, so a bound)
         comm["dp"] = 0.0
+    hops = hop * run.placement.sends_per_microbatch() * mbs
     if lay.pp > 1:
-        comm["pp"] = hop * 2 * lay.chunks * mbs
+        comm["pp"] = hops
         if spec.model.tied_embeddings:
             comm["pp"] += _line(coll["all_reduce"], d.vocab * spec.model.hidden * 4)
     optimizer = _per_param(pts, params, 2)
     swap = swap_seconds(run, optimizer)
     optimizer += swap
     model_flops_step = megatron_model_flops(spec)
-    pipeline = schedule.simulate(lay.pp, lay.chunks, mbs, fwd, bwd, hop)
-    total = pipeline + comm["dp"] + (comm.get("pp", 0.0) - hop * 2 * lay.chunks * mbs if lay.pp > 1 else 0.0) \
-        + optimizer
+    pipeline = schedule.simulate(lay.pp, lay.chunks, mbs, fwd, bwd, hop, where.schedule)
+    total = pipeline + comm["dp"] + (comm.get("pp", 0.0) - hops if lay.pp > 1 else 0.0) + optimizer
     tokens = spec.batch.global_size(lay.dp) * spec.model.seq_length
     flops = (layer_flops(d) * spec.model.num_layers + 6.0 * d.tokens * d.hidden * d.vocab) * mbs * lay.dp * lay.tp \
         * lay.cp
