@@ -1,6 +1,6 @@
 """Each rank's pipeline bubble at PP 2, measured, against its schedule's formula: Megatron's
 interleaved schedule (VPP 2; formula (PP-1)(F+B)) and DualPipeV (`--schedules-method dualpipev`;
-formula (PP-1)(F&B+B-W)-F, W = 0), on gloo ranks of this host.
+formula (PP-1)(F&B+B-3W), W = 0), on gloo ranks of this host.
 
     python benchmarks/bench_pipeline_bubble.py [--ranks 2|4] [--iters 6] [--micro-batches 8] [--hidden 128 ...]
 

@@ -15,9 +15,9 @@ rank P-1 hands chunk 0's output to its own chunk 1. Per rank, with m >= 2P micro
 7. P-r-1 backwards of chunk 0 (cool-down).
 
 Each chunk's forwards, and its backwards, take the micro-batches in order; every forward and
-backward of every micro-batch appears once. The bubble of this order is (P-1)(F&B + B - W) - F
-in stage units with a split weight gradient W (DeepSeek's DualPipe report), against 1F1B's
-(P-1)(F+B) with the same number of devices.
+backward of every micro-batch appears once. The bubble of this order, a paired step waiting for
+both its inputs, is (P-1)(F&B + B - 3W) in chunk units (DeepSeek's DualPipe README), W = 0 here
+(no dense weight-gradient split), against the interleaved schedule's (P-1)(F+B).
 """
 from __future__ import annotations
 

@@ -132,17 +132,18 @@ def summary() -> dict | None:
             "schedule": _layout["schedule"], "pair_ms": pair and pair * 1e3, "formula": FORMULAS[_layout["schedule"]]}
 
 
-FORMULAS = {"interleaved": "(PP-1)(F+B)", "dualpipev": "(PP-1)(F&B+B-W)-F, W=0"}
+FORMULAS = {"interleaved": "(PP-1)(F+B)", "dualpipev": "(PP-1)(F&B+B-3W), W=0"}
 
 
 def _formula(schedule: str, pp: int, f, b, pair):
     """The schedule's bubble in chunk units: the interleaved schedule's (PP-1)(F+B); DualPipeV's
-    (PP-1)(F&B + B - W) - F (DeepSeek's DualPipe report) with F&B a paired step's time (F + B
-    where none was timed) and W = 0 (no dense weight-gradient split here)."""
+    (PP-1)(F&B + B - 3W) (DeepSeek's DualPipe README for PP ranks of a V), with F&B a paired
+    step's time (F + B where none was timed) and W = 0 (no dense weight-gradient split here): what
+    the V order, replayed with those costs, idles (tests/unit/test_plan_dualpipev.py)."""
     if f is None or b is None:
         return None
     if schedule == "dualpipev":
-        return (pp - 1) * ((pair if pair is not None else f + b) + b) - f
+        return (pp - 1) * ((pair if pair is not None else f + b) + b)
     return (pp - 1) * (f + b)
 
 
