@@ -66,7 +66,7 @@ def main() -> int:
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(a.ranks), "--master-addr",
                    "127.0.0.1", "--master-port", str(free_port()), str(ROOT / "examples" / "pretrain_gpt.py"),
                    *model(a), *flags, "--summary-json", str(out)]
-            env = dict(os.environ, OMP_NUM_THREADS="1")
+            env = dict(os.environ, OMP_NUM_THREADS="1", NPUSPEED_MEASURE_BUBBLE="1")  # measured without a flag too
             if path:
                 env["NPUSPEED_FB_OVERLAP_PATH"] = path
             proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)

@@ -196,6 +196,19 @@ def register_chunk_timers(registry, feature: str) -> None:
     registry.register(f"{SCHEDULES}.backward_step", wrapper=backward_step_wrapper, feature=feature)
 
 
+def register_for_megatron(registry, ctx, feature: str) -> None:
+    """With NPUSPEED_MEASURE_BUBBLE=1 and neither --moe-fb-overlap nor DualPipeV on (they register
+    the measure themselves): Megatron's own pipelined schedules measured, the baseline of
+    benchmarks/bench_pipeline_bubble.py (registered by the device feature, always on)."""
+    import os
+
+    a = vars(ctx.args)
+    if os.environ.get(MEASURE_ENV) != "1" or a.get("moe_fb_overlap") or a.get("overlap_moe_expert_parallel_comm") \
+            or a.get("schedules_method"):
+        return
+    register(registry, ctx, feature)
+
+
 def register(registry, ctx, feature: str) -> None:
     """Megatron's pipelined schedules measured, where `measuring` says."""
     if not measuring(ctx):
