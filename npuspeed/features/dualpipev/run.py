@@ -20,13 +20,7 @@ import torch
 from npuspeed import telemetry
 from npuspeed.features.dualpipev import order
 from npuspeed.features.dualpipev.links import Links
-
-
-
-def _bubble():
-    from npuspeed.features.moe_fb_overlap import bubble
-
-    return bubble
+from npuspeed.features.moe_fb_overlap import bubble
 
 
 def _no_sync(config, chunk: int):
@@ -59,7 +53,7 @@ class Step:
         dtype = config.pipeline_dtype or torch.float32
         self.measure = measure  # the bubble measure (moe_fb_overlap/bubble.py): receive waits and paired steps
         self.links = Links(_shape(config, call["seq_length"], call["micro_batch_size"]), dtype,
-                           get_accelerator().device(), _bubble().record_wait if measure else None)
+                           get_accelerator().device(), bubble.record_wait if measure else None)
         self.pair = pair  # run_pair(forward, backward) when the overlap is on
         self.store, self.tokens = [], torch.zeros([], dtype=torch.int, device=get_accelerator().device())
         self.inputs, self.outputs = {}, {}
@@ -163,7 +157,7 @@ class Step:
                 from npuspeed.accelerator import get_accelerator
 
                 get_accelerator().synchronize()
-                _bubble().record_pair(time.perf_counter() - t0)
+                bubble.record_pair(time.perf_counter() - t0)
         elif op.forward is not None:
             with a2a_clock.phase("warm_up"):
                 forward()
