@@ -108,7 +108,7 @@ def search(spec: RunSpec, argv: list[str], profile, keep_features: bool = True):
             cand_argv = base + layout_argv(lay, gbs, spec.model.num_layers) + extra
             cspec, ns, _ = parse(cand_argv + world)
             cspec = cspec.with_layout(lay)
-            problems = layout_problems(cspec)
+            problems = layout_problems(cspec, microbatches=False)  # the schedule's own need: plan_spec checks it
             line = " ".join(cand_argv)
             if problems:
                 rejected.append((line, problems[0]))
