@@ -168,25 +168,28 @@ def test_bf16_matches_interleaved(tmp_path_factory):
 
 
 DENSE = ["--use-cpu-initialization", "--make-vocab-size-divisible-by", "1", "--log-interval", "1", *NO_DROPOUT,
-         "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
-         "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
-         "--untie-embeddings-and-output-weights", "--micro-batch-size", "1", "--train-iters", "4"]
+         "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+         "--num-layers-per-virtual-pipeline-stage", "1", "--untie-embeddings-and-output-weights",
+         "--micro-batch-size", "1", "--train-iters", "4"]
+PP2 = ["--pipeline-model-parallel-size", "2", "--num-layers", "4"]
 
 
 @pytest.mark.slow  # CI time: `make bench` runs it
 @pytest.mark.parametrize("layout", [
-    ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--global-batch-size", "4"],
-    ["--overlap-grad-reduce", "--use-distributed-optimizer", "--global-batch-size", "8"]],
-    ids=["tp2-sp", "dp2-overlap-grad-reduce"])
+    PP2 + ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--global-batch-size", "4"],
+    PP2 + ["--overlap-grad-reduce", "--use-distributed-optimizer", "--global-batch-size", "8"],
+    ["--pipeline-model-parallel-size", "4", "--num-layers", "8", "--global-batch-size", "8"]],
+    ids=["tp2-sp", "dp2-overlap-grad-reduce", "pp4"])
 def test_dense_layouts_match_interleaved(tmp_path_factory, layout):
-    """DualPipeV with tensor parallelism and sequence parallelism (activations of S/TP rows travel)
-    and with DP 2's gradient reduction overlapped (no_sync until each chunk's last backward, the
-    distributed optimizer): the interleaved schedule's losses."""
+    """DualPipeV with tensor parallelism and sequence parallelism (activations of S/TP rows travel),
+    with DP 2's gradient reduction overlapped (no_sync until each chunk's last backward, the
+    distributed optimizer), and at PP 4 (middle ranks that receive and send both ways, rank 3's
+    hand-over inside the rank): the interleaved schedule's losses."""
     from launch import run_example
 
     tmp = tmp_path_factory.mktemp("dense")
     base = run_example(DENSE + layout, tmp, nproc=NPROC, name="base", timeout=900)
     run = run_example(DENSE + layout + DUALPIPEV, tmp, nproc=NPROC, name="dualpipev", timeout=900)
     gap = max(abs(x - y) for x, y in zip(run["losses"], base["losses"]))
-    print(f"{layout[0]}: losses {run['losses']}, max gap {gap:.3g}")
+    print(f"{' '.join(layout[:4])}: losses {run['losses']}, max gap {gap:.3g}")
     assert len(run["losses"]) == 4 and gap <= TOL, (run["losses"], base["losses"])
