@@ -113,6 +113,7 @@ def main() -> None:
     destroy = train.mpu.destroy_model_parallel
 
     def evaluate_then_destroy(*a, **k):  # the example tears the groups down at its end
+        seen["counters"] = telemetry.snapshot()  # the training run's (the evaluation counts too)
         seen["eval"] = _evaluate(seen)
         return destroy(*a, **k)
 
@@ -120,7 +121,7 @@ def main() -> None:
     example = os.path.join(os.path.dirname(os.path.dirname(HERE)), "examples", "pretrain_gpt.py")
     sys.argv = [example, *argv]
     runpy.run_path(example, run_name="__main__")
-    torch.save({"grads": seen["grads"], "params": _named(seen["model"]), "counters": telemetry.snapshot(),
+    torch.save({"grads": seen["grads"], "params": _named(seen["model"]), "counters": seen.get("counters") or telemetry.snapshot(),
                 "global_names": _global_names(seen["model"]), "eval": seen.get("eval")},
                f"{out}.rank{os.environ.get('RANK', '0')}")
 
