@@ -31,6 +31,10 @@ def _model(p):
     g.add_argument("--rotary-base", type=int, default=10000)
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     g.add_argument("--disable-bias-linear", action="store_true")
+    g.add_argument("--add-qkv-bias", action="store_true",
+                   help="biases on the query/key/value projection even with --disable-bias-linear (Qwen2)")
+    g.add_argument("--qk-layernorm", action="store_true",
+                   help="normalise each head's query and key (--normalization's kind) before RoPE (Qwen3)")
     g.add_argument("--hidden-dropout", type=float, default=0.1)
     g.add_argument("--attention-dropout", type=float, default=0.1)
     g.add_argument("--init-method-std", type=float, default=0.02)

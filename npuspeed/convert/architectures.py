@@ -1,0 +1,126 @@
+"""Which Hugging Face architectures convert, and the Megatron model each `config.json` describes.
+
+A config field that changes the maths and that the local-spec GPTModel cannot reproduce
+(a RoPE scaling kind, a sliding attention window, biases Megatron would put elsewhere) is
+refused with one line naming it: a converted model that computes something else is worse
+than none. Fields that only matter for generation or for the Python class are ignored.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from npuspeed.errors import UserError
+
+#: architecture -> (QKV bias, per-head query/key norm): the dense Llama family
+DENSE = {
+    "LlamaForCausalLM": (False, False),
+    "MistralForCausalLM": (False, False),
+    "Qwen2ForCausalLM": (True, False),
+    "Qwen3ForCausalLM": (False, True),
+}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What the Megatron model needs to know about a Hugging Face model (global sizes)."""
+
+    architecture: str
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    kv_channels: int
+    vocab_size: int
+    max_position_embeddings: int
+    norm_epsilon: float
+    rotary_base: float
+    tied_embeddings: bool
+    qkv_bias: bool
+    qk_norm: bool
+
+    @property
+    def heads_per_group(self) -> int:
+        return self.num_attention_heads // self.num_query_groups
+
+
+def _refuse(arch: str, field: str, value, why: str) -> UserError:
+    return UserError(f"{arch}: config.json field {field}={value!r} is not converted ({why}); a Megatron "
+                     "local-spec model would compute something else")
+
+
+def _rope_theta(arch: str, cfg: dict) -> float:
+    """RoPE's base; only plain RoPE converts (transformers 5 keeps it in rope_parameters)."""
+    params = cfg.get("rope_parameters") or {}
+    scaling = cfg.get("rope_scaling") or {}
+    kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    if kind != "default":
+        field = "rope_parameters.rope_type" if params.get("rope_type") else "rope_scaling"
+        raise _refuse(arch, field, kind, "only plain RoPE is mapped so far")
+    return float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+
+
+def _check_plain(arch: str, cfg: dict) -> None:
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise _refuse(arch, "hidden_act", act, "Megatron's SwiGLU is SiLU-gated")
+    for field in ("attention_bias", "mlp_bias"):
+        if cfg.get(field) and not (arch == "Qwen2ForCausalLM"):
+            raise _refuse(arch, field, True, "Megatron's --add-bias-linear puts biases on every linear layer")
+    window = cfg.get("sliding_window")
+    uses_window = cfg.get("use_sliding_window", arch == "MistralForCausalLM")
+    if uses_window and window is not None:
+        raise _refuse(arch, "sliding_window", window, "Megatron's local attention attends to every earlier token")
+    if (cfg.get("partial_rotary_factor") or 1.0) != 1.0:
+        raise _refuse(arch, "partial_rotary_factor", cfg["partial_rotary_factor"], "not mapped so far")
+    if cfg.get("pretraining_tp", 1) != 1:
+        raise _refuse(arch, "pretraining_tp", cfg["pretraining_tp"], "its sliced matmuls are not mapped")
+
+
+def from_hf_config(cfg: dict) -> ModelSpec:
+    """The ModelSpec of a Hugging Face config.json (a dict), or UserError naming what does not map."""
+    archs = cfg.get("architectures") or []
+    if len(archs) != 1 or archs[0] not in DENSE:
+        raise UserError(f"config.json architectures={archs!r}: not convertible (supported: {', '.join(DENSE)})")
+    arch = archs[0]
+    qkv_bias, qk_norm = DENSE[arch]
+    _check_plain(arch, cfg)
+    heads = int(cfg["num_attention_heads"])
+    groups = int(cfg.get("num_key_value_heads") or heads)
+    if heads % groups:
+        raise _refuse(arch, "num_key_value_heads", groups, f"it does not divide num_attention_heads={heads}")
+    hidden = int(cfg["hidden_size"])
+    return ModelSpec(
+        architecture=arch,
+        num_layers=int(cfg["num_hidden_layers"]),
+        hidden_size=hidden,
+        ffn_hidden_size=int(cfg["intermediate_size"]),
+        num_attention_heads=heads,
+        num_query_groups=groups,
+        kv_channels=int(cfg.get("head_dim") or hidden // heads),
+        vocab_size=int(cfg["vocab_size"]),
+        max_position_embeddings=int(cfg["max_position_embeddings"]),
+        norm_epsilon=float(cfg.get("rms_norm_eps", 1e-6)),
+        rotary_base=_rope_theta(arch, cfg),
+        tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        qkv_bias=qkv_bias,
+        qk_norm=qk_norm,
+    )
+
+
+def check_layout(spec: ModelSpec, tp: int, pp: int, vpp_layers: int | None, ep: int) -> None:
+    """The layout's flags against the model: one line for the first that cannot take it."""
+    flag = "--tensor-model-parallel-size"
+    for what, count in (("attention heads", spec.num_attention_heads), ("key/value heads", spec.num_query_groups),
+                        ("FFN width (intermediate_size)", spec.ffn_hidden_size)):
+        if count % tp:
+            raise UserError(f"{flag} {tp}: the model's {count} {what} do not split over {tp} ranks; "
+                            f"pick a size that divides {count}")
+    if spec.num_layers % pp:
+        raise UserError(f"--pipeline-model-parallel-size {pp}: the model's {spec.num_layers} layers do not "
+                        f"split into {pp} stages; pick a size that divides {spec.num_layers}")
+    if vpp_layers and (spec.num_layers // pp) % vpp_layers:
+        raise UserError(f"--num-layers-per-virtual-pipeline-stage {vpp_layers}: does not divide the "
+                        f"{spec.num_layers // pp} layers of each pipeline stage")
+    if ep != 1:
+        raise UserError(f"--expert-model-parallel-size {ep}: {spec.architecture} has no experts; drop the flag")

@@ -1,0 +1,92 @@
+"""Hugging Face directory -> Megatron dist_checkpointing checkpoint of the local-spec GPTModel.
+
+The checkpoint is `<save>/iter_0000000/` with `latest_checkpointed_iteration.txt`, the model
+under the key `model` (as the example and Megatron-LM save it), and a run description the
+example checks against its flags. It holds no optimizer or RNG state: resume with
+--no-load-optim. Tensors are stored with their global shapes, so the checkpoint loads at any
+TP/PP/VPP layout; the layout given here checks that the model takes it and pads the
+vocabulary for it. Beside the checkpoint: megatron_args.txt (the flags) and hf_config.json.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from npuspeed.convert import architectures, hf_files, layout, megatron_args, megatron_model, names, staging
+from npuspeed.errors import UserError
+
+ITERATION = 0
+TRACKER = "latest_checkpointed_iteration.txt"
+ARGS_FILE = "megatron_args.txt"
+HF_CONFIG_FILE = "hf_config.json"
+
+_PRECISION_OF_DTYPE = {"bfloat16": "bf16", "float16": "fp16"}
+
+
+def default_precision(config: dict) -> str:
+    """The precision the Hugging Face weights are stored in (fp32 when config.json does not say)."""
+    return _PRECISION_OF_DTYPE.get(str(config.get("dtype") or config.get("torch_dtype") or ""), "fp32")
+
+
+def _check_tensor_set(reader: hf_files.HFReader, groups: list[names.Group], spec) -> None:
+    wanted = {n for g in groups for n in g.hf}
+    ignored = {"lm_head.weight"} if spec.tied_embeddings else set()
+    unmapped = [n for n in reader.names()
+                if n not in wanted and n not in ignored and not n.endswith(names.IGNORED_SUFFIXES)]
+    if unmapped:
+        raise UserError(f"--hf {reader.root}: tensor {unmapped[0]} (and {len(unmapped) - 1} more) is not mapped "
+                        f"for {spec.architecture}; the checkpoint holds weights this converter would drop")
+    absent = sorted(wanted - set(reader.names()))
+    if absent:
+        raise UserError(f"--hf {reader.root}: tensor {absent[0]} (and {len(absent) - 1} more) is missing; "
+                        f"is it a complete {spec.architecture} checkpoint?")
+
+
+def fill(model, groups: list[names.Group], reader: hf_files.HFReader) -> None:
+    """Copy each Megatron parameter from its HF tensors, one parameter at a time."""
+    params = megatron_model.check_names(model, [g.megatron for g in groups])
+    with torch.no_grad():
+        for group in groups:
+            param = params[group.megatron]
+            full = group.to_megatron([reader.read(n) for n in group.hf])
+            if tuple(full.shape) != tuple(param.shape):
+                raise UserError(f"--hf {reader.root}: {', '.join(group.hf)} make a {tuple(full.shape)} tensor, "
+                                f"config.json implies {tuple(param.shape)} for {group.megatron}")
+            param.copy_(full.to(param.dtype))
+
+
+def convert(hf: str, save: str, *, tp: int = 1, pp: int = 1, vpp_layers: int | None = None, ep: int = 1,
+            divisible_by: int = 128, precision: str | None = None) -> dict:
+    """Convert; return {"save", "flags", "spec", "padded_vocab_size"}."""
+    megatron_model.runtime_first()
+    from megatron.core import dist_checkpointing
+
+    reader = hf_files.HFReader(hf)
+    spec = architectures.from_hf_config(reader.config)
+    architectures.check_layout(spec, tp, pp, vpp_layers, ep)
+    precision = precision or default_precision(reader.config)
+    padded = layout.padded_vocab_size(spec.vocab_size, divisible_by, tp)
+    groups = names.groups(spec, padded)
+    _check_tensor_set(reader, groups, spec)
+    flags = megatron_args.model_flags(spec, divisible_by) + megatron_args.layout_flags(tp, pp, vpp_layers, precision)
+    staging.check_target(save)
+    with megatron_model.single_rank(), staging.staged(save) as tmp:
+        model = megatron_model.build(spec, padded, megatron_model.DTYPES[precision])
+        fill(model, groups, reader)
+        run = {"format": 1, "iteration": ITERATION, "model": megatron_args.fingerprint(spec, padded),
+               "layout": None, "optimizer": None, "precision": precision, "source": spec.architecture}
+        state = {"model": model.sharded_state_dict(), "iteration": ITERATION, "run": run,
+                 "hf_config": reader.config}
+        path = os.path.join(tmp, f"iter_{ITERATION:07d}")
+        os.makedirs(path)
+        dist_checkpointing.save(state, path)
+        del model, state
+        with open(os.path.join(tmp, TRACKER), "w") as f:
+            f.write(str(ITERATION))
+        with open(os.path.join(tmp, ARGS_FILE), "w") as f:
+            f.write(" ".join(flags) + "\n")
+        with open(os.path.join(tmp, HF_CONFIG_FILE), "w") as f:
+            json.dump(reader.config, f, indent=2, sort_keys=True)
+    return {"save": os.path.abspath(save), "flags": flags, "spec": spec, "padded_vocab_size": padded}

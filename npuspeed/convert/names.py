@@ -1,0 +1,109 @@
+"""Which Hugging Face tensors make each global parameter of Megatron's local-spec GPTModel, and how.
+
+Three parameters are not a rename:
+- `linear_qkv` fuses q_proj, k_proj and v_proj per query group: for each of the ng groups,
+  that group's query heads, then its key head, then its value head (rows of kv_channels);
+  its bias (Qwen2) the same way.
+- SwiGLU's `linear_fc1` is [gate_proj; up_proj].
+- the embedding and the untied output layer have the vocabulary padded to a multiple of
+  --make-vocab-size-divisible-by x TP (rows of zeros, cut off again on the way back).
+Layer norms keep their own modules in the local spec (input_layernorm, pre_mlp_layernorm,
+q_layernorm/k_layernorm), unlike Transformer Engine's spec, which folds them into the linears.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from npuspeed.convert.architectures import ModelSpec
+
+
+@dataclass(frozen=True)
+class Group:
+    """One Megatron parameter (global name, TP=1 shape) and the HF tensors it is made of."""
+
+    megatron: str
+    hf: tuple[str, ...]
+    to_megatron: Callable[[list[torch.Tensor]], torch.Tensor]
+    to_hf: Callable[[torch.Tensor], list[torch.Tensor]]
+
+
+def _same(tensors):
+    return tensors[0]
+
+
+def _back(tensor):
+    return [tensor]
+
+
+def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ModelSpec) -> torch.Tensor:
+    """[q; k; v] of HF -> Megatron's per-group [q_g; k_g; v_g] (weights or biases)."""
+    d, ng = spec.kv_channels, spec.num_query_groups
+    rest = q.shape[1:]
+    q = q.reshape(ng, spec.heads_per_group * d, *rest)
+    k = k.reshape(ng, d, *rest)
+    v = v.reshape(ng, d, *rest)
+    return torch.cat([q, k, v], dim=1).reshape(-1, *rest)
+
+
+def split_qkv(qkv: torch.Tensor, spec: ModelSpec) -> list[torch.Tensor]:
+    d, ng = spec.kv_channels, spec.num_query_groups
+    rest = qkv.shape[1:]
+    grouped = qkv.reshape(ng, (spec.heads_per_group + 2) * d, *rest)
+    q, k, v = grouped.split([spec.heads_per_group * d, d, d], dim=1)
+    return [t.reshape(-1, *rest).clone() for t in (q, k, v)]
+
+
+def pad_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
+    if tensor.shape[0] == rows:
+        return tensor
+    pad = tensor.new_zeros((rows - tensor.shape[0], *tensor.shape[1:]))
+    return torch.cat([tensor, pad], dim=0)
+
+
+def _layer(spec: ModelSpec, i: int) -> list[Group]:
+    hf, mg = f"model.layers.{i}.", f"decoder.layers.{i}."
+    attn = hf + "self_attn."
+    qkv = tuple(f"{attn}{p}_proj.weight" for p in "qkv")
+    groups = [
+        Group(mg + "input_layernorm.weight", (hf + "input_layernorm.weight",), _same, _back),
+        Group(mg + "self_attention.linear_qkv.weight", qkv,
+              lambda t: fuse_qkv(*t, spec), lambda t: split_qkv(t, spec)),
+        Group(mg + "self_attention.linear_proj.weight", (attn + "o_proj.weight",), _same, _back),
+        Group(mg + "pre_mlp_layernorm.weight", (hf + "post_attention_layernorm.weight",), _same, _back),
+        Group(mg + "mlp.linear_fc1.weight", (hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight"),
+              lambda t: torch.cat(t, dim=0), lambda t: [c.clone() for c in t.chunk(2, dim=0)]),
+        Group(mg + "mlp.linear_fc2.weight", (hf + "mlp.down_proj.weight",), _same, _back),
+    ]
+    if spec.qkv_bias:
+        groups.insert(2, Group(mg + "self_attention.linear_qkv.bias", tuple(n[:-6] + "bias" for n in qkv),
+                               lambda t: fuse_qkv(*t, spec), lambda t: split_qkv(t, spec)))
+    if spec.qk_norm:
+        groups[3:3] = [Group(mg + "self_attention.q_layernorm.weight", (attn + "q_norm.weight",), _same, _back),
+                       Group(mg + "self_attention.k_layernorm.weight", (attn + "k_norm.weight",), _same, _back)]
+    return groups
+
+
+def groups(spec: ModelSpec, padded_vocab: int) -> list[Group]:
+    """Every Megatron parameter of the model in order: embedding, layers, final norm, output."""
+    vocab = spec.vocab_size
+
+    def pad(t):
+        return pad_rows(t[0], padded_vocab)
+
+    def unpad(t):
+        return [t[:vocab].clone()]
+
+    out = [Group("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), pad, unpad)]
+    for i in range(spec.num_layers):
+        out += _layer(spec, i)
+    out.append(Group("decoder.final_layernorm.weight", ("model.norm.weight",), _same, _back))
+    if not spec.tied_embeddings:
+        out.append(Group("output_layer.weight", ("lm_head.weight",), pad, unpad))
+    return out
+
+
+#: HF tensors that hold no weights (buffers some older checkpoints saved)
+IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)

@@ -1,0 +1,207 @@
+"""npuspeed convert (issue 37): tiny Hugging Face models made here with `transformers` from a
+config (random weights, nothing downloaded), converted to a Megatron checkpoint and back.
+
+- the Megatron model loaded from the converted checkpoint gives the transformers model's
+  logits within 1e-5 (fp32, TP1) for each architecture;
+- HF -> Megatron -> HF gives every tensor back bitwise, in several safetensors shards;
+- bad input (unknown architecture, a field that changes the maths, a missing shard, a layout
+  the model cannot take, an occupied --save) ends with one line and leaves nothing behind.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+VOCAB = 258  # the example's byte-level tokenizer
+
+
+def hf_config(arch: str, **overrides):
+    cls = getattr(transformers, {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config",
+                                 "qwen3": "Qwen3Config"}[arch])
+    kwargs = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
+                  tie_word_embeddings=False, rms_norm_eps=1e-6)
+    if arch == "mistral":
+        kwargs["sliding_window"] = None
+    kwargs.update(overrides)
+    cfg = cls(**kwargs)
+    cfg.architectures = [cls.__name__.replace("Config", "ForCausalLM")]
+    return cfg
+
+
+def make_hf(path, arch: str, seed: int = 0, shard="40KB", **overrides):
+    """A random tiny model saved as safetensors shards; norms away from 1 so a swap shows."""
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(hf_config(arch, **overrides)).float().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(str(path), max_shard_size=shard)
+    return model
+
+
+def hf_tensors(path) -> dict:
+    out = {}
+    for file in glob.glob(os.path.join(str(path), "*.safetensors")):
+        out.update(safetensors_torch.load_file(file))
+    return out
+
+
+def megatron_logits(ckpt, tokens):
+    from megatron.core import dist_checkpointing
+
+    from npuspeed.convert import architectures, megatron_model
+
+    common = dist_checkpointing.load_common_state_dict(os.path.join(ckpt, "iter_0000000"))
+    spec = architectures.from_hf_config(common["hf_config"])
+    padded = common["run"]["model"]["padded_vocab_size"]
+    model = megatron_model.build(spec, padded, torch.float32)
+    state = dist_checkpointing.load({"model": model.sharded_state_dict()}, os.path.join(ckpt, "iter_0000000"))
+    model.load_state_dict(state["model"])
+    model.eval()
+    positions = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
+    with torch.no_grad():
+        return model(tokens, positions, None), padded
+
+
+CASES = {  # name: (architecture, config overrides)
+    "llama": ("llama", {}),
+    "llama-tied-mha": ("llama", {"tie_word_embeddings": True, "num_key_value_heads": 4}),
+    "mistral": ("mistral", {}),
+    "qwen2-qkv-bias": ("qwen2", {}),
+    "qwen3-qk-norm": ("qwen3", {"tie_word_embeddings": True}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_logits_and_round_trip(case, tmp_path, megatron_mp):
+    from npuspeed.convert import hf_to_megatron, megatron_to_hf
+
+    arch, overrides = CASES[case]
+    hf_model = make_hf(tmp_path / "hf", arch, **overrides)
+    assert len(glob.glob(str(tmp_path / "hf" / "*.safetensors"))) > 1  # a sharded checkpoint with an index
+    done = hf_to_megatron.convert(str(tmp_path / "hf"), str(tmp_path / "mg"), tp=2, divisible_by=128)
+    assert done["padded_vocab_size"] == 512  # 258 padded to a multiple of 128 x TP2
+    tokens = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(1))
+    logits, padded = megatron_logits(str(tmp_path / "mg"), tokens)
+    assert logits.shape == (2, 24, padded)
+    with torch.no_grad():
+        want = hf_model(tokens).logits
+    diff = (logits[..., :VOCAB] - want).abs().max().item()
+    assert diff <= 1e-5, diff
+
+    back = megatron_to_hf.convert(str(tmp_path / "mg"), str(tmp_path / "back"), max_shard_bytes=40_000)
+    assert back["shards"] > 1 and os.path.isfile(tmp_path / "back" / "model.safetensors.index.json")
+    before, after = hf_tensors(tmp_path / "hf"), hf_tensors(tmp_path / "back")
+    assert sorted(before) == sorted(after)
+    unequal = [k for k in before if not torch.equal(before[k], after[k])]
+    assert not unequal, unequal
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "back")).float().eval()
+    with torch.no_grad():
+        assert torch.equal(reloaded(tokens).logits, want)
+
+
+def test_flags_describe_the_model(tmp_path, megatron_mp):
+    from npuspeed.convert import hf_to_megatron
+
+    make_hf(tmp_path / "hf", "qwen2", num_key_value_heads=2, rope_theta=1e6)
+    done = hf_to_megatron.convert(str(tmp_path / "hf"), str(tmp_path / "mg"), tp=1, pp=2, precision="bf16")
+    text = (tmp_path / "mg" / hf_to_megatron.ARGS_FILE).read_text().split()
+    assert text == done["flags"]
+    for pair in (["--num-query-groups", "2"], ["--rotary-base", "1000000"], ["--norm-epsilon", "1e-06"],
+                 ["--pipeline-model-parallel-size", "2"]):
+        i = text.index(pair[0])
+        assert text[i:i + 2] == pair
+    assert "--add-qkv-bias" in text and "--bf16" in text and "--qk-layernorm" not in text
+    from megatron.core import dist_checkpointing
+
+    meta = dist_checkpointing.load_tensors_metadata(str(tmp_path / "mg" / "iter_0000000"))
+    assert meta["embedding.word_embeddings.weight"].dtype == torch.bfloat16
+
+
+def _bad(tmp_path, argv, capsys) -> str:
+    from npuspeed.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["convert", *argv])
+    assert exc.value.code == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("npuspeed: error: ")]
+    assert len(err) == 1, err
+    return err[0]
+
+
+def _h2m(tmp_path, *extra):
+    return ["hf-to-megatron", "--hf", str(tmp_path / "hf"), "--save", str(tmp_path / "mg"), *extra]
+
+
+def _truncate(path):
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
+
+
+BAD = {  # name: (how to spoil a Llama directory, extra flags, what the line says)
+    "unknown-architecture": (lambda cfg, d: cfg.update(architectures=["GPT2LMHeadModel"]), [],
+                             "architectures=['GPT2LMHeadModel']: not convertible"),
+    "rope-scaling": (lambda cfg, d: cfg.update(rope_parameters={"rope_type": "yarn", "factor": 4.0,
+                                                                "rope_theta": 10000.0}), [],
+                     "rope_parameters.rope_type='yarn' is not converted"),
+    "sliding-window": (lambda cfg, d: cfg.update(architectures=["MistralForCausalLM"], sliding_window=16), [],
+                       "sliding_window=16 is not converted"),
+    "missing-shard": (lambda cfg, d: os.remove(glob.glob(os.path.join(d, "model-00002-of-*.safetensors"))[0]), [],
+                      "named in model.safetensors.index.json is missing"),
+    "damaged-shard": (lambda cfg, d: _truncate(glob.glob(os.path.join(d, "model-00003-of-*.safetensors"))[0]), [],
+                      "is damaged"),
+    "tp-too-wide": (lambda cfg, d: None, ["--tensor-model-parallel-size", "4"],
+                    "--tensor-model-parallel-size 4: the model's 2 key/value heads do not split over 4 ranks"),
+    "save-exists": (lambda cfg, d: os.makedirs(os.path.join(os.path.dirname(d), "mg", "x")), [],
+                    "exists and is not empty"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_input_one_line(case, tmp_path, capsys, megatron_mp):
+    spoil, extra, says = BAD[case]
+    make_hf(tmp_path / "hf", "llama")
+    path = tmp_path / "hf" / "config.json"
+    cfg = json.loads(path.read_text())
+    spoil(cfg, str(tmp_path / "hf"))
+    path.write_text(json.dumps(cfg))
+    line = _bad(tmp_path, _h2m(tmp_path, *extra), capsys)
+    assert says in line, line
+    left = sorted(os.listdir(tmp_path))
+    assert left == (["hf", "mg"] if case == "save-exists" else ["hf"]), left  # nothing half-written
+
+
+def test_megatron_to_hf_refuses_another_model(tmp_path, capsys, megatron_mp):
+    from npuspeed.convert import hf_to_megatron
+
+    make_hf(tmp_path / "hf", "llama")
+    hf_to_megatron.convert(str(tmp_path / "hf"), str(tmp_path / "mg"))
+    other = hf_config("llama", num_hidden_layers=4)
+    other.save_pretrained(str(tmp_path / "other"))
+    line = _bad(tmp_path, ["megatron-to-hf", "--load", str(tmp_path / "mg"), "--save", str(tmp_path / "back"),
+                           "--hf-config", str(tmp_path / "other")], capsys)
+    assert "num_layers 2 in the checkpoint, 4 in config.json" in line, line
+    assert not (tmp_path / "back").exists()
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_shard_and_gather_are_inverse(tp):
+    from npuspeed.convert import layout
+
+    full = torch.arange(8 * tp * 2 * tp, dtype=torch.float32).reshape(8 * tp, 2 * tp)
+    for dim, swiglu in ((0, True), (0, False), (1, False)):
+        parts = [layout.shard_dim(full, dim, swiglu, r, tp) for r in range(tp)]
+        assert torch.equal(layout.gather_dim(parts, dim, swiglu), full)
+    gate, up = full.chunk(2)
+    rank1 = layout.shard_dim(full, 0, True, 1, tp)  # [gate_1; up_1], as Megatron's TP fc1 holds them
+    rows = 4
+    assert torch.equal(rank1, torch.cat([gate[rows:2 * rows], up[rows:2 * rows]]))
