@@ -17,59 +17,17 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
-safetensors_torch = pytest.importorskip("safetensors.torch")
+pytest.importorskip("safetensors")
 
-VOCAB = 258  # the example's byte-level tokenizer
-
-
-def hf_config(arch: str, **overrides):
-    cls = getattr(transformers, {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config",
-                                 "qwen3": "Qwen3Config"}[arch])
-    kwargs = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
-                  tie_word_embeddings=False, rms_norm_eps=1e-6)
-    if arch == "mistral":
-        kwargs["sliding_window"] = None
-    kwargs.update(overrides)
-    cfg = cls(**kwargs)
-    cfg.architectures = [cls.__name__.replace("Config", "ForCausalLM")]
-    return cfg
-
-
-def make_hf(path, arch: str, seed: int = 0, shard="40KB", **overrides):
-    """A random tiny model saved as safetensors shards; norms away from 1 so a swap shows."""
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(hf_config(arch, **overrides)).float().eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 1:
-                p.add_(torch.randn_like(p) * 0.1)
-    model.save_pretrained(str(path), max_shard_size=shard)
-    return model
-
-
-def hf_tensors(path) -> dict:
-    out = {}
-    for file in glob.glob(os.path.join(str(path), "*.safetensors")):
-        out.update(safetensors_torch.load_file(file))
-    return out
+from hf_tiny import VOCAB, hf_config, hf_tensors, make_hf, megatron_logits_at  # noqa: E402
 
 
 def megatron_logits(ckpt, tokens):
     from megatron.core import dist_checkpointing
 
-    from npuspeed.convert import architectures, megatron_model
-
-    common = dist_checkpointing.load_common_state_dict(os.path.join(ckpt, "iter_0000000"))
-    spec = architectures.from_hf_config(common["hf_config"])
-    padded = common["run"]["model"]["padded_vocab_size"]
-    model = megatron_model.build(spec, padded, torch.float32)
-    state = dist_checkpointing.load({"model": model.sharded_state_dict()}, os.path.join(ckpt, "iter_0000000"))
-    model.load_state_dict(state["model"])
-    model.eval()
-    positions = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
-    with torch.no_grad():
-        return model(tokens, positions, None), padded
+    path = os.path.join(ckpt, "iter_0000000")
+    common = dist_checkpointing.load_common_state_dict(path)
+    return megatron_logits_at(path, common["hf_config"], tokens), common["run"]["model"]["padded_vocab_size"]
 
 
 CASES = {  # name: (architecture, config overrides)
