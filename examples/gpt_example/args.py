@@ -29,6 +29,8 @@ def _model(p):
                    default="learned_absolute")
     g.add_argument("--rotary-percent", type=float, default=1.0)
     g.add_argument("--rotary-base", type=int, default=10000)
+    g.add_argument("--use-rope-scaling", action="store_true", help="Llama 3.x's RoPE frequency scaling")
+    g.add_argument("--rope-scaling-factor", type=float, default=8.0, help="its factor (with --use-rope-scaling)")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     g.add_argument("--disable-bias-linear", action="store_true")
     g.add_argument("--add-qkv-bias", action="store_true",

@@ -131,6 +131,7 @@ def build_model(args, config: TransformerConfig, vocab_size: int) -> list[torch.
             share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
             position_embedding_type=args.position_embedding_type,
             rotary_percent=args.rotary_percent, rotary_base=args.rotary_base,
+            rope_scaling=args.use_rope_scaling, rope_scaling_factor=args.rope_scaling_factor,
             vp_stage=stage if vpp else None,
         )
         chunks.append(GPTModel(**_supported(GPTModel.__init__, kwargs)))

@@ -35,6 +35,7 @@ class ModelSpec:
     max_position_embeddings: int
     norm_epsilon: float
     rotary_base: float
+    rope_scaling_factor: float | None
     tied_embeddings: bool
     qkv_bias: bool
     qk_norm: bool
@@ -49,15 +50,28 @@ def _refuse(arch: str, field: str, value, why: str) -> UserError:
                      "local-spec model would compute something else")
 
 
-def _rope_theta(arch: str, cfg: dict) -> float:
-    """RoPE's base; only plain RoPE converts (transformers 5 keeps it in rope_parameters)."""
-    params = cfg.get("rope_parameters") or {}
-    scaling = cfg.get("rope_scaling") or {}
-    kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
-    if kind != "default":
-        field = "rope_parameters.rope_type" if params.get("rope_type") else "rope_scaling"
-        raise _refuse(arch, field, kind, "only plain RoPE is mapped so far")
-    return float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+#: Llama 3.x's RoPE scaling as Megatron's RotaryEmbedding applies it: only the factor is a
+#: parameter there, the other three are fixed at these values
+LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def _rope(arch: str, cfg: dict) -> tuple[float, float | None]:
+    """RoPE's base and Llama 3's scaling factor (None: plain RoPE); transformers 5 keeps both
+    in rope_parameters, earlier releases in rope_theta and rope_scaling."""
+    params = dict(cfg.get("rope_scaling") or {})
+    params.update(cfg.get("rope_parameters") or {})
+    where = "rope_parameters" if cfg.get("rope_parameters") else "rope_scaling"
+    kind = params.get("rope_type") or params.get("type") or "default"
+    factor = None
+    if kind == "llama3":
+        for field, value in LLAMA3_FIXED.items():
+            if float(params.get(field, -1)) != value:
+                raise _refuse(arch, f"{where}.{field}", params.get(field),
+                              f"Megatron's Llama 3 RoPE scaling fixes it at {value:g}")
+        factor = float(params["factor"])
+    elif kind != "default":
+        raise _refuse(arch, f"{where}.rope_type", kind, "plain RoPE and Llama 3's scaling are mapped so far")
+    return float(params.get("rope_theta", cfg.get("rope_theta", 10000.0))), factor
 
 
 def _check_plain(arch: str, cfg: dict) -> None:
@@ -90,6 +104,7 @@ def from_hf_config(cfg: dict) -> ModelSpec:
     if heads % groups:
         raise _refuse(arch, "num_key_value_heads", groups, f"it does not divide num_attention_heads={heads}")
     hidden = int(cfg["hidden_size"])
+    theta, rope_factor = _rope(arch, cfg)
     return ModelSpec(
         architecture=arch,
         num_layers=int(cfg["num_hidden_layers"]),
@@ -101,7 +116,8 @@ def from_hf_config(cfg: dict) -> ModelSpec:
         vocab_size=int(cfg["vocab_size"]),
         max_position_embeddings=int(cfg["max_position_embeddings"]),
         norm_epsilon=float(cfg.get("rms_norm_eps", 1e-6)),
-        rotary_base=_rope_theta(arch, cfg),
+        rotary_base=theta,
+        rope_scaling_factor=rope_factor,
         tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         qkv_bias=qkv_bias,
         qk_norm=qk_norm,

@@ -28,6 +28,8 @@ def model_flags(spec: ModelSpec, divisible_by: int) -> list[str]:
               "--position-embedding-type", "rope", "--rotary-base", _number(spec.rotary_base),
               "--disable-bias-linear", "--hidden-dropout", "0", "--attention-dropout", "0",
               "--make-vocab-size-divisible-by", str(divisible_by)]
+    if spec.rope_scaling_factor is not None:
+        flags += ["--use-rope-scaling", "--rope-scaling-factor", _number(spec.rope_scaling_factor)]
     if spec.qkv_bias:
         flags.append("--add-qkv-bias")
     if spec.qk_norm:

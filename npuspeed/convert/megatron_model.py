@@ -97,7 +97,14 @@ def build(spec: ModelSpec, padded_vocab: int, dtype: torch.dtype):
                   vocab_size=padded_vocab, max_sequence_length=spec.max_position_embeddings,
                   pre_process=True, post_process=True, parallel_output=True,
                   share_embeddings_and_output_weights=spec.tied_embeddings, position_embedding_type="rope",
-                  rotary_percent=1.0, rotary_base=spec.rotary_base)
+                  rotary_percent=1.0, rotary_base=spec.rotary_base,
+                  rope_scaling=spec.rope_scaling_factor is not None,
+                  rope_scaling_factor=spec.rope_scaling_factor or 8.0)
+    if spec.rope_scaling_factor is not None and "rope_scaling_factor" not in inspect.signature(GPTModel).parameters:
+        import megatron.core
+
+        raise UserError(f"megatron-core {getattr(megatron.core, '__version__', '?')}'s GPTModel has no "
+                        "rope_scaling_factor: Llama 3's RoPE scaling needs megatron-core 0.13 or later")
     return GPTModel(**_supported(GPTModel.__init__, kwargs))
 
 

@@ -30,6 +30,8 @@ def megatron_logits(ckpt, tokens):
     return megatron_logits_at(path, common["hf_config"], tokens), common["run"]["model"]["padded_vocab_size"]
 
 
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192, "rope_theta": 10000.0}
 CASES = {  # name: (architecture, config overrides)
     "llama": ("llama", {}),
     "llama-tied-mha": ("llama", {"tie_word_embeddings": True, "num_key_value_heads": 4}),
@@ -65,6 +67,27 @@ def test_logits_and_round_trip(case, tmp_path, megatron_mp):
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "back")).float().eval()
     with torch.no_grad():
         assert torch.equal(reloaded(tokens).logits, want)
+
+
+def test_llama3_rope_scaling(tmp_path, megatron_mp):
+    """Llama 3.x's scaled RoPE (--use-rope-scaling): long enough sequences and large enough
+    weights that ignoring the scaling would change the logits 100x beyond the tolerance (measured:
+    0.10; the converted model is within 2.8e-6)."""
+    from npuspeed.convert import hf_to_megatron
+
+    big = dict(initializer_range=0.1, max_position_embeddings=256)
+    scaled = make_hf(tmp_path / "hf", "llama", rope_parameters=LLAMA3_ROPE, **big)
+    plain = make_hf(tmp_path / "plain", "llama", **big)  # the same seed: the same weights
+    tokens = torch.randint(0, VOCAB, (1, 192), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = scaled(tokens).logits
+        assert (want - plain(tokens).logits).abs().max().item() > 1e-3
+    done = hf_to_megatron.convert(str(tmp_path / "hf"), str(tmp_path / "mg"))
+    i = done["flags"].index("--use-rope-scaling")
+    assert done["flags"][i:i + 3] == ["--use-rope-scaling", "--rope-scaling-factor", "32"]
+    logits, _ = megatron_logits(str(tmp_path / "mg"), tokens)
+    diff = (logits[..., :VOCAB] - want).abs().max().item()
+    assert diff <= 1e-5, diff
 
 
 def test_flags_describe_the_model(tmp_path, megatron_mp):
@@ -111,6 +134,9 @@ BAD = {  # name: (how to spoil a Llama directory, extra flags, what the line say
     "rope-scaling": (lambda cfg, d: cfg.update(rope_parameters={"rope_type": "yarn", "factor": 4.0,
                                                                 "rope_theta": 10000.0}), [],
                      "rope_parameters.rope_type='yarn' is not converted"),
+    "llama3-rope-other-window": (lambda cfg, d: cfg.update(rope_parameters=dict(
+        LLAMA3_ROPE, original_max_position_embeddings=4096)), [],
+        "rope_parameters.original_max_position_embeddings=4096 is not converted"),
     "sliding-window": (lambda cfg, d: cfg.update(architectures=["MistralForCausalLM"], sliding_window=16), [],
                        "sliding_window=16 is not converted"),
     "missing-shard": (lambda cfg, d: os.remove(glob.glob(os.path.join(d, "model-00002-of-*.safetensors"))[0]), [],
