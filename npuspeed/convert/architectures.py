@@ -18,6 +18,24 @@ DENSE = {
     "Qwen2ForCausalLM": (True, False),
     "Qwen3ForCausalLM": (False, True),
 }
+#: the same attention with every MLP a mixture of experts (routed experts only)
+MOE = {
+    "MixtralForCausalLM": (False, False),
+    "Qwen3MoeForCausalLM": (False, True),
+}
+SUPPORTED = {**DENSE, **MOE}
+
+
+@dataclass(frozen=True)
+class Experts:
+    """The mixture of experts of every layer: E experts of FFN width `ffn_hidden_size`, top-k
+    routing; `pre_softmax`: softmax over all experts, then top-k, no renormalisation."""
+
+    num_experts: int
+    ffn_hidden_size: int
+    topk: int
+    pre_softmax: bool
+    aux_loss_coeff: float
 
 
 @dataclass(frozen=True)
@@ -39,6 +57,7 @@ class ModelSpec:
     tied_embeddings: bool
     qkv_bias: bool
     qk_norm: bool
+    experts: Experts | None = None
 
     @property
     def heads_per_group(self) -> int:
@@ -82,8 +101,8 @@ def _check_plain(arch: str, cfg: dict) -> None:
         if cfg.get(field) and not (arch == "Qwen2ForCausalLM"):
             raise _refuse(arch, field, True, "Megatron's --add-bias-linear puts biases on every linear layer")
     window = cfg.get("sliding_window")
-    uses_window = cfg.get("use_sliding_window", arch == "MistralForCausalLM")
-    if uses_window and window is not None:
+    uses_window = cfg.get("use_sliding_window")  # Mistral, Mixtral: no switch, a window is used when set
+    if (uses_window is None or uses_window) and window is not None:
         raise _refuse(arch, "sliding_window", window, "Megatron's local attention attends to every earlier token")
     if (cfg.get("partial_rotary_factor") or 1.0) != 1.0:
         raise _refuse(arch, "partial_rotary_factor", cfg["partial_rotary_factor"], "not mapped so far")
@@ -94,10 +113,11 @@ def _check_plain(arch: str, cfg: dict) -> None:
 def from_hf_config(cfg: dict) -> ModelSpec:
     """The ModelSpec of a Hugging Face config.json (a dict), or UserError naming what does not map."""
     archs = cfg.get("architectures") or []
-    if len(archs) != 1 or archs[0] not in DENSE:
-        raise UserError(f"config.json architectures={archs!r}: not convertible (supported: {', '.join(DENSE)})")
+    if len(archs) != 1 or archs[0] not in SUPPORTED:
+        raise UserError(f"config.json architectures={archs!r}: not convertible (supported: "
+                        f"{', '.join(SUPPORTED)})")
     arch = archs[0]
-    qkv_bias, qk_norm = DENSE[arch]
+    qkv_bias, qk_norm = SUPPORTED[arch]
     _check_plain(arch, cfg)
     heads = int(cfg["num_attention_heads"])
     groups = int(cfg.get("num_key_value_heads") or heads)
@@ -121,14 +141,30 @@ def from_hf_config(cfg: dict) -> ModelSpec:
         tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         qkv_bias=qkv_bias,
         qk_norm=qk_norm,
+        experts=_experts(arch, cfg) if arch in MOE else None,
     )
 
 
-def check_layout(spec: ModelSpec, tp: int, pp: int, vpp_layers: int | None, ep: int) -> None:
+def _experts(arch: str, cfg: dict) -> Experts:
+    if (cfg.get("router_jitter_noise") or 0.0) != 0.0:
+        raise _refuse(arch, "router_jitter_noise", cfg["router_jitter_noise"], "not mapped so far")
+    if arch == "MixtralForCausalLM":  # softmax, top-k, renormalised: Megatron's top-k then softmax
+        return Experts(int(cfg["num_local_experts"]), int(cfg["intermediate_size"]),
+                       int(cfg["num_experts_per_tok"]), False, float(cfg.get("router_aux_loss_coef") or 0.0))
+    if int(cfg.get("decoder_sparse_step") or 1) != 1 or cfg.get("mlp_only_layers"):
+        field = "mlp_only_layers" if cfg.get("mlp_only_layers") else "decoder_sparse_step"
+        raise _refuse(arch, field, cfg.get(field), "dense layers between MoE layers are not mapped so far")
+    return Experts(int(cfg.get("num_experts") or cfg["num_local_experts"]), int(cfg["moe_intermediate_size"]), int(cfg["num_experts_per_tok"]),
+                   not cfg.get("norm_topk_prob", False), float(cfg.get("router_aux_loss_coef") or 0.0))
+
+
+def check_layout(spec: ModelSpec, tp: int, pp: int, vpp_layers: int | None, ep: int, etp: int | None = None) -> None:
     """The layout's flags against the model: one line for the first that cannot take it."""
     flag = "--tensor-model-parallel-size"
-    for what, count in (("attention heads", spec.num_attention_heads), ("key/value heads", spec.num_query_groups),
-                        ("FFN width (intermediate_size)", spec.ffn_hidden_size)):
+    counts = [("attention heads", spec.num_attention_heads), ("key/value heads", spec.num_query_groups)]
+    if spec.experts is None:
+        counts.append(("FFN width (intermediate_size)", spec.ffn_hidden_size))
+    for what, count in counts:
         if count % tp:
             raise UserError(f"{flag} {tp}: the model's {count} {what} do not split over {tp} ranks; "
                             f"pick a size that divides {count}")
@@ -138,5 +174,15 @@ def check_layout(spec: ModelSpec, tp: int, pp: int, vpp_layers: int | None, ep: 
     if vpp_layers and (spec.num_layers // pp) % vpp_layers:
         raise UserError(f"--num-layers-per-virtual-pipeline-stage {vpp_layers}: does not divide the "
                         f"{spec.num_layers // pp} layers of each pipeline stage")
-    if ep != 1:
-        raise UserError(f"--expert-model-parallel-size {ep}: {spec.architecture} has no experts; drop the flag")
+    experts = spec.experts
+    if experts is None:
+        if ep != 1:
+            raise UserError(f"--expert-model-parallel-size {ep}: {spec.architecture} has no experts; drop the flag")
+        return
+    if experts.num_experts % ep:
+        raise UserError(f"--expert-model-parallel-size {ep}: the model's {experts.num_experts} experts do not split "
+                        f"over {ep} ranks; pick a size that divides {experts.num_experts}")
+    etp = etp or tp
+    if experts.ffn_hidden_size % etp:
+        raise UserError(f"--expert-tensor-parallel-size {etp}: the experts' FFN width {experts.ffn_hidden_size} "
+                        f"does not split over {etp} ranks")

@@ -25,6 +25,8 @@ def build_parser() -> argparse.ArgumentParser:
     h2m.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     h2m.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
     h2m.add_argument("--expert-model-parallel-size", type=int, default=1)
+    h2m.add_argument("--expert-tensor-parallel-size", type=int, default=None,
+                     help="ranks each expert is split over (default: the TP size)")
     h2m.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
                      help="the vocabulary is padded to a multiple of this x TP (Megatron-LM's default 128)")
     precision = h2m.add_mutually_exclusive_group()
@@ -53,6 +55,7 @@ def main(argv: list[str]) -> int:
             done = hf_to_megatron.convert(
                 args.hf, args.save, tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
                 vpp_layers=args.num_layers_per_virtual_pipeline_stage, ep=args.expert_model_parallel_size,
+                etp=args.expert_tensor_parallel_size,
                 divisible_by=args.make_vocab_size_divisible_by, precision=args.precision)
             print(f"npuspeed convert: {done['spec'].architecture} -> {done['save']} (iteration 0, padded "
                   f"vocabulary {done['padded_vocab_size']})")

@@ -58,19 +58,19 @@ def fill(model, groups: list[names.Group], reader: hf_files.HFReader) -> None:
 
 
 def convert(hf: str, save: str, *, tp: int = 1, pp: int = 1, vpp_layers: int | None = None, ep: int = 1,
-            divisible_by: int = 128, precision: str | None = None) -> dict:
+            etp: int | None = None, divisible_by: int = 128, precision: str | None = None) -> dict:
     """Convert; return {"save", "flags", "spec", "padded_vocab_size"}."""
     megatron_model.runtime_first()
     from megatron.core import dist_checkpointing
 
     reader = hf_files.HFReader(hf)
     spec = architectures.from_hf_config(reader.config)
-    architectures.check_layout(spec, tp, pp, vpp_layers, ep)
+    architectures.check_layout(spec, tp, pp, vpp_layers, ep, etp)
     precision = precision or default_precision(reader.config)
     padded = layout.padded_vocab_size(spec.vocab_size, divisible_by, tp)
     groups = names.groups(spec, padded)
     _check_tensor_set(reader, groups, spec)
-    flags = megatron_args.model_flags(spec, divisible_by) + megatron_args.layout_flags(tp, pp, vpp_layers, precision)
+    flags = megatron_args.model_flags(spec, divisible_by) + megatron_args.layout_flags(tp, pp, vpp_layers, precision, ep, etp)
     staging.check_target(save)
     with megatron_model.single_rank(), staging.staged(save) as tmp:
         model = megatron_model.build(spec, padded, megatron_model.DTYPES[precision])

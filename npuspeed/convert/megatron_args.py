@@ -36,6 +36,13 @@ def model_flags(spec: ModelSpec, divisible_by: int) -> list[str]:
         flags.append("--qk-layernorm")
     if not spec.tied_embeddings:
         flags.append("--untie-embeddings-and-output-weights")
+    experts = spec.experts
+    if experts is not None:
+        flags += ["--num-experts", str(experts.num_experts), "--moe-router-topk", str(experts.topk),
+                  "--moe-ffn-hidden-size", str(experts.ffn_hidden_size),
+                  "--moe-aux-loss-coeff", repr(experts.aux_loss_coeff)]
+        if experts.pre_softmax:
+            flags.append("--moe-router-pre-softmax")
     return flags
 
 
@@ -48,13 +55,19 @@ def fingerprint(spec: ModelSpec, padded_vocab: int) -> dict:
         "kv_channels": spec.kv_channels if explicit_kv else None, "padded_vocab_size": padded_vocab,
         "max_position_embeddings": spec.max_position_embeddings, "normalization": "RMSNorm", "swiglu": True,
         "position_embedding_type": "rope", "untie_embeddings_and_output_weights": not spec.tied_embeddings,
-        "disable_bias_linear": True, "num_experts": None, "moe_ffn_hidden_size": None,
+        "disable_bias_linear": True, "num_experts": spec.experts.num_experts if spec.experts else None,
+        "moe_ffn_hidden_size": spec.experts.ffn_hidden_size if spec.experts else None,
         "add_qkv_bias": spec.qkv_bias, "qk_layernorm": spec.qk_norm,
     }
 
 
-def layout_flags(tp: int, pp: int, vpp_layers: int | None, precision: str) -> list[str]:
+def layout_flags(tp: int, pp: int, vpp_layers: int | None, precision: str, ep: int = 1,
+                 etp: int | None = None) -> list[str]:
     flags = ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp)]
+    if ep != 1:
+        flags += ["--expert-model-parallel-size", str(ep)]
+    if etp is not None:
+        flags += ["--expert-tensor-parallel-size", str(etp)]
     if vpp_layers:
         flags += ["--num-layers-per-virtual-pipeline-stage", str(vpp_layers)]
     if precision != "fp32":

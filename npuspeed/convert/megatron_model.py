@@ -83,6 +83,11 @@ def transformer_config(spec: ModelSpec, dtype: torch.dtype):
         use_cpu_initialization=True, perform_initialization=False, params_dtype=dtype, pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
     )
+    if spec.experts is not None:
+        kwargs.update(num_moe_experts=spec.experts.num_experts, moe_ffn_hidden_size=spec.experts.ffn_hidden_size,
+                      moe_router_topk=spec.experts.topk, moe_router_pre_softmax=spec.experts.pre_softmax,
+                      moe_aux_loss_coeff=0.0, moe_router_load_balancing_type="none",
+                      moe_token_dispatcher_type="alltoall", moe_grouped_gemm=False)
     return TransformerConfig(**_supported(TransformerConfig, kwargs))
 
 
@@ -92,7 +97,8 @@ def build(spec: ModelSpec, padded_vocab: int, dtype: torch.dtype):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     layer_spec = get_gpt_layer_local_spec(**_supported(get_gpt_layer_local_spec, dict(
-        qk_layernorm=spec.qk_norm, normalization="RMSNorm")))
+        qk_layernorm=spec.qk_norm, normalization="RMSNorm",
+        num_experts=spec.experts.num_experts if spec.experts else None, moe_grouped_gemm=False)))
     kwargs = dict(config=transformer_config(spec, dtype), transformer_layer_spec=layer_spec,
                   vocab_size=padded_vocab, max_sequence_length=spec.max_position_embeddings,
                   pre_process=True, post_process=True, parallel_output=True,

@@ -73,10 +73,8 @@ def _layer(spec: ModelSpec, i: int) -> list[Group]:
               lambda t: fuse_qkv(*t, spec), lambda t: split_qkv(t, spec)),
         Group(mg + "self_attention.linear_proj.weight", (attn + "o_proj.weight",), _same, _back),
         Group(mg + "pre_mlp_layernorm.weight", (hf + "post_attention_layernorm.weight",), _same, _back),
-        Group(mg + "mlp.linear_fc1.weight", (hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight"),
-              lambda t: torch.cat(t, dim=0), lambda t: [c.clone() for c in t.chunk(2, dim=0)]),
-        Group(mg + "mlp.linear_fc2.weight", (hf + "mlp.down_proj.weight",), _same, _back),
     ]
+    groups += _mlp(spec, hf, mg) if spec.experts is None else _moe(spec, hf, mg)
     if spec.qkv_bias:
         groups.insert(2, Group(mg + "self_attention.linear_qkv.bias", tuple(n[:-6] + "bias" for n in qkv),
                                lambda t: fuse_qkv(*t, spec), lambda t: split_qkv(t, spec)))
@@ -84,6 +82,33 @@ def _layer(spec: ModelSpec, i: int) -> list[Group]:
         groups[3:3] = [Group(mg + "self_attention.q_layernorm.weight", (attn + "q_norm.weight",), _same, _back),
                        Group(mg + "self_attention.k_layernorm.weight", (attn + "k_norm.weight",), _same, _back)]
     return groups
+
+
+def _swiglu(mg: str, gate: str, up: str, down: str) -> list[Group]:
+    """fc1 = [gate; up], fc2 = down, under Megatron prefix `mg` (an MLP or one expert)."""
+    return [Group(mg + "linear_fc1.weight", (gate, up), lambda t: torch.cat(t, dim=0),
+                  lambda t: [c.clone() for c in t.chunk(2, dim=0)]),
+            Group(mg + "linear_fc2.weight", (down,), _same, _back)]
+
+
+def _mlp(spec: ModelSpec, hf: str, mg: str) -> list[Group]:
+    return _swiglu(mg + "mlp.", hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight", hf + "mlp.down_proj.weight")
+
+
+#: architecture -> (HF prefix of the MoE block, names of an expert's gate, up and down projections)
+_MOE_NAMES = {"MixtralForCausalLM": ("block_sparse_moe.", ("w1", "w3", "w2")),
+              "Qwen3MoeForCausalLM": ("mlp.", ("gate_proj", "up_proj", "down_proj"))}
+
+
+def _moe(spec: ModelSpec, hf: str, mg: str) -> list[Group]:
+    """The router, then each expert's SwiGLU (Megatron's SequentialMLP: local_experts.<global j>)."""
+    block, (gate, up, down) = _MOE_NAMES[spec.architecture]
+    out = [Group(mg + "mlp.router.weight", (hf + block + "gate.weight",), _same, _back)]
+    for j in range(spec.experts.num_experts):
+        e = f"{hf}{block}experts.{j}."
+        out += _swiglu(f"{mg}mlp.experts.local_experts.{j}.", f"{e}{gate}.weight", f"{e}{up}.weight",
+                       f"{e}{down}.weight")
+    return out
 
 
 def groups(spec: ModelSpec, padded_vocab: int) -> list[Group]:

@@ -3,6 +3,7 @@ PP2 from the same TP1-written checkpoint (dist_checkpointing reshards it on load
 back to a Hugging Face directory that transformers loads with the Megatron model's logits.
 
 - the flags the converter printed are all the example needs to describe the model;
+- a converted Mixtral starts at EP2 from the same loss as at EP1;
 - TP2's and PP2's first losses equal TP1's within 1e-5 (fp32): the checkpoint loads at any
   layout; 10 iterations at TP1 lower the loss;
 - TP2's saved checkpoint converts back (with --hf-config: the example's own checkpoints do not
@@ -35,18 +36,29 @@ def _cli(*argv) -> str:
     return proc.stdout
 
 
-@pytest.fixture(scope="module")
-def converted(tmp_path_factory):
+def _convert(tmp, arch: str):
     from hf_tiny import make_hf
 
-    tmp = tmp_path_factory.mktemp("convert_example")
-    make_hf(tmp / "hf", "qwen2")  # QKV bias, GQA, untied output layer
+    make_hf(tmp / "hf", arch)
     out = _cli("hf-to-megatron", "--hf", str(tmp / "hf"), "--save", str(tmp / "mg"),
                "--tensor-model-parallel-size", "2", "--make-vocab-size-divisible-by", "1", "--fp32")
     flags = (tmp / "mg" / "megatron_args.txt").read_text().split()
     assert " ".join(flags) in out  # printed, and saved beside the checkpoint
     model_flags = flags[:flags.index("--tensor-model-parallel-size")]
     return tmp, model_flags
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    return _convert(tmp_path_factory.mktemp("convert_example"), "qwen2")  # QKV bias, GQA, untied output
+
+
+def test_mixtral_at_ep2(tmp_path):
+    """A converted Mixtral (4 experts, top-2) starts at EP2 from the same loss as at EP1."""
+    converted = _convert(tmp_path, "mixtral")
+    ep1 = _run(converted, "ep1", 1, [], 1)
+    ep2 = _run(converted, "ep2", 2, ["--expert-model-parallel-size", "2"], 1)
+    assert abs(ep2["losses"][0] - ep1["losses"][0]) <= 1e-5, (ep1["losses"], ep2["losses"])
 
 
 def _run(converted, name, nproc, layout, iters, extra=()):

@@ -38,6 +38,9 @@ CASES = {  # name: (architecture, config overrides)
     "mistral": ("mistral", {}),
     "qwen2-qkv-bias": ("qwen2", {}),
     "qwen3-qk-norm": ("qwen3", {"tie_word_embeddings": True}),
+    "mixtral": ("mixtral", {}),
+    "qwen3-moe": ("qwen3_moe", {}),
+    "qwen3-moe-unnormalised-topk": ("qwen3_moe", {"norm_topk_prob": False}),
 }
 
 
@@ -175,6 +178,21 @@ def test_megatron_to_hf_refuses_another_model(tmp_path, capsys, megatron_mp):
                            "--hf-config", str(tmp_path / "other")], capsys)
     assert "num_layers 2 in the checkpoint, 4 in config.json" in line, line
     assert not (tmp_path / "back").exists()
+
+
+def test_layouts_experts_cannot_take():
+    from npuspeed.convert import architectures
+    from npuspeed.errors import UserError
+
+    moe = architectures.from_hf_config(hf_config("mixtral").to_dict())  # 4 experts of width 32
+    architectures.check_layout(moe, 2, 1, None, 4, None)
+    with pytest.raises(UserError, match="--expert-model-parallel-size 3: the model's 4 experts do not split"):
+        architectures.check_layout(moe, 1, 1, None, 3, None)
+    with pytest.raises(UserError, match="--expert-tensor-parallel-size 3: the experts' FFN width 32"):
+        architectures.check_layout(moe, 1, 1, None, 1, 3)
+    dense = architectures.from_hf_config(hf_config("llama").to_dict())
+    with pytest.raises(UserError, match="--expert-model-parallel-size 2: LlamaForCausalLM has no experts"):
+        architectures.check_layout(dense, 1, 1, None, 2, None)
 
 
 @pytest.mark.parametrize("tp", [2, 4])
