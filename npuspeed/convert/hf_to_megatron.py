@@ -77,8 +77,9 @@ def convert(hf: str, save: str, *, tp: int = 1, pp: int = 1, vpp_layers: int | N
         fill(model, groups, reader)
         run = {"format": 1, "iteration": ITERATION, "model": megatron_args.fingerprint(spec, padded),
                "layout": None, "optimizer": None, "precision": precision, "source": spec.architecture}
+        # checkpoint_version 3.0: Megatron-LM's current layout (it reorders QKV of older ones)
         state = {"model": model.sharded_state_dict(), "iteration": ITERATION, "run": run,
-                 "hf_config": reader.config}
+                 "hf_config": reader.config, "checkpoint_version": 3.0}
         path = os.path.join(tmp, f"iter_{ITERATION:07d}")
         os.makedirs(path)
         dist_checkpointing.save(state, path)

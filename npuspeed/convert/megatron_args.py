@@ -27,7 +27,7 @@ def model_flags(spec: ModelSpec, divisible_by: int) -> list[str]:
               "--normalization", "RMSNorm", "--norm-epsilon", repr(spec.norm_epsilon), "--swiglu",
               "--position-embedding-type", "rope", "--rotary-base", _number(spec.rotary_base),
               "--disable-bias-linear", "--hidden-dropout", "0", "--attention-dropout", "0",
-              "--make-vocab-size-divisible-by", str(divisible_by)]
+              "--make-vocab-size-divisible-by", str(divisible_by), "--transformer-impl", "local"]
     if spec.rope_scaling_factor is not None:
         flags += ["--use-rope-scaling", "--rope-scaling-factor", _number(spec.rope_scaling_factor)]
     if spec.qkv_bias:
