@@ -114,6 +114,9 @@ def _training(p):
     throughput.add_arguments(g)
     g.add_argument("--save", default=None)
     g.add_argument("--load", default=None)
+    g.add_argument("--hf-checkpoint", default=None,
+                   help="start from this Hugging Face model directory (config.json + safetensors): each rank "
+                        "reads its own shards; the model flags must describe it (npuspeed convert prints them)")
     g.add_argument("--save-interval", type=int, default=None)
     g.add_argument("--ckpt-step", type=int, default=None,
                    help="load this iteration's checkpoint instead of the latest")

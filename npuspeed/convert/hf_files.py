@@ -33,16 +33,17 @@ def _safetensors():
 class HFReader:
     """The tensors of a Hugging Face directory by name; each read opens its shard lazily."""
 
-    def __init__(self, root: str):
+    def __init__(self, root: str, flag: str = "--hf"):
         self.root = root
+        self.flag = flag  # the option that named the directory, for the error lines
         path = os.path.join(root, CONFIG)
         if not os.path.isfile(path):
-            raise UserError(f"--hf {root}: no {CONFIG}; point --hf at a Hugging Face model directory")
+            raise UserError(f"{flag} {root}: no {CONFIG}; point {flag} at a Hugging Face model directory")
         try:
             with open(path) as f:
                 self.config = json.load(f)
         except ValueError as exc:
-            raise UserError(f"--hf {root}: {CONFIG} is not valid JSON ({exc})") from exc
+            raise UserError(f"{flag} {root}: {CONFIG} is not valid JSON ({exc})") from exc
         self.shard_of = self._index()
 
     def _index(self) -> dict[str, str]:
@@ -52,21 +53,21 @@ class HFReader:
                 weight_map = json.load(f).get("weight_map") or {}
             for shard in sorted(set(weight_map.values())):
                 if not os.path.isfile(os.path.join(self.root, shard)):
-                    raise UserError(f"--hf {self.root}: shard {shard} named in {INDEX} is missing; "
+                    raise UserError(f"{self.flag} {self.root}: shard {shard} named in {INDEX} is missing; "
                                     "download the model again")
             return dict(weight_map)
         if os.path.isfile(os.path.join(self.root, SINGLE)):
             safe_open, _ = _safetensors()
             with self._open(SINGLE, safe_open) as f:
                 return {name: SINGLE for name in f.keys()}
-        raise UserError(f"--hf {self.root}: neither {SINGLE} nor {INDEX}; only safetensors checkpoints convert "
+        raise UserError(f"{self.flag} {self.root}: neither {SINGLE} nor {INDEX}; only safetensors checkpoints convert "
                         "(save the model with save_pretrained(safe_serialization=True))")
 
     def _open(self, shard: str, safe_open):
         try:
             return safe_open(os.path.join(self.root, shard), framework="pt")
         except Exception as exc:
-            raise UserError(f"--hf {self.root}: shard {shard} is damaged ({exc}); download the model again") from exc
+            raise UserError(f"{self.flag} {self.root}: shard {shard} is damaged ({exc}); download the model again") from exc
 
     def names(self) -> list[str]:
         return sorted(self.shard_of)
@@ -78,14 +79,14 @@ class HFReader:
         """One tensor, copied out of its shard."""
         shard = self.shard_of.get(name)
         if shard is None:
-            raise UserError(f"--hf {self.root}: tensor {name} is missing from the checkpoint; is it a "
+            raise UserError(f"{self.flag} {self.root}: tensor {name} is missing from the checkpoint; is it a "
                             f"{(self.config.get('architectures') or ['?'])[0]} checkpoint, complete?")
         safe_open, _ = _safetensors()
         with self._open(shard, safe_open) as f:
             try:
                 return f.get_tensor(name)
             except Exception as exc:
-                raise UserError(f"--hf {self.root}: tensor {name} in shard {shard} cannot be read ({exc}); "
+                raise UserError(f"{self.flag} {self.root}: tensor {name} in shard {shard} cannot be read ({exc}); "
                                 "download the model again") from exc
 
 

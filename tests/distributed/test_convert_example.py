@@ -3,9 +3,11 @@ PP2 from the same TP1-written checkpoint (dist_checkpointing reshards it on load
 back to a Hugging Face directory that transformers loads with the Megatron model's logits.
 
 - the flags the converter printed are all the example needs to describe the model;
-- a converted Mixtral starts at EP2 from the same loss as at EP1;
+- a converted Mixtral starts at EP2 from the same loss as at EP1, and so does EP2 reading the
+  Hugging Face directory itself;
 - TP2's and PP2's first losses equal TP1's within 1e-5 (fp32): the checkpoint loads at any
-  layout; 10 iterations at TP1 lower the loss;
+  layout; 10 iterations at TP1 lower the loss; so does TP2 reading the Hugging Face directory
+  itself (--hf-checkpoint, no checkpoint written);
 - TP2's saved checkpoint converts back (with --hf-config: the example's own checkpoints do not
   hold the Hugging Face config) and transformers' logits equal the Megatron model's within 1e-5.
 """
@@ -58,7 +60,11 @@ def test_mixtral_at_ep2(tmp_path):
     converted = _convert(tmp_path, "mixtral")
     ep1 = _run(converted, "ep1", 1, [], 1)
     ep2 = _run(converted, "ep2", 2, ["--expert-model-parallel-size", "2"], 1)
-    assert abs(ep2["losses"][0] - ep1["losses"][0]) <= 1e-5, (ep1["losses"], ep2["losses"])
+    direct = run_example(TRAIN + converted[1] + ["--expert-model-parallel-size", "2", "--train-iters", "1",
+                                                 "--hf-checkpoint", str(tmp_path / "hf")], tmp_path, nproc=2,
+                         name="ep2_direct")
+    for other in (ep2, direct):
+        assert abs(other["losses"][0] - ep1["losses"][0]) <= 1e-5, (ep1["losses"], other["losses"])
 
 
 def _run(converted, name, nproc, layout, iters, extra=()):
@@ -76,7 +82,11 @@ def test_trains_at_any_layout_and_converts_back(converted, megatron_mp):
     assert tp1["losses"][-1] < tp1["losses"][0] - 0.05, tp1["losses"]
     tp2 = _run(converted, "tp2", 2, ["--tensor-model-parallel-size", "2"], 2, ["--save", str(tmp / "tp2_saved")])
     pp2 = _run(converted, "pp2", 2, ["--pipeline-model-parallel-size", "2"], 1)
-    for other in (tp2, pp2):
+    # --hf-checkpoint: each rank reads its own shards of the Hugging Face weights, no checkpoint
+    model_flags = converted[1]
+    direct = run_example(TRAIN + model_flags + ["--tensor-model-parallel-size", "2", "--train-iters", "1",
+                                                "--hf-checkpoint", str(tmp / "hf")], tmp, nproc=2, name="direct")
+    for other in (tp2, pp2, direct):
         assert abs(other["losses"][0] - tp1["losses"][0]) <= 1e-5, (other["losses"], tp1["losses"])
 
     out = _cli("megatron-to-hf", "--load", str(tmp / "tp2_saved"), "--save", str(tmp / "back"),

@@ -195,6 +195,18 @@ def test_layouts_experts_cannot_take():
         architectures.check_layout(dense, 1, 1, None, 2, None)
 
 
+def test_hf_checkpoint_flags_must_describe_the_model():
+    from npuspeed.convert import architectures, into_model, megatron_args
+    from npuspeed.errors import UserError
+
+    spec = architectures.from_hf_config(hf_config("qwen2").to_dict())
+    flags = megatron_args.fingerprint(spec, 258)
+    into_model.check_flags(spec, 258, flags, "DIR")
+    with pytest.raises(UserError, match=r"needs --num-query-groups 2 \(the run has 4\); --add-qkv-bias True "
+                                        r"\(the run has False\)"):
+        into_model.check_flags(spec, 258, dict(flags, add_qkv_bias=False, num_query_groups=4), "DIR")
+
+
 @pytest.mark.parametrize("tp", [2, 4])
 def test_shard_and_gather_are_inverse(tp):
     from npuspeed.convert import layout
