@@ -3,8 +3,8 @@ PP2 from the same TP1-written checkpoint (dist_checkpointing reshards it on load
 back to a Hugging Face directory that transformers loads with the Megatron model's logits.
 
 - the flags the converter printed are all the example needs to describe the model;
-- a converted Mixtral starts at EP2 from the same loss as at EP1, and so does EP2 reading the
-  Hugging Face directory itself;
+- a converted Mixtral starts at EP2 from the same loss as at EP1, and so do EP2 reading the
+  Hugging Face directory itself and GroupedMLP (--moe-grouped-gemm), whose save converts back;
 - TP2's and PP2's first losses equal TP1's within 1e-5 (fp32): the checkpoint loads at any
   layout; 10 iterations at TP1 lower the loss; so does TP2 reading the Hugging Face directory
   itself (--hf-checkpoint, no checkpoint written);
@@ -55,16 +55,29 @@ def converted(tmp_path_factory):
     return _convert(tmp_path_factory.mktemp("convert_example"), "qwen2")  # QKV bias, GQA, untied output
 
 
-def test_mixtral_at_ep2(tmp_path):
-    """A converted Mixtral (4 experts, top-2) starts at EP2 from the same loss as at EP1."""
+def test_mixtral_at_ep2(tmp_path, megatron_mp):
+    """A converted Mixtral (4 experts, top-2) starts at EP2, and with --moe-grouped-gemm, from the
+    same loss as at EP1; GroupedMLP's save converts back to logits transformers reproduces."""
     converted = _convert(tmp_path, "mixtral")
     ep1 = _run(converted, "ep1", 1, [], 1)
     ep2 = _run(converted, "ep2", 2, ["--expert-model-parallel-size", "2"], 1)
     direct = run_example(TRAIN + converted[1] + ["--expert-model-parallel-size", "2", "--train-iters", "1",
                                                  "--hf-checkpoint", str(tmp_path / "hf")], tmp_path, nproc=2,
                          name="ep2_direct")
-    for other in (ep2, direct):
+    grouped = _run(converted, "grouped", 1, ["--moe-grouped-gemm"], 1, ["--save", str(tmp_path / "grouped_saved")])
+    for other in (ep2, direct, grouped):
         assert abs(other["losses"][0] - ep1["losses"][0]) <= 1e-5, (ep1["losses"], other["losses"])
+    # GroupedMLP's checkpoint holds the experts as SequentialMLP does: it converts back too
+    _cli("megatron-to-hf", "--load", str(tmp_path / "grouped_saved"), "--save", str(tmp_path / "back"),
+         "--hf-config", str(tmp_path / "hf"))
+    from hf_tiny import VOCAB, megatron_logits_at
+
+    tokens = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(3))
+    logits = megatron_logits_at(str(tmp_path / "grouped_saved" / "iter_0000001"), str(tmp_path / "hf" / "config.json"),
+                                tokens)
+    with torch.no_grad():
+        want = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "back")).float().eval()(tokens).logits
+    assert (logits[..., :VOCAB] - want).abs().max().item() <= 1e-5
 
 
 def _run(converted, name, nproc, layout, iters, extra=()):
