@@ -111,7 +111,9 @@ def build(spec: ModelSpec, padded_vocab: int, dtype: torch.dtype):
 
         raise UserError(f"megatron-core {getattr(megatron.core, '__version__', '?')}'s GPTModel has no "
                         "rope_scaling_factor: Llama 3's RoPE scaling needs megatron-core 0.13 or later")
-    return GPTModel(**_supported(GPTModel.__init__, kwargs))
+    # every parameter in the run's precision, norms included (torch's norms ignore params_dtype;
+    # Megatron's Float16Module casts them the same way in a bf16/fp16 run)
+    return GPTModel(**_supported(GPTModel.__init__, kwargs)).to(dtype)
 
 
 def check_names(model, expected: list[str]) -> dict:

@@ -111,6 +111,25 @@ def test_flags_describe_the_model(tmp_path, megatron_mp):
     assert meta["embedding.word_embeddings.weight"].dtype == torch.bfloat16
 
 
+def test_bf16_round_trip(tmp_path, megatron_mp):
+    """A bf16 Hugging Face model stays bf16 (config.json's dtype) and comes back bitwise."""
+    from megatron.core import dist_checkpointing
+
+    from npuspeed.convert import hf_to_megatron, megatron_to_hf
+
+    model = make_hf(tmp_path / "fp32", "qwen3", tie_word_embeddings=True)
+    model.to(torch.bfloat16).save_pretrained(str(tmp_path / "hf"), max_shard_size="40KB")
+    done = hf_to_megatron.convert(str(tmp_path / "hf"), str(tmp_path / "mg"))
+    assert "--bf16" in done["flags"]
+    meta = dist_checkpointing.load_tensors_metadata(str(tmp_path / "mg" / "iter_0000000"))
+    assert {m.dtype for m in meta.values() if hasattr(m, "dtype")} == {torch.bfloat16}
+    megatron_to_hf.convert(str(tmp_path / "mg"), str(tmp_path / "back"))
+    before, after = hf_tensors(tmp_path / "hf"), hf_tensors(tmp_path / "back")
+    assert sorted(before) == sorted(after) and all(after[k].dtype == torch.bfloat16 for k in after)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["dtype"] == "bfloat16"
+
+
 def _bad(tmp_path, argv, capsys) -> str:
     from npuspeed.cli import main
 
