@@ -1,9 +1,11 @@
 """Megatron dist_checkpointing checkpoint (any TP/PP/VPP layout) -> Hugging Face directory.
 
-dist_checkpointing reshards on load, so the checkpoint is read into the whole (TP=1) model
-whatever layout saved it; the vocabulary padding comes off, the fused tensors are split,
-and the tensors are written in safetensors shards of at most --max-shard-size bytes with
-`model.safetensors.index.json`, as `save_pretrained` lays them out. The architecture comes
+Each parameter is stored with its global shape whatever layout saved it, so its whole (TP=1)
+value is read straight from the checkpoint, a batch of parameters at a time (dcp_regions.py:
+the model exists only on the meta device, to say where each parameter is stored); the
+vocabulary padding comes off, the fused tensors are split, and the tensors are written in
+safetensors shards of at most --max-shard-size bytes with `model.safetensors.index.json`, as
+`save_pretrained` lays them out, each as soon as it is complete. The architecture comes
 from the Hugging Face config.json the converter stored in the checkpoint, or --hf-config.
 """
 from __future__ import annotations
@@ -14,13 +16,15 @@ import re
 
 import torch
 
-from npuspeed.convert import architectures, hf_files, megatron_args, megatron_model, names, staging
+from npuspeed.convert import architectures, dcp_regions, hf_files, megatron_args, megatron_model, names, staging
 from npuspeed.convert.hf_to_megatron import HF_CONFIG_FILE, TRACKER
-from npuspeed.errors import UserError
+from npuspeed.errors import UserError, one_line
 
 _ITER = re.compile(r"^iter_(\d{7})$")
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _EMBEDDING = "embedding.word_embeddings.weight"
+#: bytes of Megatron parameters read from the checkpoint at a time (at most one output shard's)
+_READ_BUDGET = 1 << 30
 
 
 def checkpoint_dir(load: str, step: int | None = None) -> str:
@@ -68,14 +72,41 @@ def _check_same_model(common: dict, spec, padded: int, path: str) -> None:
                         "pass the matching config.json with --hf-config")
 
 
-def _plan(groups, params) -> list[tuple[str, int]]:
+def _plan(groups, params, dtypes) -> list[tuple[str, int]]:
     """(HF name, bytes) of every output tensor, in order, from shapes alone."""
     sizes = []
     for group in groups:
-        meta = torch.empty(params[group.megatron].shape, dtype=params[group.megatron].dtype, device="meta")
+        meta = torch.empty(params[group.megatron].shape, dtype=dtypes[group.megatron], device="meta")
         for name, t in zip(group.hf, group.to_hf(meta)):
             sizes.append((name, t.numel() * t.element_size()))
     return sizes
+
+
+def _batches(groups, params, budget: int):
+    """Consecutive groups whose Megatron parameters together take at most `budget` bytes (or one)."""
+    batch, used = [], 0
+    for group in groups:
+        size = params[group.megatron].numel() * 4
+        if batch and used + size > budget:
+            yield batch
+            batch, used = [], 0
+        batch.append(group)
+        used += size
+    if batch:
+        yield batch
+
+
+def _read_batch(path, batch, params, where, dtypes) -> dict:
+    """The whole (TP=1) value of each parameter of the batch, read from the checkpoint."""
+    regions, values = [], {}
+    for group in batch:
+        key, prefix = where[group.megatron]
+        shape = tuple(params[group.megatron].shape)
+        dest = torch.empty((1,) * len(prefix) + shape, dtype=dtypes[group.megatron])
+        regions.append((key, prefix + (0,) * len(shape), dest))
+        values[group.megatron] = dest.view(shape)
+    dcp_regions.read(path, regions)
+    return values
 
 
 def convert(load: str, save: str, *, hf_config: str | None = None, step: int | None = None,
@@ -99,21 +130,27 @@ def convert(load: str, save: str, *, hf_config: str | None = None, step: int | N
     _check_same_model(common, spec, padded, path)
     groups = names.groups(spec, padded)
     with megatron_model.single_rank(), staging.staged(save) as tmp:
-        model = megatron_model.build(spec, padded, dtype)
+        with torch.device("meta"):  # shapes and stored locations only: no weights in memory
+            model = megatron_model.build(spec, padded, dtype)
         params = megatron_model.check_names(model, [g.megatron for g in groups])
-        try:
-            state = dist_checkpointing.load({"model": model.sharded_state_dict()}, path)
-        except Exception as exc:
-            raise UserError(f"checkpoint {path} does not load into {spec.architecture} of config.json ({exc})") from exc
-        model.load_state_dict(state["model"])
-        del state
-        shards = hf_files.plan_shards(_plan(groups, params), max_shard_bytes)
+        where = dcp_regions.locations(model)
+        missing = [g.megatron for g in groups if where.get(g.megatron, ("",))[0] not in metadata]
+        if missing:
+            raise UserError(f"checkpoint {path} holds no {missing[0]} of {spec.architecture}: it is a checkpoint "
+                            "of another model; pass its config.json with --hf-config")
+        dtypes = {g.megatron: metadata[where[g.megatron][0]].dtype for g in groups}
+        shards = hf_files.plan_shards(_plan(groups, params, dtypes), max_shard_bytes)
         shard_index = {name: i for i, shard in enumerate(shards) for name in shard}
         pending: dict[int, dict] = {}
         weight_map, total = {}, 0
-        with torch.no_grad():
-            for group in groups:
-                for name, tensor in zip(group.hf, group.to_hf(params[group.megatron].detach())):
+        for batch in _batches(groups, params, min(max_shard_bytes, _READ_BUDGET)):
+            try:
+                values = _read_batch(path, batch, params, where, dtypes)
+            except Exception as exc:
+                raise UserError(f"checkpoint {path} cannot be read as {spec.architecture} of config.json "
+                                f"({one_line(exc)[:300]})") from exc
+            for group in batch:
+                for name, tensor in zip(group.hf, group.to_hf(values.pop(group.megatron))):
                     i = shard_index[name]
                     pending.setdefault(i, {})[name] = tensor
                     total += tensor.numel() * tensor.element_size()

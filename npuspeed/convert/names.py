@@ -119,7 +119,7 @@ def groups(spec: ModelSpec, padded_vocab: int) -> list[Group]:
         return pad_rows(t[0], padded_vocab)
 
     def unpad(t):
-        return [t[:vocab].clone()]
+        return [t[:vocab]]  # leading rows: contiguous, and the only tensor on its storage
 
     out = [Group("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), pad, unpad)]
     for i in range(spec.num_layers):
