@@ -17,7 +17,7 @@ VOCAB = 258  # the example's byte-level tokenizer
 def hf_config(arch: str, **overrides):
     cls = getattr(transformers, {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config",
                                  "qwen3": "Qwen3Config", "mixtral": "MixtralConfig",
-                                 "qwen3_moe": "Qwen3MoeConfig"}[arch])
+                                 "qwen2_moe": "Qwen2MoeConfig", "qwen3_moe": "Qwen3MoeConfig"}[arch])
     kwargs = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
                   tie_word_embeddings=False, rms_norm_eps=1e-6)
@@ -25,6 +25,9 @@ def hf_config(arch: str, **overrides):
         kwargs["sliding_window"] = None
     if arch == "mixtral":
         kwargs.update(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32)
+    if arch == "qwen2_moe":
+        kwargs.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=48, norm_topk_prob=False)
     if arch == "qwen3_moe":
         kwargs.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
     kwargs.update(overrides)

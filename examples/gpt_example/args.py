@@ -56,6 +56,8 @@ def _model(p):
     g.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None,
                    help="FFN size of the shared experts every token also goes through (default: none)")
     g.add_argument("--moe-shared-expert-overlap", action="store_true")
+    g.add_argument("--moe-shared-expert-gate", action="store_true",
+                   help="scale the shared experts' output by a learned sigmoid gate (Qwen2-MoE)")
     g.add_argument("--moe-router-load-balancing-type", choices=["aux_loss", "seq_aux_loss", "none"],
                    default="aux_loss")
     g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None)

@@ -19,9 +19,11 @@ _ITER = re.compile(r"^iter_(\d{7})$")
 MODEL_FLAGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
                "kv_channels", "padded_vocab_size", "max_position_embeddings", "normalization", "swiglu",
                "position_embedding_type", "untie_embeddings_and_output_weights", "disable_bias_linear",
-               "num_experts", "moe_ffn_hidden_size", "add_qkv_bias", "qk_layernorm")
+               "num_experts", "moe_ffn_hidden_size", "add_qkv_bias", "qk_layernorm",
+               "moe_shared_expert_intermediate_size", "moe_shared_expert_gate")
 #: What a checkpoint written before a flag existed holds for it: that flag's default.
-_ADDED_LATER = {"add_qkv_bias": False, "qk_layernorm": False}
+_ADDED_LATER = {"add_qkv_bias": False, "qk_layernorm": False, "moe_shared_expert_intermediate_size": None,
+                "moe_shared_expert_gate": False}
 
 
 def iter_dir(root: str, iteration: int) -> str:

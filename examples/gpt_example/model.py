@@ -75,6 +75,7 @@ def transformer_config(args) -> TransformerConfig:
         moe_router_pre_softmax=args.moe_router_pre_softmax,
         moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
         moe_shared_expert_overlap=args.moe_shared_expert_overlap,
+        moe_shared_expert_gate=args.moe_shared_expert_gate,
         moe_router_load_balancing_type=args.moe_router_load_balancing_type,
         moe_grouped_gemm=_grouped_gemm(args),
         expert_tensor_parallel_size=_expert_tp(args),

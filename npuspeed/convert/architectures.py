@@ -21,6 +21,7 @@ DENSE = {
 #: the same attention with every MLP a mixture of experts (routed experts only)
 MOE = {
     "MixtralForCausalLM": (False, False),
+    "Qwen2MoeForCausalLM": (True, False),
     "Qwen3MoeForCausalLM": (False, True),
 }
 SUPPORTED = {**DENSE, **MOE}
@@ -36,6 +37,8 @@ class Experts:
     topk: int
     pre_softmax: bool
     aux_loss_coeff: float
+    shared_ffn_hidden_size: int | None = None  # one shared expert every token goes through (Qwen2-MoE)
+    shared_gate: bool = False  # its output scaled by sigmoid(x . w), w of shape [1, hidden]
 
 
 @dataclass(frozen=True)
@@ -154,8 +157,10 @@ def _experts(arch: str, cfg: dict) -> Experts:
     if int(cfg.get("decoder_sparse_step") or 1) != 1 or cfg.get("mlp_only_layers"):
         field = "mlp_only_layers" if cfg.get("mlp_only_layers") else "decoder_sparse_step"
         raise _refuse(arch, field, cfg.get(field), "dense layers between MoE layers are not mapped so far")
-    return Experts(int(cfg.get("num_experts") or cfg["num_local_experts"]), int(cfg["moe_intermediate_size"]), int(cfg["num_experts_per_tok"]),
-                   not cfg.get("norm_topk_prob", False), float(cfg.get("router_aux_loss_coef") or 0.0))
+    shared = int(cfg.get("shared_expert_intermediate_size") or 0) or None
+    return Experts(int(cfg.get("num_experts") or cfg["num_local_experts"]), int(cfg["moe_intermediate_size"]),
+                   int(cfg["num_experts_per_tok"]), not cfg.get("norm_topk_prob", False),
+                   float(cfg.get("router_aux_loss_coef") or 0.0), shared, shared is not None)
 
 
 def check_layout(spec: ModelSpec, tp: int, pp: int, vpp_layers: int | None, ep: int, etp: int | None = None) -> None:

@@ -43,6 +43,10 @@ def model_flags(spec: ModelSpec, divisible_by: int) -> list[str]:
                   "--moe-aux-loss-coeff", repr(experts.aux_loss_coeff)]
         if experts.pre_softmax:
             flags.append("--moe-router-pre-softmax")
+        if experts.shared_ffn_hidden_size:
+            flags += ["--moe-shared-expert-intermediate-size", str(experts.shared_ffn_hidden_size)]
+        if experts.shared_gate:
+            flags.append("--moe-shared-expert-gate")
     return flags
 
 
@@ -58,6 +62,8 @@ def fingerprint(spec: ModelSpec, padded_vocab: int) -> dict:
         "disable_bias_linear": True, "num_experts": spec.experts.num_experts if spec.experts else None,
         "moe_ffn_hidden_size": spec.experts.ffn_hidden_size if spec.experts else None,
         "add_qkv_bias": spec.qkv_bias, "qk_layernorm": spec.qk_norm,
+        "moe_shared_expert_intermediate_size": spec.experts.shared_ffn_hidden_size if spec.experts else None,
+        "moe_shared_expert_gate": bool(spec.experts and spec.experts.shared_gate),
     }
 
 

@@ -87,7 +87,9 @@ def transformer_config(spec: ModelSpec, dtype: torch.dtype):
         kwargs.update(num_moe_experts=spec.experts.num_experts, moe_ffn_hidden_size=spec.experts.ffn_hidden_size,
                       moe_router_topk=spec.experts.topk, moe_router_pre_softmax=spec.experts.pre_softmax,
                       moe_aux_loss_coeff=0.0, moe_router_load_balancing_type="none",
-                      moe_token_dispatcher_type="alltoall", moe_grouped_gemm=False)
+                      moe_token_dispatcher_type="alltoall", moe_grouped_gemm=False,
+                      moe_shared_expert_intermediate_size=spec.experts.shared_ffn_hidden_size,
+                      moe_shared_expert_gate=spec.experts.shared_gate)
     return TransformerConfig(**_supported(TransformerConfig, kwargs))
 
 

@@ -97,6 +97,7 @@ def _mlp(spec: ModelSpec, hf: str, mg: str) -> list[Group]:
 
 #: architecture -> (HF prefix of the MoE block, names of an expert's gate, up and down projections)
 _MOE_NAMES = {"MixtralForCausalLM": ("block_sparse_moe.", ("w1", "w3", "w2")),
+              "Qwen2MoeForCausalLM": ("mlp.", ("gate_proj", "up_proj", "down_proj")),
               "Qwen3MoeForCausalLM": ("mlp.", ("gate_proj", "up_proj", "down_proj"))}
 
 
@@ -108,6 +109,11 @@ def _moe(spec: ModelSpec, hf: str, mg: str) -> list[Group]:
         e = f"{hf}{block}experts.{j}."
         out += _swiglu(f"{mg}mlp.experts.local_experts.{j}.", f"{e}{gate}.weight", f"{e}{up}.weight",
                        f"{e}{down}.weight")
+    if spec.experts.shared_ffn_hidden_size:  # Qwen2-MoE's shared expert and its sigmoid gate
+        e = f"{hf}{block}shared_expert."
+        out += _swiglu(f"{mg}mlp.shared_experts.", f"{e}{gate}.weight", f"{e}{up}.weight", f"{e}{down}.weight")
+        out.append(Group(f"{mg}mlp.shared_experts.gate_weight", (f"{hf}{block}shared_expert_gate.weight",),
+                         _same, _back))
     return out
 
 

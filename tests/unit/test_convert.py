@@ -39,6 +39,7 @@ CASES = {  # name: (architecture, config overrides)
     "qwen2-qkv-bias": ("qwen2", {}),
     "qwen3-qk-norm": ("qwen3", {"tie_word_embeddings": True}),
     "mixtral": ("mixtral", {}),
+    "qwen2-moe-shared-expert": ("qwen2_moe", {}),
     "qwen3-moe": ("qwen3_moe", {}),
     "qwen3-moe-unnormalised-topk": ("qwen3_moe", {"norm_topk_prob": False}),
 }
