@@ -2,9 +2,10 @@
 
 The converter fills this model from Hugging Face tensors and saves its sharded state dict:
 dist_checkpointing stores each tensor with its global shape, so the checkpoint loads at any
-TP/PP/VPP layout (the loading ranks read their own slices). Going back, a checkpoint of any
-layout loads into this model the same way. Megatron's process groups are set up for one
-rank here when the caller has none (a single-process gloo group).
+TP/PP/VPP/EP layout (the loading ranks read their own slices). Going back, the model is built
+on the meta device only to say where each parameter is stored (dcp_regions.py). Megatron's
+process groups are set up for one rank here when the caller has none (a single-process gloo
+group).
 """
 from __future__ import annotations
 
