@@ -1,11 +1,12 @@
 """A Hugging Face model converted by `npuspeed convert` trains in the example, at TP1, TP2 and
-PP2 from the same TP1-written checkpoint (dist_checkpointing reshards it on load), and goes
-back to a Hugging Face directory that transformers loads with the Megatron model's logits.
+PP2 with two virtual stages from the same TP1-written checkpoint (dist_checkpointing reshards
+it on load), and goes back to a Hugging Face directory that transformers loads with the
+Megatron model's logits.
 
 - the flags the converter printed are all the example needs to describe the model;
 - a converted Mixtral starts at EP2 from the same loss as at EP1, and so do EP2 reading the
   Hugging Face directory itself and GroupedMLP (--moe-grouped-gemm), whose save converts back;
-- TP2's and PP2's first losses equal TP1's within 1e-5 (fp32): the checkpoint loads at any
+- TP2's and PP2 x VPP2's first losses equal TP1's within 1e-5 (fp32): the checkpoint loads at any
   layout; 10 iterations at TP1 lower the loss; so does TP2 reading the Hugging Face directory
   itself (--hf-checkpoint, no checkpoint written);
 - TP2's saved checkpoint converts back (with --hf-config: the example's own checkpoints do not
@@ -38,10 +39,10 @@ def _cli(*argv) -> str:
     return proc.stdout
 
 
-def _convert(tmp, arch: str):
+def _convert(tmp, arch: str, **overrides):
     from hf_tiny import make_hf
 
-    make_hf(tmp / "hf", arch)
+    make_hf(tmp / "hf", arch, **overrides)
     out = _cli("hf-to-megatron", "--hf", str(tmp / "hf"), "--save", str(tmp / "mg"),
                "--tensor-model-parallel-size", "2", "--make-vocab-size-divisible-by", "1", "--fp32")
     flags = (tmp / "mg" / "megatron_args.txt").read_text().split()
@@ -52,7 +53,8 @@ def _convert(tmp, arch: str):
 
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
-    return _convert(tmp_path_factory.mktemp("convert_example"), "qwen2")  # QKV bias, GQA, untied output
+    # QKV bias, GQA, untied output; 4 layers for PP2 with 2 virtual stages
+    return _convert(tmp_path_factory.mktemp("convert_example"), "qwen2", num_hidden_layers=4)
 
 
 def test_mixtral_at_ep2(tmp_path, megatron_mp):
@@ -94,7 +96,8 @@ def test_trains_at_any_layout_and_converts_back(converted, megatron_mp):
     assert tp1["first_iteration"] == 1 and len(tp1["losses"]) == 10
     assert tp1["losses"][-1] < tp1["losses"][0] - 0.05, tp1["losses"]
     tp2 = _run(converted, "tp2", 2, ["--tensor-model-parallel-size", "2"], 2, ["--save", str(tmp / "tp2_saved")])
-    pp2 = _run(converted, "pp2", 2, ["--pipeline-model-parallel-size", "2"], 1)
+    pp2 = _run(converted, "pp2_vpp2", 2, ["--pipeline-model-parallel-size", "2",
+                                          "--num-layers-per-virtual-pipeline-stage", "1"], 1)
     # --hf-checkpoint: each rank reads its own shards of the Hugging Face weights, no checkpoint
     model_flags = converted[1]
     direct = run_example(TRAIN + model_flags + ["--tensor-model-parallel-size", "2", "--train-iters", "1",
