@@ -61,6 +61,7 @@ class ModelSpec:
     qkv_bias: bool
     qk_norm: bool
     experts: Experts | None = None
+    attention_dropout: float = 0.0  # training only; these models have no other dropout
 
     @property
     def heads_per_group(self) -> int:
@@ -145,6 +146,7 @@ def from_hf_config(cfg: dict) -> ModelSpec:
         qkv_bias=qkv_bias,
         qk_norm=qk_norm,
         experts=_experts(arch, cfg) if arch in MOE else None,
+        attention_dropout=float(cfg.get("attention_dropout") or 0.0),
     )
 
 

@@ -26,7 +26,8 @@ def model_flags(spec: ModelSpec, divisible_by: int) -> list[str]:
     flags += ["--max-position-embeddings", str(spec.max_position_embeddings),
               "--normalization", "RMSNorm", "--norm-epsilon", repr(spec.norm_epsilon), "--swiglu",
               "--position-embedding-type", "rope", "--rotary-base", _number(spec.rotary_base),
-              "--disable-bias-linear", "--hidden-dropout", "0", "--attention-dropout", "0",
+              "--disable-bias-linear", "--hidden-dropout", "0",
+              "--attention-dropout", _number(spec.attention_dropout),
               "--make-vocab-size-divisible-by", str(divisible_by), "--transformer-impl", "local"]
     if spec.rope_scaling_factor is not None:
         flags += ["--use-rope-scaling", "--rope-scaling-factor", _number(spec.rope_scaling_factor)]

@@ -97,12 +97,12 @@ def test_llama3_rope_scaling(tmp_path, megatron_mp):
 def test_flags_describe_the_model(tmp_path, megatron_mp):
     from npuspeed.convert import hf_to_megatron
 
-    make_hf(tmp_path / "hf", "qwen2", num_key_value_heads=2, rope_theta=1e6)
+    make_hf(tmp_path / "hf", "qwen2", num_key_value_heads=2, rope_theta=1e6, attention_dropout=0.1)
     done = hf_to_megatron.convert(str(tmp_path / "hf"), str(tmp_path / "mg"), tp=1, pp=2, precision="bf16")
     text = (tmp_path / "mg" / hf_to_megatron.ARGS_FILE).read_text().split()
     assert text == done["flags"]
     for pair in (["--num-query-groups", "2"], ["--rotary-base", "1000000"], ["--norm-epsilon", "1e-06"],
-                 ["--pipeline-model-parallel-size", "2"]):
+                 ["--pipeline-model-parallel-size", "2"], ["--attention-dropout", "0.1"], ["--hidden-dropout", "0"]):
         i = text.index(pair[0])
         assert text[i:i + 2] == pair
     assert "--add-qkv-bias" in text and "--bf16" in text and "--qk-layernorm" not in text
