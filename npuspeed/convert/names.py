@@ -8,7 +8,11 @@ Three parameters are not a rename:
 - the embedding and the untied output layer have the vocabulary padded to a multiple of
   --make-vocab-size-divisible-by x TP (rows of zeros, cut off again on the way back).
 Layer norms keep their own modules in the local spec (input_layernorm, pre_mlp_layernorm,
-q_layernorm/k_layernorm), unlike Transformer Engine's spec, which folds them into the linears.
+q_layernorm/k_layernorm), unlike Transformer Engine's spec, which folds them into the linears
+(the local spec's sharded_state_dict stores them under TE's keys, linear_qkv.layer_norm_weight
+and linear_fc1.layer_norm_weight, which is dist_checkpointing's business, not this mapping's).
+MoE layers: the router, each expert's SwiGLU as SequentialMLP's local_experts.<global j>, and
+Qwen2-MoE's shared expert with its gate.
 """
 from __future__ import annotations
 
