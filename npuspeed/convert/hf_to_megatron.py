@@ -4,8 +4,10 @@ The checkpoint is `<save>/iter_0000000/` with `latest_checkpointed_iteration.txt
 under the key `model` (as the example and Megatron-LM save it), and a run description the
 example checks against its flags. It holds no optimizer or RNG state: resume with
 --no-load-optim. Tensors are stored with their global shapes, so the checkpoint loads at any
-TP/PP/VPP layout; the layout given here checks that the model takes it and pads the
-vocabulary for it. Beside the checkpoint: megatron_args.txt (the flags) and hf_config.json.
+TP/PP/VPP/EP layout; the layout given here checks that the model takes it and pads the
+vocabulary for it. Each parameter is built from its Hugging Face tensors when the writer asks
+for it (lazy_save.py), so host memory holds a parameter or two, not the model. Beside the
+checkpoint: megatron_args.txt (the flags) and hf_config.json.
 """
 from __future__ import annotations
 
@@ -14,7 +16,9 @@ import os
 
 import torch
 
-from npuspeed.convert import architectures, hf_files, layout, megatron_args, megatron_model, names, staging
+from npuspeed.convert import (
+    architectures, dcp_regions, hf_files, layout, lazy_save, megatron_args, megatron_model, names, staging,
+)
 from npuspeed.errors import UserError
 
 ITERATION = 0
@@ -44,25 +48,31 @@ def _check_tensor_set(reader: hf_files.HFReader, groups: list[names.Group], spec
                         f"is it a complete {spec.architecture} checkpoint?")
 
 
-def fill(model, groups: list[names.Group], reader: hf_files.HFReader) -> None:
-    """Copy each Megatron parameter from its HF tensors, one parameter at a time."""
-    params = megatron_model.check_names(model, [g.megatron for g in groups])
-    with torch.no_grad():
-        for group in groups:
-            param = params[group.megatron]
+def _materializer(groups: list[names.Group], params: dict, reader: hf_files.HFReader, dtype, errors: list):
+    """Parameter name -> its whole (TP=1) value from the HF tensors, in the checkpoint's dtype.
+    A UserError is also kept in `errors`: torch.distributed.checkpoint wraps what the planner
+    raises, and the one line must survive that."""
+    by_name = {g.megatron: g for g in groups}
+
+    def materialize(name: str) -> torch.Tensor:
+        try:
+            group = by_name[name]
             full = group.to_megatron([reader.read(n) for n in group.hf])
-            if tuple(full.shape) != tuple(param.shape):
+            if tuple(full.shape) != tuple(params[name].shape):
                 raise UserError(f"--hf {reader.root}: {', '.join(group.hf)} make a {tuple(full.shape)} tensor, "
-                                f"config.json implies {tuple(param.shape)} for {group.megatron}")
-            param.copy_(full.to(param.dtype))
+                                f"config.json implies {tuple(params[name].shape)} for {name}")
+            return full.to(dtype)
+        except UserError as exc:
+            errors.append(exc)
+            raise
+
+    return materialize
 
 
 def convert(hf: str, save: str, *, tp: int = 1, pp: int = 1, vpp_layers: int | None = None, ep: int = 1,
             etp: int | None = None, divisible_by: int = 128, precision: str | None = None) -> dict:
     """Convert; return {"save", "flags", "spec", "padded_vocab_size"}."""
     megatron_model.runtime_first()
-    from megatron.core import dist_checkpointing
-
     reader = hf_files.HFReader(hf)
     spec = architectures.from_hf_config(reader.config)
     architectures.check_layout(spec, tp, pp, vpp_layers, ep, etp)
@@ -73,8 +83,10 @@ def convert(hf: str, save: str, *, tp: int = 1, pp: int = 1, vpp_layers: int | N
     flags = megatron_args.model_flags(spec, divisible_by) + megatron_args.layout_flags(tp, pp, vpp_layers, precision, ep, etp)
     staging.check_target(save)
     with megatron_model.single_rank(), staging.staged(save) as tmp:
-        model = megatron_model.build(spec, padded, megatron_model.DTYPES[precision])
-        fill(model, groups, reader)
+        dtype = megatron_model.DTYPES[precision]
+        with torch.device("meta"):  # keys, shapes and offsets only: tensors are made as they are written
+            model = megatron_model.build(spec, padded, dtype)
+        params = megatron_model.check_names(model, [g.megatron for g in groups])
         run = {"format": 1, "iteration": ITERATION, "model": megatron_args.fingerprint(spec, padded),
                "layout": None, "optimizer": None, "precision": precision, "source": spec.architecture}
         # checkpoint_version 3.0: Megatron-LM's current layout (it reorders QKV of older ones)
@@ -82,7 +94,14 @@ def convert(hf: str, save: str, *, tp: int = 1, pp: int = 1, vpp_layers: int | N
                  "hf_config": reader.config, "checkpoint_version": 3.0}
         path = os.path.join(tmp, f"iter_{ITERATION:07d}")
         os.makedirs(path)
-        dist_checkpointing.save(state, path)
+        errors: list[UserError] = []
+        try:
+            lazy_save.save(state, path, _materializer(groups, params, reader, dtype, errors),
+                           dcp_regions.locations(model))
+        except BaseException:  # torch's CheckpointException is a BaseException
+            if errors:
+                raise errors[0] from None
+            raise
         del model, state
         with open(os.path.join(tmp, TRACKER), "w") as f:
             f.write(str(ITERATION))
