@@ -1,11 +1,11 @@
 """The whole (TP=1, one-stage) local-spec GPTModel of a ModelSpec, in this process.
 
-The converter fills this model from Hugging Face tensors and saves its sharded state dict:
-dist_checkpointing stores each tensor with its global shape, so the checkpoint loads at any
-TP/PP/VPP/EP layout (the loading ranks read their own slices). Going back, the model is built
-on the meta device only to say where each parameter is stored (dcp_regions.py). Megatron's
-process groups are set up for one rank here when the caller has none (a single-process gloo
-group).
+Both directions build it on the meta device: its sharded_state_dict says each tensor's stored
+key, global shape and offsets, which the converter writes (lazy_save.py) or reads
+(dcp_regions.py) one parameter at a time; dist_checkpointing stores each tensor with its
+global shape, so the checkpoint loads at any TP/PP/VPP/EP layout. The tests build it with real
+weights to compare logits. Megatron's process groups are set up for one rank here when the
+caller has none (a single-process gloo group).
 """
 from __future__ import annotations
 
