@@ -20,7 +20,8 @@ EXTRAS = {
     # (2.13: 3.7.1, 2.14: 3.8.0) is kept; CI tests 3.6.0 (.venv), 3.8.0 (.venv312) and the
     # newest, 3.9.0 (make test-triton). Linux x86_64 only, where its wheels are; elsewhere
     # those tests skip and say why.
-    "test": ["pytest>=7", "hypothesis>=6", "pytest-timeout", "pybind11",
+    # transformers, safetensors: npuspeed convert's tests make tiny Hugging Face models locally.
+    "test": ["pytest>=7", "hypothesis>=6", "pytest-timeout", "pybind11", "transformers", "safetensors",
              'triton>=3.6,<3.10; platform_system == "Linux" and platform_machine == "x86_64"'],
     "bench": ["matplotlib"],
     # What megatron.training (Megatron-LM core_v0.16) imports at load, plus pybind11 for the

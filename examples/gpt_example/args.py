@@ -29,8 +29,14 @@ def _model(p):
                    default="learned_absolute")
     g.add_argument("--rotary-percent", type=float, default=1.0)
     g.add_argument("--rotary-base", type=int, default=10000)
+    g.add_argument("--use-rope-scaling", action="store_true", help="Llama 3.x's RoPE frequency scaling")
+    g.add_argument("--rope-scaling-factor", type=float, default=8.0, help="its factor (with --use-rope-scaling)")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     g.add_argument("--disable-bias-linear", action="store_true")
+    g.add_argument("--add-qkv-bias", action="store_true",
+                   help="biases on the query/key/value projection even with --disable-bias-linear (Qwen2)")
+    g.add_argument("--qk-layernorm", action="store_true",
+                   help="normalise each head's query and key (--normalization's kind) before RoPE (Qwen3)")
     g.add_argument("--hidden-dropout", type=float, default=0.1)
     g.add_argument("--attention-dropout", type=float, default=0.1)
     g.add_argument("--init-method-std", type=float, default=0.02)
@@ -50,6 +56,8 @@ def _model(p):
     g.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None,
                    help="FFN size of the shared experts every token also goes through (default: none)")
     g.add_argument("--moe-shared-expert-overlap", action="store_true")
+    g.add_argument("--moe-shared-expert-gate", action="store_true",
+                   help="scale the shared experts' output by a learned sigmoid gate (Qwen2-MoE)")
     g.add_argument("--moe-router-load-balancing-type", choices=["aux_loss", "seq_aux_loss", "none"],
                    default="aux_loss")
     g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None)
@@ -108,6 +116,9 @@ def _training(p):
     throughput.add_arguments(g)
     g.add_argument("--save", default=None)
     g.add_argument("--load", default=None)
+    g.add_argument("--hf-checkpoint", default=None,
+                   help="start from this Hugging Face model directory (config.json + safetensors): each rank "
+                        "reads its own shards; the model flags must describe it (npuspeed convert prints them)")
     g.add_argument("--save-interval", type=int, default=None)
     g.add_argument("--ckpt-step", type=int, default=None,
                    help="load this iteration's checkpoint instead of the latest")

@@ -154,6 +154,10 @@ def load(root: str, model, optimizer, scheduler, *, load_optim: bool = True, loa
     saved = common.get("run")
     if args is not None:
         ckpt_verify.verify_fits(saved, args, path)
+    if load_rng and saved and saved.get("layout") is None:  # written by `npuspeed convert`: no RNG states
+        _rank0_print(f"checkpoint {path} was converted from {saved.get('source')}: it holds no RNG states, "
+                     "they start from --seed")
+        load_rng = False
     if load_rng and saved and saved.get("layout") != _layout():
         _rank0_print(f"checkpoint layout {saved.get('layout')} differs from this run's {_layout()}: RNG states "
                      "are not restored (as Megatron-LM; dropout masks differ between layouts anyway)")

@@ -19,7 +19,11 @@ _ITER = re.compile(r"^iter_(\d{7})$")
 MODEL_FLAGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
                "kv_channels", "padded_vocab_size", "max_position_embeddings", "normalization", "swiglu",
                "position_embedding_type", "untie_embeddings_and_output_weights", "disable_bias_linear",
-               "num_experts", "moe_ffn_hidden_size")
+               "num_experts", "moe_ffn_hidden_size", "add_qkv_bias", "qk_layernorm",
+               "moe_shared_expert_intermediate_size", "moe_shared_expert_gate")
+#: What a checkpoint written before a flag existed holds for it: that flag's default.
+_ADDED_LATER = {"add_qkv_bias": False, "qk_layernorm": False, "moe_shared_expert_intermediate_size": None,
+                "moe_shared_expert_gate": False}
 
 
 def iter_dir(root: str, iteration: int) -> str:
@@ -118,11 +122,11 @@ def verify_fits(saved: dict | None, args, path: str) -> None:
         raise UserError(f"checkpoint {path} was not written by this example (no run description in "
                         "common.pt); load it with the script that saved it")
     now = model_fingerprint(args)
-    diff = [f"{_label(k)} {saved['model'].get(k)} in the checkpoint, {v} in this run"
-            for k, v in now.items() if saved["model"].get(k) != v]
+    then = {k: saved["model"].get(k, _ADDED_LATER.get(k)) for k in now}
+    diff = [f"{_label(k)} {then[k]} in the checkpoint, {v} in this run" for k, v in now.items() if then[k] != v]
     if diff:
         hint = ""
-        if saved["model"].get("padded_vocab_size") != now["padded_vocab_size"]:
+        if then["padded_vocab_size"] != now["padded_vocab_size"]:
             hint = (" (the vocabulary is padded to a multiple of --make-vocab-size-divisible-by x TP: pick a "
                     "--make-vocab-size-divisible-by that pads alike at both layouts)")
         raise UserError(f"checkpoint {path} holds a different model: {'; '.join(diff)}{hint}; use the model "

@@ -10,7 +10,6 @@ shards SwiGLU's fused fc1 differently from its TP=1 layout).
 from __future__ import annotations
 
 import inspect
-import re
 import zlib
 
 import torch
@@ -19,10 +18,11 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer import TransformerConfig
 
+from npuspeed.convert import layout
+
 
 def padded_vocab_size(vocab: int, args) -> int:
-    multiple = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
-    return ((vocab + multiple - 1) // multiple) * multiple
+    return layout.padded_vocab_size(vocab, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size)
 
 
 def _supported(fn, kwargs: dict) -> dict:
@@ -56,6 +56,8 @@ def transformer_config(args) -> TransformerConfig:
         persist_layer_norm=False,
         gradient_accumulation_fusion=bool(getattr(args, "gradient_accumulation_fusion", False)),
         add_bias_linear=not args.disable_bias_linear,
+        add_qkv_bias=args.add_qkv_bias,
+        qk_layernorm=args.qk_layernorm,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=_vpp_size(args),
@@ -73,6 +75,7 @@ def transformer_config(args) -> TransformerConfig:
         moe_router_pre_softmax=args.moe_router_pre_softmax,
         moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
         moe_shared_expert_overlap=args.moe_shared_expert_overlap,
+        moe_shared_expert_gate=args.moe_shared_expert_gate,
         moe_router_load_balancing_type=args.moe_router_load_balancing_type,
         moe_grouped_gemm=_grouped_gemm(args),
         expert_tensor_parallel_size=_expert_tp(args),
@@ -110,7 +113,7 @@ def _vpp_size(args):
 
 def build_model(args, config: TransformerConfig, vocab_size: int) -> list[torch.nn.Module]:
     """One GPTModel per virtual pipeline stage (a list of one without VPP)."""
-    spec_kwargs = dict(num_experts=args.num_experts, moe_grouped_gemm=_grouped_gemm(args), qk_layernorm=False,
+    spec_kwargs = dict(num_experts=args.num_experts, moe_grouped_gemm=_grouped_gemm(args), qk_layernorm=args.qk_layernorm,
                        normalization=args.normalization)
     spec = get_gpt_layer_local_spec(**_supported(get_gpt_layer_local_spec, spec_kwargs))
     vpp = _vpp_size(args)
@@ -129,6 +132,7 @@ def build_model(args, config: TransformerConfig, vocab_size: int) -> list[torch.
             share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
             position_embedding_type=args.position_embedding_type,
             rotary_percent=args.rotary_percent, rotary_base=args.rotary_base,
+            rope_scaling=args.use_rope_scaling, rope_scaling_factor=args.rope_scaling_factor,
             vp_stage=stage if vpp else None,
         )
         chunks.append(GPTModel(**_supported(GPTModel.__init__, kwargs)))
@@ -138,40 +142,11 @@ def build_model(args, config: TransformerConfig, vocab_size: int) -> list[torch.
 
 
 # -- layout-independent initialisation ---------------------------------------------------------
-_LAYER = re.compile(r"^(.*?decoder\.layers\.)(\d+)(\..*)$")
-_EXPERT = re.compile(r"^(.*\.local_experts\.)(\d+)(\..*)$")
+# global names and shards: npuspeed.convert.layout (the checkpoint converter uses the same rules)
 _OUTPUT_LAYERS = ("linear_proj.weight", "linear_fc2.weight")
-
-
-def _global_name(name: str, chunk, num_local_experts: int, ep_rank: int) -> str:
-    match = _LAYER.match(name)
-    if match:
-        layer = chunk.decoder.layers[int(match.group(2))]
-        name = f"{match.group(1)}{layer.layer_number - 1}{match.group(3)}"
-    match = _EXPERT.match(name)
-    if match:
-        name = f"{match.group(1)}{ep_rank * num_local_experts + int(match.group(2))}{match.group(3)}"
-    if name == "output_layer.weight" and chunk.share_embeddings_and_output_weights:
-        name = "embedding.word_embeddings.weight"  # the last stage's copy of the tied weight
-    return name
-
-
-def _shard(full: torch.Tensor, param, name: str, swiglu: bool, tp_rank: int, tp_size: int):
-    if not getattr(param, "tensor_model_parallel", False) or tp_size == 1 or full.shape == param.shape:
-        return full
-    dim = param.partition_dim
-    if swiglu and ".linear_fc1." in name and dim == 0:
-        # Each rank's fc1 holds [gate_r; up_r], not a contiguous slice of [gate; up].
-        gate, up = full.chunk(2, dim=0)
-        return torch.cat([gate.chunk(tp_size, 0)[tp_rank], up.chunk(tp_size, 0)[tp_rank]], dim=0)
-    return full.chunk(tp_size, dim=dim)[tp_rank]
-
-
-def _full_shape(param, tp_size: int):
-    shape = list(param.shape)
-    if getattr(param, "tensor_model_parallel", False):
-        shape[param.partition_dim] *= tp_size
-    return shape
+_global_name = layout.global_name
+_shard = layout.shard
+_full_shape = layout.full_shape
 
 
 @torch.no_grad()
@@ -222,9 +197,5 @@ def _init_grouped(param, name: str, args, num_local: int, ep_rank: int, etp_size
         shape = [ffn * (2 if args.swiglu else 1), hidden] if fc1 else [hidden, ffn]
         full = torch.empty(shape, dtype=torch.float32).normal_(0.0, args.init_method_std if fc1 else scaled_std,
                                                               generator=gen)
-        if fc1 and args.swiglu and etp_size > 1:
-            gate, up = full.chunk(2, dim=0)
-            shard = torch.cat([gate.chunk(etp_size, 0)[etp_rank], up.chunk(etp_size, 0)[etp_rank]], dim=0)
-        else:
-            shard = full.chunk(etp_size, dim=0 if fc1 else 1)[etp_rank]
+        shard = layout.shard_dim(full, 0 if fc1 else 1, fc1 and args.swiglu, etp_rank, etp_size)
         view[local].copy_(shard.t().to(param.dtype))

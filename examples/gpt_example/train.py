@@ -293,6 +293,11 @@ def _train(args, progress) -> dict:
     chunks = build_model(args, config, args.padded_vocab_size)
     if args.use_cpu_initialization:
         initialize_by_global_name(chunks, args, config)
+    if args.hf_checkpoint:  # this rank's shards of the Hugging Face weights (npuspeed.convert)
+        from gpt_example.ckpt_verify import model_fingerprint
+        from npuspeed.convert.into_model import load_into
+
+        load_into(chunks, args.hf_checkpoint, args.padded_vocab_size, model_fingerprint(args))
     chunks = to_accelerator(chunks)
     model = wrap_ddp(args, config, wrap_float16(args, config, chunks))
     optimizer, scheduler = build_optimizer(args, model)

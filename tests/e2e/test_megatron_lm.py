@@ -257,3 +257,35 @@ def test_overlap_moe_expert_parallel_comm(workdir):
                                                       "--overlap-moe-expert-parallel-comm"]))
     _trains(result, 4)
     assert all(r["probes"]["combined_1f1b"] > 0 for r in result["reports"])
+
+
+def test_resumes_from_a_converted_hugging_face_model(workdir):
+    """`npuspeed convert hf-to-megatron` (issue 37): Megatron-LM's own pretrain_gpt.py loads the
+    checkpoint at TP2 with the printed flags and --finetune. The Hugging Face model's output layer
+    is scaled so that its loss is far above a fresh model's ln(vocabulary): a first loss near the
+    converted model's shows the weights were loaded, not initialised."""
+    import torch
+
+    from hf_tiny import VOCAB, make_hf
+
+    hf_model = make_hf(workdir / "hf_model", "qwen2")  # QKV bias, GQA, untied
+    with torch.no_grad():
+        hf_model.lm_head.weight.mul_(40.0)
+    hf_model.save_pretrained(str(workdir / "hf"))
+    tokens = torch.randint(0, VOCAB - 1, (4, 64), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        converted_loss = float(hf_model(tokens, labels=tokens).loss)
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    proc = subprocess.run([sys.executable, "-m", "npuspeed.cli", "convert", "hf-to-megatron", "--hf",
+                           str(workdir / "hf"), "--save", str(workdir / "converted"), "--tensor-model-parallel-size",
+                           "2", "--make-vocab-size-divisible-by", "1", "--fp32"],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    flags = (workdir / "converted" / "megatron_args.txt").read_text().split()
+    # NullTokenizer: ids 0..N-1 plus its end-of-document id, so N = 257 gives the model's 258
+    result = run(workdir, "converted", flags + ["--vocab-size", str(VOCAB - 1), "--load", str(workdir / "converted"),
+                                                "--finetune", "--train-iters", "4", "--lr", "1e-4"])
+    assert "successfully loaded checkpoint" in result["log"], result["log"][-3000:]
+    losses = result["losses"]
+    assert converted_loss > 2 * math.log(VOCAB)
+    assert abs(losses[1] - converted_loss) < 0.25 * converted_loss, (losses, converted_loss)

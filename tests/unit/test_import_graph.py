@@ -3,7 +3,7 @@
 Every import statement counts, also the ones inside functions (a lazy import is still a
 dependency). Layers, bottom to top: the leaf modules (patching, ops, telemetry, arguments, errors,
 megatron_flags, context, memory, plan_vocabulary), then accelerator, then features, then runtime, then the
-entry points (the package itself, megatron_adaptor, cli, reporting, plan).
+entry points (the package itself, megatron_adaptor, cli, reporting, plan, convert).
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ LAYERS = {
     1: {"accelerator"},
     2: {"features"},
     3: {"runtime"},
-    4: {"__init__", "megatron_adaptor", "cli", "reporting", "plan"},
+    4: {"__init__", "megatron_adaptor", "cli", "reporting", "plan", "convert"},
 }
 
 

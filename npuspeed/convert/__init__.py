@@ -1,0 +1,13 @@
+"""Hugging Face checkpoints in and out of Megatron's local-spec GPTModel (`npuspeed convert`).
+
+- hf_files: reading and writing config.json + safetensors shards, one tensor at a time
+- architectures: which config.json converts, and the ModelSpec it describes
+- names: HF tensors <-> Megatron global parameters (fused QKV and fc1, vocabulary padding)
+- layout: a global tensor <-> one rank's shard of a TP/PP/EP layout (the example uses it too)
+- megatron_model: the whole local-spec GPTModel in one process
+- megatron_args: the Megatron flags that describe a converted model
+- lazy_save / dcp_regions: the checkpoint written and read one parameter (region) at a time
+- into_model: a run's own model chunks filled straight from a Hugging Face directory
+- hf_to_megatron / megatron_to_hf: the two directions; staging: write aside, rename at the end
+- cli: `npuspeed convert ...`
+"""

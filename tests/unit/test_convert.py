@@ -1,0 +1,241 @@
+"""npuspeed convert (issue 37): tiny Hugging Face models made here with `transformers` from a
+config (random weights, nothing downloaded), converted to a Megatron checkpoint and back.
+
+- the Megatron model loaded from the converted checkpoint gives the transformers model's
+  logits within 1e-5 (fp32, TP1) for each architecture;
+- HF -> Megatron -> HF gives every tensor back bitwise, in several safetensors shards;
+- bad input (unknown architecture, a field that changes the maths, a missing shard, a layout
+  the model cannot take, an occupied --save) ends with one line and leaves nothing behind.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+from hf_tiny import VOCAB, hf_config, hf_tensors, make_hf, megatron_logits_at  # noqa: E402
+
+
+def megatron_logits(ckpt, tokens):
+    from megatron.core import dist_checkpointing
+
+    path = os.path.join(ckpt, "iter_0000000")
+    common = dist_checkpointing.load_common_state_dict(path)
+    return megatron_logits_at(path, common["hf_config"], tokens), common["run"]["model"]["padded_vocab_size"]
+
+
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192, "rope_theta": 10000.0}
+CASES = {  # name: (architecture, config overrides)
+    "llama": ("llama", {}),
+    "llama-tied-mha": ("llama", {"tie_word_embeddings": True, "num_key_value_heads": 4}),
+    "mistral": ("mistral", {}),
+    "qwen2-qkv-bias": ("qwen2", {}),
+    "qwen3-qk-norm": ("qwen3", {"tie_word_embeddings": True}),
+    "mixtral": ("mixtral", {}),
+    "qwen2-moe-shared-expert": ("qwen2_moe", {}),
+    "qwen3-moe": ("qwen3_moe", {}),
+    "qwen3-moe-unnormalised-topk": ("qwen3_moe", {"norm_topk_prob": False}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_logits_and_round_trip(case, tmp_path, megatron_mp):
+    from npuspeed.convert import hf_to_megatron, megatron_to_hf
+
+    arch, overrides = CASES[case]
+    hf_model = make_hf(tmp_path / "hf", arch, **overrides)
+    assert len(glob.glob(str(tmp_path / "hf" / "*.safetensors"))) > 1  # a sharded checkpoint with an index
+    done = hf_to_megatron.convert(str(tmp_path / "hf"), str(tmp_path / "mg"), tp=2, divisible_by=128)
+    assert done["padded_vocab_size"] == 512  # 258 padded to a multiple of 128 x TP2
+    tokens = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(1))
+    logits, padded = megatron_logits(str(tmp_path / "mg"), tokens)
+    assert logits.shape == (2, 24, padded)
+    with torch.no_grad():
+        want = hf_model(tokens).logits
+    diff = (logits[..., :VOCAB] - want).abs().max().item()
+    assert diff <= 1e-5, diff
+
+    back = megatron_to_hf.convert(str(tmp_path / "mg"), str(tmp_path / "back"), max_shard_bytes=40_000)
+    assert back["shards"] > 1 and os.path.isfile(tmp_path / "back" / "model.safetensors.index.json")
+    before, after = hf_tensors(tmp_path / "hf"), hf_tensors(tmp_path / "back")
+    assert sorted(before) == sorted(after)
+    unequal = [k for k in before if not torch.equal(before[k], after[k])]
+    assert not unequal, unequal
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "back")).float().eval()
+    with torch.no_grad():
+        assert torch.equal(reloaded(tokens).logits, want)
+
+
+def test_llama3_rope_scaling(tmp_path, megatron_mp):
+    """Llama 3.x's scaled RoPE (--use-rope-scaling): long enough sequences and large enough
+    weights that ignoring the scaling would change the logits 100x beyond the tolerance (measured:
+    0.10; the converted model is within 2.8e-6)."""
+    from npuspeed.convert import hf_to_megatron
+
+    big = dict(initializer_range=0.1, max_position_embeddings=256)
+    scaled = make_hf(tmp_path / "hf", "llama", rope_parameters=LLAMA3_ROPE, **big)
+    plain = make_hf(tmp_path / "plain", "llama", **big)  # the same seed: the same weights
+    tokens = torch.randint(0, VOCAB, (1, 192), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = scaled(tokens).logits
+        assert (want - plain(tokens).logits).abs().max().item() > 1e-3
+    done = hf_to_megatron.convert(str(tmp_path / "hf"), str(tmp_path / "mg"))
+    i = done["flags"].index("--use-rope-scaling")
+    assert done["flags"][i:i + 3] == ["--use-rope-scaling", "--rope-scaling-factor", "32"]
+    logits, _ = megatron_logits(str(tmp_path / "mg"), tokens)
+    diff = (logits[..., :VOCAB] - want).abs().max().item()
+    assert diff <= 1e-5, diff
+
+
+def test_flags_describe_the_model(tmp_path, megatron_mp):
+    from npuspeed.convert import hf_to_megatron
+
+    make_hf(tmp_path / "hf", "qwen2", num_key_value_heads=2, rope_theta=1e6, attention_dropout=0.1)
+    done = hf_to_megatron.convert(str(tmp_path / "hf"), str(tmp_path / "mg"), tp=1, pp=2, precision="bf16")
+    text = (tmp_path / "mg" / hf_to_megatron.ARGS_FILE).read_text().split()
+    assert text == done["flags"]
+    for pair in (["--num-query-groups", "2"], ["--rotary-base", "1000000"], ["--norm-epsilon", "1e-06"],
+                 ["--pipeline-model-parallel-size", "2"], ["--attention-dropout", "0.1"], ["--hidden-dropout", "0"]):
+        i = text.index(pair[0])
+        assert text[i:i + 2] == pair
+    assert "--add-qkv-bias" in text and "--bf16" in text and "--qk-layernorm" not in text
+    from megatron.core import dist_checkpointing
+
+    meta = dist_checkpointing.load_tensors_metadata(str(tmp_path / "mg" / "iter_0000000"))
+    assert meta["embedding.word_embeddings.weight"].dtype == torch.bfloat16
+
+
+def test_bf16_round_trip(tmp_path, megatron_mp):
+    """A bf16 Hugging Face model stays bf16 (config.json's dtype) and comes back bitwise."""
+    from megatron.core import dist_checkpointing
+
+    from npuspeed.convert import hf_to_megatron, megatron_to_hf
+
+    model = make_hf(tmp_path / "fp32", "qwen3", tie_word_embeddings=True)
+    model.to(torch.bfloat16).save_pretrained(str(tmp_path / "hf"), max_shard_size="40KB")
+    done = hf_to_megatron.convert(str(tmp_path / "hf"), str(tmp_path / "mg"))
+    assert "--bf16" in done["flags"]
+    meta = dist_checkpointing.load_tensors_metadata(str(tmp_path / "mg" / "iter_0000000"))
+    assert {m.dtype for m in meta.values() if hasattr(m, "dtype")} == {torch.bfloat16}
+    megatron_to_hf.convert(str(tmp_path / "mg"), str(tmp_path / "back"))
+    before, after = hf_tensors(tmp_path / "hf"), hf_tensors(tmp_path / "back")
+    assert sorted(before) == sorted(after) and all(after[k].dtype == torch.bfloat16 for k in after)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["dtype"] == "bfloat16"
+
+
+def _bad(tmp_path, argv, capsys) -> str:
+    from npuspeed.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["convert", *argv])
+    assert exc.value.code == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("npuspeed: error: ")]
+    assert len(err) == 1, err
+    return err[0]
+
+
+def _h2m(tmp_path, *extra):
+    return ["hf-to-megatron", "--hf", str(tmp_path / "hf"), "--save", str(tmp_path / "mg"), *extra]
+
+
+def _truncate(path):
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
+
+
+BAD = {  # name: (how to spoil a Llama directory, extra flags, what the line says)
+    "unknown-architecture": (lambda cfg, d: cfg.update(architectures=["GPT2LMHeadModel"]), [],
+                             "architectures=['GPT2LMHeadModel']: not convertible"),
+    "rope-scaling": (lambda cfg, d: cfg.update(rope_parameters={"rope_type": "yarn", "factor": 4.0,
+                                                                "rope_theta": 10000.0}), [],
+                     "rope_parameters.rope_type='yarn' is not converted"),
+    "llama3-rope-other-window": (lambda cfg, d: cfg.update(rope_parameters=dict(
+        LLAMA3_ROPE, original_max_position_embeddings=4096)), [],
+        "rope_parameters.original_max_position_embeddings=4096 is not converted"),
+    "sliding-window": (lambda cfg, d: cfg.update(architectures=["MistralForCausalLM"], sliding_window=16), [],
+                       "sliding_window=16 is not converted"),
+    "missing-shard": (lambda cfg, d: os.remove(glob.glob(os.path.join(d, "model-00002-of-*.safetensors"))[0]), [],
+                      "named in model.safetensors.index.json is missing"),
+    "damaged-shard": (lambda cfg, d: _truncate(glob.glob(os.path.join(d, "model-00003-of-*.safetensors"))[0]), [],
+                      "is damaged"),
+    "tp-too-wide": (lambda cfg, d: None, ["--tensor-model-parallel-size", "4"],
+                    "--tensor-model-parallel-size 4: the model's 2 key/value heads do not split over 4 ranks"),
+    "save-exists": (lambda cfg, d: os.makedirs(os.path.join(os.path.dirname(d), "mg", "x")), [],
+                    "exists and is not empty"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_input_one_line(case, tmp_path, capsys, megatron_mp):
+    spoil, extra, says = BAD[case]
+    make_hf(tmp_path / "hf", "llama")
+    path = tmp_path / "hf" / "config.json"
+    cfg = json.loads(path.read_text())
+    spoil(cfg, str(tmp_path / "hf"))
+    path.write_text(json.dumps(cfg))
+    line = _bad(tmp_path, _h2m(tmp_path, *extra), capsys)
+    assert says in line, line
+    left = sorted(os.listdir(tmp_path))
+    assert left == (["hf", "mg"] if case == "save-exists" else ["hf"]), left  # nothing half-written
+
+
+def test_megatron_to_hf_refuses_another_model(tmp_path, capsys, megatron_mp):
+    from npuspeed.convert import hf_to_megatron
+
+    make_hf(tmp_path / "hf", "llama")
+    hf_to_megatron.convert(str(tmp_path / "hf"), str(tmp_path / "mg"))
+    other = hf_config("llama", num_hidden_layers=4)
+    other.save_pretrained(str(tmp_path / "other"))
+    line = _bad(tmp_path, ["megatron-to-hf", "--load", str(tmp_path / "mg"), "--save", str(tmp_path / "back"),
+                           "--hf-config", str(tmp_path / "other")], capsys)
+    assert "num_layers 2 in the checkpoint, 4 in config.json" in line, line
+    assert not (tmp_path / "back").exists()
+
+
+def test_layouts_experts_cannot_take():
+    from npuspeed.convert import architectures
+    from npuspeed.errors import UserError
+
+    moe = architectures.from_hf_config(hf_config("mixtral").to_dict())  # 4 experts of width 32
+    architectures.check_layout(moe, 2, 1, None, 4, None)
+    with pytest.raises(UserError, match="--expert-model-parallel-size 3: the model's 4 experts do not split"):
+        architectures.check_layout(moe, 1, 1, None, 3, None)
+    with pytest.raises(UserError, match="--expert-tensor-parallel-size 3: the experts' FFN width 32"):
+        architectures.check_layout(moe, 1, 1, None, 1, 3)
+    dense = architectures.from_hf_config(hf_config("llama").to_dict())
+    with pytest.raises(UserError, match="--expert-model-parallel-size 2: LlamaForCausalLM has no experts"):
+        architectures.check_layout(dense, 1, 1, None, 2, None)
+
+
+def test_hf_checkpoint_flags_must_describe_the_model():
+    from npuspeed.convert import architectures, into_model, megatron_args
+    from npuspeed.errors import UserError
+
+    spec = architectures.from_hf_config(hf_config("qwen2").to_dict())
+    flags = megatron_args.fingerprint(spec, 258)
+    into_model.check_flags(spec, 258, flags, "DIR")
+    with pytest.raises(UserError, match=r"needs --num-query-groups 2 \(the run has 4\); --add-qkv-bias True "
+                                        r"\(the run has False\)"):
+        into_model.check_flags(spec, 258, dict(flags, add_qkv_bias=False, num_query_groups=4), "DIR")
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_shard_and_gather_are_inverse(tp):
+    from npuspeed.convert import layout
+
+    full = torch.arange(8 * tp * 2 * tp, dtype=torch.float32).reshape(8 * tp, 2 * tp)
+    for dim, swiglu in ((0, True), (0, False), (1, False)):
+        parts = [layout.shard_dim(full, dim, swiglu, r, tp) for r in range(tp)]
+        assert torch.equal(layout.gather_dim(parts, dim, swiglu), full)
+    gate, up = full.chunk(2)
+    rank1 = layout.shard_dim(full, 0, True, 1, tp)  # [gate_1; up_1], as Megatron's TP fc1 holds them
+    rows = 4
+    assert torch.equal(rank1, torch.cat([gate[rows:2 * rows], up[rows:2 * rows]]))
