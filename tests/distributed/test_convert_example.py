@@ -57,6 +57,7 @@ def converted(tmp_path_factory):
     return _convert(tmp_path_factory.mktemp("convert_example"), "qwen2", num_hidden_layers=4)
 
 
+@pytest.mark.slow  # CI time (about 2 min on 2 cores): `make bench` runs it
 def test_mixtral_at_ep2(tmp_path, megatron_mp):
     """A converted Mixtral (4 experts, top-2) starts at EP2, and with --moe-grouped-gemm, from the
     same loss as at EP1; GroupedMLP's save converts back to logits transformers reproduces."""
