@@ -90,6 +90,7 @@ def _run(converted, name, nproc, layout, iters, extra=()):
     return run_example(args, tmp, nproc=nproc, name=name)
 
 
+@pytest.mark.slow  # CI time (2-4 min on 2 cores): `make bench` runs it; CI keeps tests/unit/test_convert.py
 def test_trains_at_any_layout_and_converts_back(converted, megatron_mp):
     tmp, _ = converted
     tp1 = _run(converted, "tp1", 1, [], 10)

@@ -104,6 +104,7 @@ def test_pp1_ep2_matches_megatron(tmp_path_factory):
     assert base["a2a_hidden_fraction"] is None
 
 
+@pytest.mark.slow  # CI time: the same schedule under Megatron's flag name; `make bench` runs it
 def test_megatrons_flag_runs_the_same_schedule(tmp_path_factory):
     base = _run(tmp_path_factory, "base", [])
     theirs = _run(tmp_path_factory, "megatron-flag", ["--overlap-moe-expert-parallel-comm"], PAIRED)

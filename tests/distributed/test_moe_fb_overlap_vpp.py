@@ -67,7 +67,8 @@ def pairs(run) -> list[int]:
     return [d["counters"].get("moe.fb_overlap.pairs", 0) for d in run["dumps"]]
 
 
-@pytest.mark.parametrize("flag", ["--moe-fb-overlap", "--overlap-moe-expert-parallel-comm"])
+@pytest.mark.parametrize("flag", ["--moe-fb-overlap", pytest.param("--overlap-moe-expert-parallel-comm",
+                                                       marks=pytest.mark.slow)])  # CI time: the alias with make bench
 def test_pp2_vpp2_ep2_matches_megatron(tmp_path_factory, flag):
     base = _run(tmp_path_factory, "base", [])
     fb = _run(tmp_path_factory, flag.strip("-"), [flag], PAIRED)
