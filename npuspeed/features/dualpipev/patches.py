@@ -19,6 +19,8 @@ def register(registry, ctx, config, feature: str) -> None:
                       feature=feature, megatron=placement.RANGE)
     registry.register("megatron.core.pipeline_parallel.utils.is_pp_last_stage", wrapper=placement.pp_last_wrapper,
                       feature=feature, megatron=placement.RANGE)
+    registry.register("megatron.core.utils.get_batch_on_this_tp_rank", wrapper=placement.batch_on_tp_rank_wrapper,
+                      feature=feature, megatron=">=0.18,<0.20")  # Megatron-LM's batch split: rank 0 is both ends
     registry.register(f"{SCHEDULES}.forward_backward_pipelining_with_interleaving",
                       wrapper=schedule.wrapper(ctx.note, pairs_overlap(ctx.args), measure), feature=feature,
                       megatron=placement.RANGE)

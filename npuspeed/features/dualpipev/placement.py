@@ -67,3 +67,38 @@ def pp_last_wrapper(original):
         return dist.get_rank(group=pp_group) == 0
 
     return is_pp_last_stage
+
+
+def reporting_rank_wrapper(original):
+    """Megatron-LM's `is_last_rank` (its log line and progress log print there): under the V the
+    loss is on pipeline rank 0, so the reporting rank is the first stage of the last global rank's
+    pipeline group (no assumption about Megatron's rank order)."""
+
+    @functools.wraps(original)
+    def is_last_rank():
+        import torch.distributed as dist
+        from megatron.core import parallel_state
+
+        ranks = dist.get_process_group_ranks(parallel_state.get_pipeline_model_parallel_group())
+        return dist.get_world_size() - 1 in ranks and dist.get_rank() == ranks[0]
+
+    return is_last_rank
+
+
+def batch_on_tp_rank_wrapper(original):
+    """megatron-core 0.18+'s `get_batch_on_this_tp_rank` (Megatron-LM's pretrain_gpt.py loads
+    through it) keeps labels and loss mask only on a last stage that is not also the first; under
+    the V rank 0 is both, so it gets the whole batch, as a single stage does."""
+    import inspect
+
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def get_batch_on_this_tp_rank(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        a = bound.arguments
+        if a.get("is_pipeline_first_stage") and a.get("is_pipeline_last_stage"):
+            a["pipeline_model_parallel_size"] = 1
+        return original(*bound.args, **bound.kwargs)
+
+    return get_batch_on_this_tp_rank

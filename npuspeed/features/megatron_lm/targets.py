@@ -32,6 +32,8 @@ FUSED_KERNELS = ">=0.16,<0.17"
 #: get_device_arch_version, relative to megatron.training.
 DEVICE_ARCH = {"utils.get_device_arch_version": R16_17,
                "utils.common_utils.get_device_arch_version": R18_19}
+#: is_last_rank (its log line prints there): moved with get_device_arch_version.
+LAST_RANK = {"utils.is_last_rank": R16_17, "utils.common_utils.is_last_rank": R18_19}
 #: Modules whose `torch` name gets CUDA factory devices mapped (CPU).
 TORCH_MODULES = {"training": ALL, "checkpointing": ALL, "initialize": ALL,
                  "utils": R16_17, "utils.common_utils": R18_19}
