@@ -3,12 +3,12 @@ refused in one line each where it cannot compose; with `--moe-fb-overlap` its pa
 taking turns at each expert all-to-all."""
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 from npuspeed.features.base import Feature, FeatureError
 from npuspeed.features.config import FeatureConfig, flag
 from npuspeed.features.dualpipev.placement import RANGE
+from npuspeed.features.moe_fb_overlap.moe_fb_overlap_feature import FbOverlapFeature, microbatches_per_step
 from npuspeed.patching.versions import in_range, megatron_version
 
 FLAG = "--schedules-method dualpipev"
@@ -27,8 +27,12 @@ class Config(FeatureConfig):
 
 def pairs_overlap(args) -> bool:
     """Whether the forward/backward overlap's flag is on (it runs DualPipeV's pairs taking turns)."""
-    a = vars(args)
-    return bool(a.get("moe_fb_overlap") or a.get("overlap_moe_expert_parallel_comm"))
+    return FbOverlapFeature().enabled(args)
+
+
+def v_schedule(args) -> bool:
+    """Whether `--schedules-method dualpipev` is on (features whose patches step aside for it ask)."""
+    return DualPipeVFeature().enabled(args)
 
 
 def batch_message(microbatches: int, pp: int) -> str:
@@ -86,12 +90,9 @@ class DualPipeVFeature(Feature):
         for refused, message in _refusals(m):
             if refused:
                 raise FeatureError(message)
-        world = int(os.environ.get("WORLD_SIZE", "0") or 0)
-        tp = m.tensor_model_parallel_size or 1
-        if m.global_batch_size and world and world % (tp * pp) == 0:
-            microbatches = m.global_batch_size // ((m.micro_batch_size or 1) * (world // (tp * pp)))
-            if microbatches < 2 * pp:
-                raise FeatureError(batch_message(microbatches, pp))
+        microbatches = microbatches_per_step(m)
+        if microbatches is not None and microbatches < 2 * pp:
+            raise FeatureError(batch_message(microbatches, pp))
 
     def path(self, ctx) -> str:
         if not self.enabled(ctx.args):

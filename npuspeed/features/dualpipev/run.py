@@ -20,6 +20,7 @@ import torch
 from npuspeed import telemetry
 from npuspeed.features.dualpipev import order
 from npuspeed.features.dualpipev.links import Links
+from npuspeed.features.moe_common import a2a_clock
 from npuspeed.features.moe_fb_overlap import bubble
 
 
@@ -127,9 +128,7 @@ class Step:
             links.send(input_grad, links.activation_from(chunk), links.gradients)
 
     # -- the step --------------------------------------------------------------------------
-    def op(self, phase: str, op: order.Op) -> None:
-        from npuspeed.features.moe_common import a2a_clock
-
+    def op(self, op: order.Op) -> None:
         f_in = b_in = None
         if op.forward is not None:
             f_in = self._forward_input(op.forward, op.f_micro)
@@ -177,11 +176,11 @@ class Step:
         if self.call.get("forward_only"):
             for micro in range(self.m):
                 for chunk in (0, 1):
-                    self.op("warm_up", order.Op(forward=chunk, f_micro=micro))
+                    self.op(order.Op(forward=chunk, f_micro=micro))
         else:
             telemetry.count("dualpipev.steps")
-            for phase, op in order.schedule(ranks, rank, self.m):
-                self.op(phase, op)
+            for _phase, op in order.schedule(ranks, rank, self.m):
+                self.op(op)  # a2a_clock's phase follows the op: paired steady, lone forward/backward warm-up/cool-down
         self.links.finish()
         assert not self.inputs and not self.handoff_act and not self.handoff_grad, "DualPipeV left work undone"
         config = self.config

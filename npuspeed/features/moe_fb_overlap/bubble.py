@@ -213,9 +213,9 @@ def register_for_megatron(registry, ctx, feature: str) -> None:
     benchmarks/bench_pipeline_bubble.py (registered by the device feature, always on)."""
     import os
 
-    a = vars(ctx.args)
-    if os.environ.get(MEASURE_ENV) != "1" or a.get("moe_fb_overlap") or a.get("overlap_moe_expert_parallel_comm") \
-            or a.get("schedules_method"):
+    from npuspeed.features.dualpipev.dualpipev_feature import pairs_overlap, v_schedule
+
+    if os.environ.get(MEASURE_ENV) != "1" or pairs_overlap(ctx.args) or v_schedule(ctx.args):
         return
     register(registry, ctx, feature)
 

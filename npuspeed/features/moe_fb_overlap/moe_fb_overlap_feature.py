@@ -39,13 +39,21 @@ def _pipeline(flag: str, pp: int, m) -> None:
         getattr(m, "virtual_pipeline_model_parallel_size", None)
     if not vpp:
         raise FeatureError(interleaved.no_vpp_message(flag, pp))
+    microbatches = microbatches_per_step(m)
+    if microbatches is not None and microbatches <= pp:
+        raise FeatureError(interleaved.batch_message(flag, microbatches, pp))
+
+
+def microbatches_per_step(m) -> int | None:
+    """Micro-batches a pipeline rank runs a step, from the command line and the launcher's
+    WORLD_SIZE (None where they do not say): what the pipelined schedules need enough of."""
     world = int(os.environ.get("WORLD_SIZE", "0") or 0)
     gbs, mbs = getattr(m, "global_batch_size", None), getattr(m, "micro_batch_size", None) or 1
     tp, cp = getattr(m, "tensor_model_parallel_size", None) or 1, getattr(m, "context_parallel_size", None) or 1
-    if gbs and world and world % (tp * pp * cp) == 0:
-        microbatches = gbs // (mbs * (world // (tp * pp * cp)))
-        if microbatches <= pp:
-            raise FeatureError(interleaved.batch_message(flag, microbatches, pp))
+    pp = getattr(m, "pipeline_model_parallel_size", None) or 1
+    if not gbs or not world or world % (tp * pp * cp):
+        return None
+    return gbs // (mbs * (world // (tp * pp * cp)))
 
 
 class FbOverlapFeature(Feature):
