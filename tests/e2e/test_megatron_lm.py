@@ -23,7 +23,7 @@ import sys
 import pytest
 from packaging.version import Version
 
-from launch import free_port
+from launch import ROOT, free_port
 from npuspeed.features.megatron_lm.source_patch import insert_import, known_tag, read_version
 from npuspeed.patching.versions import megatron_version
 
@@ -138,14 +138,14 @@ def underlying_losses(log: str) -> dict[int, float]:
     return {it: (2 * v - logged[0][1] if i == 1 else v) for i, (it, v) in enumerate(logged)}
 
 
-def run(workdir, name: str, args: list[str]) -> dict:
+def run(workdir, name: str, args: list[str], base: list[str] = TINY) -> dict:
     path = workdir / "path" / "checkout"
     path = path.resolve() if path.exists() else workdir / "path"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(path), os.environ.get("PYTHONPATH", "")]),
                OMP_NUM_THREADS="1", REPORT=str(workdir / f"{name}.json"))
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                "--master-port", str(free_port()), str(workdir / "runner.py"),
-               str(workdir / "pretrain_gpt.py"), *TINY, *args]
+               str(workdir / "pretrain_gpt.py"), *base, *args]
     proc = subprocess.run(command, cwd=workdir, env=env, capture_output=True, text=True, timeout=900)
     log = proc.stdout + proc.stderr
     (workdir / f"{name}.log").write_text(log)
@@ -259,22 +259,40 @@ def test_overlap_moe_expert_parallel_comm(workdir):
     assert all(r["probes"]["combined_1f1b"] > 0 for r in result["reports"])
 
 
+def _indexed_ids(workdir, vocab: int) -> str:
+    """A small Megatron indexed dataset (examples/preprocess_data.py, NullTokenizer: each
+    document's text is whitespace-separated ids) that both trainers read with the same
+    GPTDataset settings, so they see the same first batch."""
+    gen = __import__("random").Random(0)
+    jsonl = workdir / "ids.jsonl"
+    with open(jsonl, "w") as fh:
+        for _ in range(40):
+            ids = [str(gen.randrange(vocab)) for _ in range(gen.randrange(20, 120))]
+            fh.write(json.dumps({"text": " ".join(ids)}) + "\n")
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "preprocess_data.py"), "--input", str(jsonl),
+                           "--output-prefix", str(workdir / "ids"), "--tokenizer-type", "NullTokenizer",
+                           "--vocab-size", str(vocab), "--append-eod", "--workers", "1"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return str(workdir / "ids_text_document")
+
+
 def test_resumes_from_a_converted_hugging_face_model(workdir):
     """`npuspeed convert hf-to-megatron` (issue 37): Megatron-LM's own pretrain_gpt.py loads the
-    checkpoint at TP2 with the printed flags and --finetune. The Hugging Face model's output layer
-    is scaled so that its loss is far above a fresh model's ln(vocabulary): a first loss near the
-    converted model's shows the weights were loaded, not initialised."""
+    checkpoint at TP2 with the printed flags and --finetune, and its first loss equals the
+    example's from the same checkpoint on the same indexed data (NullTokenizer ids, split
+    100,0,0, the same seed and sample count: the same GPTDataset order). The Hugging Face
+    model's output layer is scaled so that its loss is far above a fresh model's ln(vocabulary):
+    the equal first losses are the converted weights', not a fresh initialisation's."""
     import torch
 
     from hf_tiny import VOCAB, make_hf
+    from launch import run_example
 
     hf_model = make_hf(workdir / "hf_model", "qwen2")  # QKV bias, GQA, untied
     with torch.no_grad():
         hf_model.lm_head.weight.mul_(40.0)
     hf_model.save_pretrained(str(workdir / "hf"))
-    tokens = torch.randint(0, VOCAB - 1, (4, 64), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        converted_loss = float(hf_model(tokens, labels=tokens).loss)
     env = dict(os.environ, PYTHONWARNINGS="ignore")
     proc = subprocess.run([sys.executable, "-m", "npuspeed.cli", "convert", "hf-to-megatron", "--hf",
                            str(workdir / "hf"), "--save", str(workdir / "converted"), "--tensor-model-parallel-size",
@@ -283,12 +301,21 @@ def test_resumes_from_a_converted_hugging_face_model(workdir):
     assert proc.returncode == 0, proc.stderr[-3000:]
     flags = (workdir / "converted" / "megatron_args.txt").read_text().split()
     # NullTokenizer: ids 0..N-1 plus its end-of-document id, so N = 257 gives the model's 258
-    result = run(workdir, "converted", flags + ["--vocab-size", str(VOCAB - 1), "--load", str(workdir / "converted"),
-                                                "--finetune", "--train-iters", "4", "--lr", "1e-4"])
+    data = ["--data-path", _indexed_ids(workdir, VOCAB - 1), "--split", "100,0,0", "--tokenizer-type",
+            "NullTokenizer", "--vocab-size", str(VOCAB - 1), "--train-iters", "2", "--lr", "1e-4",
+            "--hidden-dropout", "0", "--attention-dropout", "0", "--seed", "1234"]
+    result = run(workdir, "converted", flags + data + ["--load", str(workdir / "converted"), "--finetune",
+                                                       "--data-cache-path", str(workdir / "cache_lm")],
+                 base=[a for a in TINY if a != "--mock-data"])
     assert "successfully loaded checkpoint" in result["log"], result["log"][-3000:]
-    losses = result["losses"]
-    assert converted_loss > 2 * math.log(VOCAB)
-    assert abs(losses[1] - converted_loss) < 0.25 * converted_loss, (losses, converted_loss)
+    example = run_example(flags + data + ["--load", str(workdir / "converted"), "--no-load-optim", "--seq-length",
+                                          "64", "--micro-batch-size", "2", "--global-batch-size", "4",
+                                          "--data-cache-path", str(workdir / "cache_example"),
+                                          "--use-cpu-initialization", "--log-interval", "1"],
+                          workdir, nproc=2, name="converted_example")
+    first = result["losses"][1]
+    assert first > 2 * math.log(VOCAB), (first, example["losses"])  # the converted model's, not a fresh one's
+    assert abs(first - example["losses"][0]) <= 1e-5, (result["losses"], example["losses"])
 
 
 def test_dualpipev_trains_and_reports_its_loss(workdir):
