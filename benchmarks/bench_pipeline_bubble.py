@@ -79,13 +79,16 @@ def main() -> int:
         print(f"\n{name} (all-to-all hidden per transfer: {hidden if hidden is None else round(hidden, 2)}; "
               f"median step {summary.get('median_step_ms', float('nan')):.0f} ms; formula "
               f"{rows[0]['formula'] if rows else '?'})")
-        print(f"{'rank':>4} {'idle ms/step':>13} {'F ms':>8} {'B ms':>8} {'F&B ms':>8} {'formula ms':>11} "
-              f"{'measured/formula':>17}")
+        print(f"{'rank':>4} {'idle ms/step':>13} {'transfers':>10} {'tail':>7} {'bubble':>7} {'F ms':>7} {'B ms':>7} "
+              f"{'F&B ms':>7} {'formula ms':>11} {'idle/formula':>13} {'bubble/formula':>15}")
         for r in rows:
-            ratio = r["measured_over_formula"]
-            print(f"{r['rank']:>4} {r['idle_ms_per_step']:>13.1f} {r['forward_ms'] or float('nan'):>8.1f} "
-                  f"{r['backward_ms'] or float('nan'):>8.1f} {r.get('pair_ms') or float('nan'):>8.1f} "
-                  f"{r['formula_ms'] or float('nan'):>11.1f} {'n/a' if ratio is None else f'{ratio:.2f}':>17}")
+            ratio, adjusted = r["measured_over_formula"], r.get("bubble_over_formula")
+            nan = float("nan")
+            print(f"{r['rank']:>4} {r['idle_ms_per_step']:>13.1f} {r.get('transfer_ms_per_step', nan):>10.1f} "
+                  f"{r.get('tail_ms_per_step', nan):>7.1f} {r.get('bubble_ms_per_step', nan):>7.1f} "
+                  f"{r['forward_ms'] or nan:>7.1f} {r['backward_ms'] or nan:>7.1f} {r.get('pair_ms') or nan:>7.1f} "
+                  f"{r['formula_ms'] or nan:>11.1f} {'n/a' if ratio is None else f'{ratio:.2f}':>13} "
+                  f"{'n/a' if adjusted is None else f'{adjusted:.2f}':>15}")
         status = status or (0 if rows else 1)
     return status
 

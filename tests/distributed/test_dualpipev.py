@@ -43,6 +43,8 @@ def paired_per_step(pp: int, rank: int, m: int) -> int:
 
 
 SAVE_AT = 4
+# the paired path, and the bubble measured as the bench measures it (steps started together)
+FB_ENV = {"NPUSPEED_FB_OVERLAP_PATH": "paired", "NPUSPEED_MEASURE_BUBBLE": "1"}
 SAVES = ("base", "fb")  # these two save at SAVE_AT too: the sources of the resume test
 
 
@@ -101,13 +103,13 @@ def layers_by_rank(run) -> list[list[int]]:
 def test_dualpipev_matches_interleaved(tmp_path_factory, overlap):
     base = _run(tmp_path_factory, "base", [])
     args = DUALPIPEV + (["--moe-fb-overlap"] if overlap else [])
-    env = {"NPUSPEED_FB_OVERLAP_PATH": "paired"} if overlap else None
+    env = FB_ENV if overlap else None
     run = _run(tmp_path_factory, "fb" if overlap else "alone", args, env)
     loss, grad = gaps(run, base)
     print(f"dualpipev{' + overlap' if overlap else ''}: max loss gap {loss:.3g}, max grad gap {grad:.3g}")
     assert loss <= TOL and grad <= TOL, (loss, grad, run["losses"], base["losses"])
     if not overlap:  # the pairs taking turns change when each half runs, not what it computes: bitwise
-        fb = _run(tmp_path_factory, "fb", DUALPIPEV + ["--moe-fb-overlap"], {"NPUSPEED_FB_OVERLAP_PATH": "paired"})
+        fb = _run(tmp_path_factory, "fb", DUALPIPEV + ["--moe-fb-overlap"], FB_ENV)
         assert gaps(run, fb) == (0.0, 0.0) and run["losses"] == fb["losses"]
     # the V: pipeline rank 0 (global ranks 0, 1) holds layers 1 and 4, rank 1 (2, 3) layers 2 and 3
     assert layers_by_rank(run) == [[1, 4], [1, 4], [2, 3], [2, 3]]
@@ -132,6 +134,13 @@ def test_dualpipev_matches_interleaved(tmp_path_factory, overlap):
     assert [b["rank"] for b in bubbles] == list(range(NPROC))
     for b in bubbles:
         assert b["steps"] == ITERS - 1 and b["waits"] > 0 and b["idle_ms_per_step"] > 0, b
+        if overlap:  # NPUSPEED_MEASURE_BUBBLE=1: transfers out, the wait for the pipeline's end in
+            assert b["hop_ms"] > 0 and 0 <= b["transfer_ms_per_step"] <= b["idle_ms_per_step"], b
+            assert b["tail_ms_per_step"] >= 0 and b["bubble_ms_per_step"] > 0 and b["bubble_over_formula"] > 0, b
+    if overlap:  # each step, some rank of a pipeline ends last and waits for none: a small tail on one
+        for pipeline in ((0, 2), (1, 3)):
+            assert min(bubbles[r]["tail_ms_per_step"] for r in pipeline) < max(bubbles[r]["tail_ms_per_step"]
+                                                                             for r in pipeline), bubbles
 
 
 @pytest.mark.slow  # CI time: `make bench` runs it (megatron-core 0.14.0, 0.15.0, 0.16.1, 0.19.2 checked)
@@ -143,7 +152,7 @@ def test_checkpoints_resume_across_the_flag(tmp_path_factory, direction):
     from launch import run_example
 
     base = _run(tmp_path_factory, "base", [])
-    fb = _run(tmp_path_factory, "fb", DUALPIPEV + ["--moe-fb-overlap"], {"NPUSPEED_FB_OVERLAP_PATH": "paired"})
+    fb = _run(tmp_path_factory, "fb", DUALPIPEV + ["--moe-fb-overlap"], FB_ENV)
     src, args = (fb, []) if direction == "dualpipev-to-interleaved" else (base, DUALPIPEV + ["--moe-fb-overlap"])
     tmp = tmp_path_factory.mktemp(direction)
     resumed = run_example(MODEL + args + ["--load", src["ckpt"], "--ckpt-step", str(SAVE_AT)], tmp, nproc=NPROC,

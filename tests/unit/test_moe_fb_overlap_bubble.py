@@ -65,3 +65,38 @@ def test_a_pairs_halves_are_not_one_chunks_cost():
 def test_forward_only_is_not_a_step():
     bubble.schedule_wrapper(lambda *a, **k: None)(None, None, model=[object()], num_microbatches=2, forward_only=True)
     assert bubble.summary() is None
+
+
+def test_aligned_steps_drop_transfers_add_the_tail_and_take_the_median(monkeypatch):
+    """NPUSPEED_MEASURE_BUBBLE=1: each wait loses one exchange's time (hop), each step gains the
+    wait for the pipeline's last op (this rank ends 10 ms before its peer), and a stall of the
+    host in one step (a 200 ms wait) does not move the median step."""
+    import torch.distributed as dist
+
+    monkeypatch.setenv(bubble.MEASURE_ENV, "1")
+    monkeypatch.setattr("megatron.core.parallel_state.get_pipeline_model_parallel_group", lambda: None)
+    monkeypatch.setattr(dist, "barrier", lambda group=None: None)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+    monkeypatch.setattr(dist, "all_gather_object", lambda out, mine, group=None: out.__setitem__(
+        slice(None), [mine, mine + 0.010]))
+    monkeypatch.setattr(bubble, "_exchange_seconds", lambda kwargs, group: 0.002)
+    monkeypatch.setitem(bubble._clock, "hop", None)
+    forward = bubble.forward_step_wrapper(_sleep(0.01))
+    backward = bubble.backward_step_wrapper(_sleep(0.01))
+    for wait in (0.03, 0.2, 0.03):
+        def step(*a, wait=wait, **k):
+            forward()
+            bubble.communicate_wrapper(_sleep(wait))()
+            bubble.communicate_wrapper(_sleep(0.001))()  # shorter than one exchange: all transfer
+            backward()
+        bubble.schedule_wrapper(step)(model=[object()], num_microbatches=2)
+    s = bubble.summary()
+    assert s["hop_ms"] == pytest.approx(2.0) and s["steps"] == 3 and s["waits"] == 6
+    assert s["tail_ms_per_step"] == pytest.approx(10.0, abs=0.5)
+    assert s["transfer_ms_per_step"] == pytest.approx(2.0 + 1.0, rel=0.3)
+    # median step: 30 ms wait - 2 ms transfer + ~1 ms - ~1 ms transfer + 10 ms tail
+    assert 36 <= s["bubble_ms_per_step"] < 45, s
+    assert s["idle_ms_per_step"] > 80  # the mean keeps the stall
+    assert s["bubble_over_formula"] == pytest.approx(s["bubble_ms_per_step"] / s["formula_ms"])
+    assert "waiting for the pipeline's end" in bubble.line(s)

@@ -7,16 +7,29 @@ first, so the time is the wait and not queued compute. F and B: the mean `forwar
 forward and backward overlap, so neither half is one chunk's cost). The interleaved schedule's
 bubble is (PP-1)(F+B)/v in whole-stage units, (PP-1)(F+B) in the chunk units measured here, the
 same expression without VPP (v = 1). The example reports it as `pipeline_bubble`.
+
+The formula counts no transfer time and holds for every rank of the pipeline (a rank that ends
+its step early waits for the others at the gradient reduction). With NPUSPEED_MEASURE_BUBBLE=1
+(ranks start each step together) the measure makes the same two adjustments: each wait loses
+one measured exchange of a pipeline message (a ring send/receive of its shape, timed once at
+the first step: what a receive costs when its data has already been sent), and each rank adds
+its tail, the time from its last forward/backward to the pipeline's last (every rank's end,
+relative to the common start, gathered). Their sum, the median over the steps (a stall of a
+shared host in one step is not the schedule's), is `bubble_ms_per_step`; the raw mean wait stays
+`idle_ms_per_step`.
 """
 from __future__ import annotations
 
 import functools
+import statistics
 import threading
 import time
 
 _lock = threading.Lock()
 _totals = {"idle": 0.0, "waits": 0, "forward": 0.0, "forwards": 0, "backward": 0.0, "backwards": 0, "steps": 0,
-           "paired": 0.0, "pairs": 0}
+           "paired": 0.0, "pairs": 0, "transfer": 0.0, "transfers": 0, "tail": 0.0, "tails": 0}
+_clock = {"hop": None, "last_end": 0.0}  # one exchange's seconds (measured once); the last op's end
+_steps: list = []  # each aligned step's bubble (waits less transfers, plus the tail)
 _layout = {"pp": 1, "vpp": 1, "schedule": "interleaved"}
 
 
@@ -32,6 +45,13 @@ def _add(key: str, count: str, seconds: float) -> None:
         _totals[count] += 1
 
 
+def _waited(seconds: float) -> None:
+    """A pipeline wait; the part of it one exchange would take anyway is the transfer."""
+    _add("idle", "waits", seconds)
+    if _clock["hop"] is not None:
+        _add("transfer", "transfers", min(seconds, _clock["hop"]))
+
+
 def communicate_wrapper(original):
     @functools.wraps(original)
     def communicate(*args, **kwargs):
@@ -42,7 +62,7 @@ def communicate_wrapper(original):
         finally:
             if kwargs.get("wait_on_reqs", True):
                 _sync()
-                _add("idle", "waits", time.perf_counter() - t0)
+                _waited(time.perf_counter() - t0)
 
     return communicate
 
@@ -76,6 +96,7 @@ def _timed(key: str, count: str):
             finally:
                 with _lock:
                     _running.discard(call)
+                    _clock["last_end"] = time.perf_counter()
             if not call.overlapped:
                 _add(key, count, time.perf_counter() - t0)
             return out
@@ -108,19 +129,71 @@ def schedule_wrapper(original):
             with _lock:
                 _totals["steps"] += 1
             if os.environ.get(MEASURE_ENV) == "1" and os.environ.get(ALIGN_ENV, "1") == "1":
-                import torch.distributed as dist
-
-                _sync()
-                dist.barrier(group=parallel_state.get_pipeline_model_parallel_group())
+                return _aligned(original, args, kwargs, parallel_state.get_pipeline_model_parallel_group())
         return original(*args, **kwargs)
 
     return schedule
+
+
+def _aligned(original, args, kwargs, group):
+    """One step started together on the pipeline's ranks; its tail gathered at the end."""
+    import torch.distributed as dist
+
+    _sync()
+    dist.barrier(group=group)
+    if _clock["hop"] is None:
+        _clock["hop"] = _exchange_seconds(kwargs, group)
+        dist.barrier(group=group)
+    with _lock:
+        before = _totals["idle"] - _totals["transfer"]
+    start = _clock["last_end"] = time.perf_counter()
+    out = original(*args, **kwargs)
+    ends = [None] * dist.get_world_size(group)
+    dist.all_gather_object(ends, _clock["last_end"] - start, group=group)
+    tail = max(ends) - ends[dist.get_rank(group)]
+    _add("tail", "tails", tail)
+    with _lock:
+        _steps.append(_totals["idle"] - _totals["transfer"] - before + tail)
+    return out
+
+
+def _exchange_seconds(kwargs, group, rounds: int = 8) -> float:
+    """Mean seconds of one ring exchange of a pipeline message (send to the next rank and
+    receive from the previous at once, after one untimed), with the schedule's message shape."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core.utils import get_model_config
+
+    from npuspeed.accelerator import get_accelerator
+
+    model = kwargs.get("model")
+    config = get_model_config(model[0] if isinstance(model, list) else model)
+    seq = kwargs["seq_length"] // max(1, getattr(config, "context_parallel_size", 1) or 1)
+    if getattr(config, "sequence_parallel", False):
+        seq //= max(1, config.tensor_model_parallel_size)
+    dtype = getattr(config, "pipeline_dtype", None) or config.params_dtype
+    send = torch.ones(seq, kwargs["micro_batch_size"], config.hidden_size, dtype=dtype,
+                      device=get_accelerator().device())
+    recv = torch.empty_like(send)
+    ranks = dist.get_process_group_ranks(group)
+    me = ranks.index(dist.get_rank())
+    nxt, prev = ranks[(me + 1) % len(ranks)], ranks[(me - 1) % len(ranks)]
+    total = 0.0
+    for i in range(rounds + 1):
+        t0 = time.perf_counter()
+        ops = [dist.P2POp(dist.isend, send, nxt, group), dist.P2POp(dist.irecv, recv, prev, group)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        _sync()
+        total += (time.perf_counter() - t0) if i else 0.0
+    return total / rounds
 
 
 def reset() -> None:
     with _lock:
         for key in _totals:
             _totals[key] = 0 if isinstance(_totals[key], int) else 0.0
+        _steps.clear()
 
 
 def summary() -> dict | None:
@@ -135,7 +208,15 @@ def summary() -> dict | None:
     idle = t["idle"] / t["steps"]
     pair = t["paired"] / t["pairs"] if t["pairs"] else None
     formula = _formula(_layout["schedule"], _layout["pp"], f, b, pair)
-    return {"idle_ms_per_step": idle * 1e3, "forward_ms": f and f * 1e3, "backward_ms": b and b * 1e3,
+    adjusted = {}
+    with _lock:
+        steps = list(_steps)
+    if steps:  # the median step: a host stall in one step (a shared CPU) is not the schedule's
+        bubble = statistics.median(steps)
+        adjusted = {"hop_ms": (_clock["hop"] or 0.0) * 1e3, "transfer_ms_per_step": t["transfer"] / t["steps"] * 1e3,
+                    "tail_ms_per_step": t["tail"] / t["tails"] * 1e3, "bubble_ms_per_step": bubble * 1e3,
+                    "bubble_over_formula": bubble / formula if formula else None}
+    return adjusted | {"idle_ms_per_step": idle * 1e3, "forward_ms": f and f * 1e3, "backward_ms": b and b * 1e3,
             "formula_ms": formula and formula * 1e3,
             "measured_over_formula": idle / formula if formula else None,
             "pp": _layout["pp"], "vpp": _layout["vpp"], "steps": t["steps"], "waits": t["waits"],
@@ -174,7 +255,16 @@ def line(s: dict) -> str:
             f"{s['forward_ms'] or float('nan'):.1f} ms, "
             f"B {s['backward_ms'] or float('nan'):.1f} ms a chunk"
             + (f", F&B {s['pair_ms']:.1f} ms" if s.get("pair_ms") else "") + "; measured/formula "
-            + (f"{ratio:.2f}" if ratio is not None else "n/a"))
+            + (f"{ratio:.2f}" if ratio is not None else "n/a") + _adjusted(s))
+
+
+def _adjusted(s: dict) -> str:
+    if "bubble_ms_per_step" not in s:
+        return ""
+    ratio = s["bubble_over_formula"]
+    return (f"; less {s['transfer_ms_per_step']:.1f} ms of transfers (one exchange {s['hop_ms']:.2f} ms), plus "
+            f"{s['tail_ms_per_step']:.1f} ms waiting for the pipeline's end: {s['bubble_ms_per_step']:.1f} ms, "
+            f"bubble/formula " + (f"{ratio:.2f}" if ratio is not None else "n/a"))
 
 
 P2P = "megatron.core.pipeline_parallel.p2p_communication"
@@ -198,7 +288,7 @@ def measuring(ctx) -> bool:
 
 def record_wait(seconds: float) -> None:
     """A pipeline receive of a schedule of npuspeed's own (DualPipeV's) blocked this long."""
-    _add("idle", "waits", seconds)
+    _waited(seconds)
 
 
 def register_chunk_timers(registry, feature: str) -> None:
