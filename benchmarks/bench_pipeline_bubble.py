@@ -54,17 +54,19 @@ def main() -> int:
     p.add_argument("--micro-batches", type=int, default=8, help="per data-parallel rank")
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--pin", action="store_true", help="each rank on one core (benchmarks/_pinned.py)")
     a = p.parse_args()
     from launch import free_port
 
     print(f"PP 2 x VPP 2 (EP {a.ranks // 2}), {a.ranks} ranks, {a.micro_batches} micro-batches a step, hidden "
           f"{a.hidden}, seq {a.seq}, {a.iters} iterations (first left out)")
     status = 0
+    script = ROOT / "benchmarks" / "_pinned.py" if a.pin else ROOT / "examples" / "pretrain_gpt.py"
     for name, flags, path in runs(a):
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "summary.json"
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(a.ranks), "--master-addr",
-                   "127.0.0.1", "--master-port", str(free_port()), str(ROOT / "examples" / "pretrain_gpt.py"),
+                   "127.0.0.1", "--master-port", str(free_port()), str(script),
                    *model(a), *flags, "--summary-json", str(out)]
             env = dict(os.environ, OMP_NUM_THREADS="1", NPUSPEED_MEASURE_BUBBLE="1")  # measured without a flag too
             if path:
@@ -89,6 +91,10 @@ def main() -> int:
                   f"{r['forward_ms'] or nan:>7.1f} {r['backward_ms'] or nan:>7.1f} {r.get('pair_ms') or nan:>7.1f} "
                   f"{r['formula_ms'] or nan:>11.1f} {'n/a' if ratio is None else f'{ratio:.2f}':>13} "
                   f"{'n/a' if adjusted is None else f'{adjusted:.2f}':>15}")
+        for r in rows:
+            phases = r.get("idle_ms_per_step_by_phase") or {}
+            print(f"  rank {r['rank']} waits by phase (ms/step): "
+                  + ", ".join(f"{k.replace('_', '-')} {v:.1f}" for k, v in phases.items()))
         status = status or (0 if rows else 1)
     return status
 

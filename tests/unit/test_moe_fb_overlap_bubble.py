@@ -88,15 +88,22 @@ def test_aligned_steps_drop_transfers_add_the_tail_and_take_the_median(monkeypat
         def step(*a, wait=wait, **k):
             forward()
             bubble.communicate_wrapper(_sleep(wait))()
+            backward()
             bubble.communicate_wrapper(_sleep(0.001))()  # shorter than one exchange: all transfer
+            forward()
+            bubble.communicate_wrapper(_sleep(0.005))()
             backward()
         bubble.schedule_wrapper(step)(model=[object()], num_microbatches=2)
     s = bubble.summary()
-    assert s["hop_ms"] == pytest.approx(2.0) and s["steps"] == 3 and s["waits"] == 6
+    assert s["hop_ms"] == pytest.approx(2.0) and s["steps"] == 3 and s["waits"] == 9
     assert s["tail_ms_per_step"] == pytest.approx(10.0, abs=0.5)
-    assert s["transfer_ms_per_step"] == pytest.approx(2.0 + 1.0, rel=0.3)
-    # median step: 30 ms wait - 2 ms transfer + ~1 ms - ~1 ms transfer + 10 ms tail
-    assert 36 <= s["bubble_ms_per_step"] < 45, s
+    assert s["transfer_ms_per_step"] == pytest.approx(2.0 + 1.0 + 2.0, rel=0.3)
+    # median step: 30 ms wait - 2 ms transfer + ~1 ms - ~1 ms transfer + 5 ms - 2 ms + 10 ms tail
+    assert 39 <= s["bubble_ms_per_step"] < 48, s
     assert s["idle_ms_per_step"] > 80  # the mean keeps the stall
     assert s["bubble_over_formula"] == pytest.approx(s["bubble_ms_per_step"] / s["formula_ms"])
     assert "waiting for the pipeline's end" in bubble.line(s)
+    # before the first backward: warm-up; after it, with forwards to come: steady; after the last: cool-down
+    phases = s["idle_ms_per_step_by_phase"]
+    assert phases["warm_up"] == pytest.approx((30 + 200 + 30) / 3, rel=0.15)
+    assert 1 <= phases["steady"] < 4 and 5 <= phases["cool_down"] < 9, phases

@@ -30,6 +30,11 @@ _totals = {"idle": 0.0, "waits": 0, "forward": 0.0, "forwards": 0, "backward": 0
            "paired": 0.0, "pairs": 0, "transfer": 0.0, "transfers": 0, "tail": 0.0, "tails": 0}
 _clock = {"hop": None, "last_end": 0.0}  # one exchange's seconds (measured once); the last op's end
 _steps: list = []  # each aligned step's bubble (waits less transfers, plus the tail)
+# the step's phase, for the waits: warm-up before this rank's first backward, cool-down after its
+# last forward, steady between (where the formula's model has no wait: stages of equal, steady cost)
+_phase = {"forwards": 0, "backwards": 0, "total": 0}
+PHASES = ("warm_up", "steady", "cool_down")
+_phase_idle = dict.fromkeys(PHASES, 0.0)
 _layout = {"pp": 1, "vpp": 1, "schedule": "interleaved"}
 
 
@@ -48,8 +53,16 @@ def _add(key: str, count: str, seconds: float) -> None:
 def _waited(seconds: float) -> None:
     """A pipeline wait; the part of it one exchange would take anyway is the transfer."""
     _add("idle", "waits", seconds)
+    with _lock:
+        _phase_idle[_current_phase()] += seconds
     if _clock["hop"] is not None:
         _add("transfer", "transfers", min(seconds, _clock["hop"]))
+
+
+def _current_phase() -> str:
+    if not _phase["backwards"]:
+        return "warm_up"
+    return "cool_down" if _phase["forwards"] >= _phase["total"] else "steady"
 
 
 def communicate_wrapper(original):
@@ -97,6 +110,7 @@ def _timed(key: str, count: str):
                 with _lock:
                     _running.discard(call)
                     _clock["last_end"] = time.perf_counter()
+                    _phase[key + "s"] += 1
             if not call.overlapped:
                 _add(key, count, time.perf_counter() - t0)
             return out
@@ -128,6 +142,7 @@ def schedule_wrapper(original):
             _layout["vpp"] = len(model) if isinstance(model, list) else 1
             with _lock:
                 _totals["steps"] += 1
+                _phase.update(forwards=0, backwards=0, total=kwargs.get("num_microbatches", 0) * _layout["vpp"])
             if os.environ.get(MEASURE_ENV) == "1" and os.environ.get(ALIGN_ENV, "1") == "1":
                 return _aligned(original, args, kwargs, parallel_state.get_pipeline_model_parallel_group())
         return original(*args, **kwargs)
@@ -194,6 +209,8 @@ def reset() -> None:
         for key in _totals:
             _totals[key] = 0 if isinstance(_totals[key], int) else 0.0
         _steps.clear()
+        for key in PHASES:
+            _phase_idle[key] = 0.0
 
 
 def summary() -> dict | None:
@@ -216,6 +233,8 @@ def summary() -> dict | None:
         adjusted = {"hop_ms": (_clock["hop"] or 0.0) * 1e3, "transfer_ms_per_step": t["transfer"] / t["steps"] * 1e3,
                     "tail_ms_per_step": t["tail"] / t["tails"] * 1e3, "bubble_ms_per_step": bubble * 1e3,
                     "bubble_over_formula": bubble / formula if formula else None}
+    with _lock:
+        adjusted["idle_ms_per_step_by_phase"] = {k: v / t["steps"] * 1e3 for k, v in _phase_idle.items()}
     return adjusted | {"idle_ms_per_step": idle * 1e3, "forward_ms": f and f * 1e3, "backward_ms": b and b * 1e3,
             "formula_ms": formula and formula * 1e3,
             "measured_over_formula": idle / formula if formula else None,
