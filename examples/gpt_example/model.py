@@ -144,7 +144,6 @@ def build_model(args, config: TransformerConfig, vocab_size: int) -> list[torch.
 # -- layout-independent initialisation ---------------------------------------------------------
 # global names and shards: npuspeed.convert.layout (the checkpoint converter uses the same rules)
 _OUTPUT_LAYERS = ("linear_proj.weight", "linear_fc2.weight")
-_global_name = layout.global_name
 _shard = layout.shard
 _full_shape = layout.full_shape
 
@@ -163,10 +162,10 @@ def initialize_by_global_name(chunks, args, config) -> None:
             if param.dim() < 2:
                 continue  # biases (zero) and norms (one) are layout-independent already
             if name.endswith(_GROUPED):
-                _init_grouped(param, _global_name(name, chunk, num_local_experts, ep_rank), args,
+                _init_grouped(param, layout.global_name(name, chunk, num_local_experts, ep_rank), args,
                               num_local_experts, ep_rank, etp_size, etp_rank, scaled_std)
                 continue
-            gname = _global_name(name, chunk, num_local_experts, ep_rank)
+            gname = layout.global_name(name, chunk, num_local_experts, ep_rank)
             expert = getattr(param, "allreduce", True) is False  # experts shard over expert-TP
             t_size, t_rank = (etp_size, etp_rank) if expert else (tp_size, tp_rank)
             gen = torch.Generator().manual_seed(args.seed * 1_000_003 + zlib.crc32(gname.encode()))

@@ -26,8 +26,9 @@ def _named(model, attr=None):
 def _global_names(model) -> dict:
     """{dump key: the layout-independent name} (global layer and expert numbers), so runs of
     different pipeline layouts compare parameter by parameter."""
-    from gpt_example.model import _global_name
     from megatron.core import parallel_state as mpu
+
+    from npuspeed.convert.layout import global_name
 
     experts = getattr(seen_args, "num_experts", None) or 0
     local = experts // max(mpu.get_expert_model_parallel_world_size(), 1)
@@ -39,7 +40,7 @@ def _global_names(model) -> dict:
         prefix = chunk_prefix(chunk, inner)
         for name, _ in chunk.named_parameters():
             bare = name[len(prefix):]
-            out[f"{i}.{name}"] = _global_name(bare, inner, local, mpu.get_expert_model_parallel_rank())
+            out[f"{i}.{name}"] = global_name(bare, inner, local, mpu.get_expert_model_parallel_rank())
     return out
 
 
