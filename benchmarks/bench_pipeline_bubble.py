@@ -10,7 +10,9 @@ local. `--ranks 4`: PP 2 x EP 2 (oversubscribed on a small host), each schedule 
 take turns). The example's `pipeline_bubble` (every rank): the time blocked in pipeline receives
 a step, after the first iteration, beside the formula from the same rank's lone forward and
 backward calls of one chunk and micro-batch (and its paired steps' time, F&B). Prints one row per
-rank and the ratio measured/formula for each run.
+rank: the raw wait, then the terms that make it the formula's quantity (npuspeed/features/
+moe_fb_overlap/bubble.py): less the transfers, plus the tail (waiting for the pipeline's last
+op), less the stage imbalance; the waits by phase below. `--pin`: each rank on its own core.
 """
 from __future__ import annotations
 
@@ -81,13 +83,15 @@ def main() -> int:
         print(f"\n{name} (all-to-all hidden per transfer: {hidden if hidden is None else round(hidden, 2)}; "
               f"median step {summary.get('median_step_ms', float('nan')):.0f} ms; formula "
               f"{rows[0]['formula'] if rows else '?'})")
-        print(f"{'rank':>4} {'idle ms/step':>13} {'transfers':>10} {'tail':>7} {'bubble':>7} {'F ms':>7} {'B ms':>7} "
+        print(f"{'rank':>4} {'idle ms/step':>13} {'transfers':>10} {'tail':>7} {'imbalance':>10} {'bubble':>7} "
+              f"{'F ms':>7} {'B ms':>7} "
               f"{'F&B ms':>7} {'formula ms':>11} {'idle/formula':>13} {'bubble/formula':>15}")
         for r in rows:
             ratio, adjusted = r["measured_over_formula"], r.get("bubble_over_formula")
             nan = float("nan")
             print(f"{r['rank']:>4} {r['idle_ms_per_step']:>13.1f} {r.get('transfer_ms_per_step', nan):>10.1f} "
-                  f"{r.get('tail_ms_per_step', nan):>7.1f} {r.get('bubble_ms_per_step', nan):>7.1f} "
+                  f"{r.get('tail_ms_per_step', nan):>7.1f} {r.get('imbalance_ms_per_step', nan):>10.1f} "
+                  f"{r.get('bubble_ms_per_step', nan):>7.1f} "
                   f"{r['forward_ms'] or nan:>7.1f} {r['backward_ms'] or nan:>7.1f} {r.get('pair_ms') or nan:>7.1f} "
                   f"{r['formula_ms'] or nan:>11.1f} {'n/a' if ratio is None else f'{ratio:.2f}':>13} "
                   f"{'n/a' if adjusted is None else f'{adjusted:.2f}':>15}")

@@ -69,8 +69,9 @@ def test_forward_only_is_not_a_step():
 
 def test_aligned_steps_drop_transfers_add_the_tail_and_take_the_median(monkeypatch):
     """NPUSPEED_MEASURE_BUBBLE=1: each wait loses one exchange's time (hop), each step gains the
-    wait for the pipeline's last op (this rank ends 10 ms before its peer), and a stall of the
-    host in one step (a 200 ms wait) does not move the median step."""
+    wait for the pipeline's last op (this rank ends 10 ms before its peer) and loses the stage
+    imbalance (the peer was busy 4 ms longer), and a stall of the host in one step (a 200 ms
+    wait) does not move the median step."""
     import torch.distributed as dist
 
     monkeypatch.setenv(bubble.MEASURE_ENV, "1")
@@ -78,8 +79,9 @@ def test_aligned_steps_drop_transfers_add_the_tail_and_take_the_median(monkeypat
     monkeypatch.setattr(dist, "barrier", lambda group=None: None)
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
     monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+    # the peer ends 10 ms later and was busy 4 ms longer
     monkeypatch.setattr(dist, "all_gather_object", lambda out, mine, group=None: out.__setitem__(
-        slice(None), [mine, mine + 0.010]))
+        slice(None), [mine, (mine[0] + 0.010, mine[1] + 0.004)]))
     monkeypatch.setattr(bubble, "_exchange_seconds", lambda kwargs, group: 0.002)
     monkeypatch.setitem(bubble._clock, "hop", None)
     forward = bubble.forward_step_wrapper(_sleep(0.01))
@@ -97,9 +99,10 @@ def test_aligned_steps_drop_transfers_add_the_tail_and_take_the_median(monkeypat
     s = bubble.summary()
     assert s["hop_ms"] == pytest.approx(2.0) and s["steps"] == 3 and s["waits"] == 9
     assert s["tail_ms_per_step"] == pytest.approx(10.0, abs=0.5)
+    assert s["imbalance_ms_per_step"] == pytest.approx(4.0, abs=0.5)
     assert s["transfer_ms_per_step"] == pytest.approx(2.0 + 1.0 + 2.0, rel=0.3)
-    # median step: 30 ms wait - 2 ms transfer + ~1 ms - ~1 ms transfer + 5 ms - 2 ms + 10 ms tail
-    assert 39 <= s["bubble_ms_per_step"] < 48, s
+    # median step: 30 ms wait - 2 ms transfer + ~1 ms - ~1 ms transfer + 5 ms - 2 ms + 10 ms tail - 4 ms
+    assert 35 <= s["bubble_ms_per_step"] < 44, s
     assert s["idle_ms_per_step"] > 80  # the mean keeps the stall
     assert s["bubble_over_formula"] == pytest.approx(s["bubble_ms_per_step"] / s["formula_ms"])
     assert "waiting for the pipeline's end" in bubble.line(s)

@@ -8,15 +8,17 @@ forward and backward overlap, so neither half is one chunk's cost). The interlea
 bubble is (PP-1)(F+B)/v in whole-stage units, (PP-1)(F+B) in the chunk units measured here, the
 same expression without VPP (v = 1). The example reports it as `pipeline_bubble`.
 
-The formula counts no transfer time and holds for every rank of the pipeline (a rank that ends
-its step early waits for the others at the gradient reduction). With NPUSPEED_MEASURE_BUBBLE=1
-(ranks start each step together) the measure makes the same two adjustments: each wait loses
-one measured exchange of a pipeline message (a ring send/receive of its shape, timed once at
-the first step: what a receive costs when its data has already been sent), and each rank adds
-its tail, the time from its last forward/backward to the pipeline's last (every rank's end,
-relative to the common start, gathered). Their sum, the median over the steps (a stall of a
-shared host in one step is not the schedule's), is `bubble_ms_per_step`; the raw mean wait stays
-`idle_ms_per_step`.
+The formula is the step's length beyond one stage's work, for stages of equal cost and free
+transfers; every rank of the pipeline idles it (one that ends early waits for the others at the
+gradient reduction). With NPUSPEED_MEASURE_BUBBLE=1 (ranks start each step together) the
+measure takes the same terms: each wait less one measured exchange of a pipeline message (a
+ring send/receive of its shape, timed once at the first step: what a receive costs when its data
+has already been sent); plus the rank's tail, from its last forward/backward to the pipeline's
+last; less its imbalance, how much less busy (its step less its waits) it was than the busiest
+rank (ends and busy times gathered, relative to the common start). That is the step's length
+beyond the busiest rank's work, less this rank's transfers: the median over the steps (a stall
+of a shared host in one step is not the schedule's) is `bubble_ms_per_step`. The raw mean wait
+stays `idle_ms_per_step`, by phase in `idle_ms_per_step_by_phase`.
 """
 from __future__ import annotations
 
@@ -27,9 +29,10 @@ import time
 
 _lock = threading.Lock()
 _totals = {"idle": 0.0, "waits": 0, "forward": 0.0, "forwards": 0, "backward": 0.0, "backwards": 0, "steps": 0,
-           "paired": 0.0, "pairs": 0, "transfer": 0.0, "transfers": 0, "tail": 0.0, "tails": 0}
+           "paired": 0.0, "pairs": 0, "transfer": 0.0, "transfers": 0, "tail": 0.0, "tails": 0, "imbalance": 0.0,
+           "imbalances": 0}
 _clock = {"hop": None, "last_end": 0.0}  # one exchange's seconds (measured once); the last op's end
-_steps: list = []  # each aligned step's bubble (waits less transfers, plus the tail)
+_steps: list = []  # each aligned step's bubble (waits less transfers, plus the tail, less the imbalance)
 # the step's phase, for the waits: warm-up before this rank's first backward, cool-down after its
 # last forward, steady between (where the formula's model has no wait: stages of equal, steady cost)
 _phase = {"forwards": 0, "backwards": 0, "total": 0}
@@ -151,7 +154,8 @@ def schedule_wrapper(original):
 
 
 def _aligned(original, args, kwargs, group):
-    """One step started together on the pipeline's ranks; its tail gathered at the end."""
+    """One step started together on the pipeline's ranks; each rank's end and busy time (its
+    step less its waits) gathered at the end."""
     import torch.distributed as dist
 
     _sync()
@@ -160,15 +164,20 @@ def _aligned(original, args, kwargs, group):
         _clock["hop"] = _exchange_seconds(kwargs, group)
         dist.barrier(group=group)
     with _lock:
-        before = _totals["idle"] - _totals["transfer"]
+        idle0, transfer0 = _totals["idle"], _totals["transfer"]
     start = _clock["last_end"] = time.perf_counter()
     out = original(*args, **kwargs)
-    ends = [None] * dist.get_world_size(group)
-    dist.all_gather_object(ends, _clock["last_end"] - start, group=group)
-    tail = max(ends) - ends[dist.get_rank(group)]
-    _add("tail", "tails", tail)
     with _lock:
-        _steps.append(_totals["idle"] - _totals["transfer"] - before + tail)
+        waited, transfers = _totals["idle"] - idle0, _totals["transfer"] - transfer0
+    end = _clock["last_end"] - start
+    ranks = [None] * dist.get_world_size(group)
+    dist.all_gather_object(ranks, (end, end - waited), group=group)
+    tail = max(e for e, _ in ranks) - end
+    imbalance = max(b for _, b in ranks) - (end - waited)
+    _add("tail", "tails", tail)
+    _add("imbalance", "imbalances", imbalance)
+    with _lock:
+        _steps.append(waited - transfers + tail - imbalance)
     return out
 
 
@@ -231,7 +240,8 @@ def summary() -> dict | None:
     if steps:  # the median step: a host stall in one step (a shared CPU) is not the schedule's
         bubble = statistics.median(steps)
         adjusted = {"hop_ms": (_clock["hop"] or 0.0) * 1e3, "transfer_ms_per_step": t["transfer"] / t["steps"] * 1e3,
-                    "tail_ms_per_step": t["tail"] / t["tails"] * 1e3, "bubble_ms_per_step": bubble * 1e3,
+                    "tail_ms_per_step": t["tail"] / t["tails"] * 1e3,
+                    "imbalance_ms_per_step": t["imbalance"] / t["imbalances"] * 1e3, "bubble_ms_per_step": bubble * 1e3,
                     "bubble_over_formula": bubble / formula if formula else None}
     with _lock:
         adjusted["idle_ms_per_step_by_phase"] = {k: v / t["steps"] * 1e3 for k, v in _phase_idle.items()}
@@ -282,8 +292,9 @@ def _adjusted(s: dict) -> str:
         return ""
     ratio = s["bubble_over_formula"]
     return (f"; less {s['transfer_ms_per_step']:.1f} ms of transfers (one exchange {s['hop_ms']:.2f} ms), plus "
-            f"{s['tail_ms_per_step']:.1f} ms waiting for the pipeline's end: {s['bubble_ms_per_step']:.1f} ms, "
-            f"bubble/formula " + (f"{ratio:.2f}" if ratio is not None else "n/a"))
+            f"{s['tail_ms_per_step']:.1f} ms waiting for the pipeline's end, less {s['imbalance_ms_per_step']:.1f} ms "
+            f"of stage imbalance: {s['bubble_ms_per_step']:.1f} ms, bubble/formula "
+            + (f"{ratio:.2f}" if ratio is not None else "n/a"))
 
 
 P2P = "megatron.core.pipeline_parallel.p2p_communication"
