@@ -1,10 +1,12 @@
-"""The whole (TP=1, one-stage) local-spec GPTModel of a ModelSpec, in this process.
+"""The local-spec GPTModel of a ModelSpec at the layout of Megatron's parallel state: the
+whole (TP=1, one-stage) model in the converter, one rank's part in a TP/PP/EP job.
 
 Both directions build it on the meta device: its sharded_state_dict says each tensor's stored
 key, global shape and offsets, which the converter writes (lazy_save.py) or reads
 (dcp_regions.py) one parameter at a time; dist_checkpointing stores each tensor with its
 global shape, so the checkpoint loads at any TP/PP/VPP/EP layout. The tests build it with real
-weights to compare logits. Megatron's process groups are set up for one rank here when the
+weights to compare logits, at TP1 and at TP2/PP2/EP2 (tests/distributed/test_convert_layouts.py).
+Megatron's process groups are set up for one rank here when the
 caller has none (a single-process gloo group).
 """
 from __future__ import annotations
@@ -69,6 +71,17 @@ def single_rank():
             shutil.rmtree(store_dir, ignore_errors=True)
 
 
+def _layout() -> dict:
+    """The TP/PP/EP sizes of Megatron's parallel state, as TransformerConfig fields (a model whose
+    config says other sizes than its process groups splits its tensors wrongly)."""
+    from megatron.core import parallel_state as mpu
+
+    return dict(tensor_model_parallel_size=mpu.get_tensor_model_parallel_world_size(),
+                pipeline_model_parallel_size=mpu.get_pipeline_model_parallel_world_size(),
+                expert_model_parallel_size=mpu.get_expert_model_parallel_world_size(),
+                expert_tensor_parallel_size=mpu.get_expert_tensor_parallel_world_size())
+
+
 def transformer_config(spec: ModelSpec, dtype: torch.dtype):
     import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
@@ -82,7 +95,7 @@ def transformer_config(spec: ModelSpec, dtype: torch.dtype):
         bias_activation_fusion=False, masked_softmax_fusion=False, bias_dropout_fusion=False,
         apply_rope_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
         use_cpu_initialization=True, perform_initialization=False, params_dtype=dtype, pipeline_dtype=dtype,
-        bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
+        bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, **_layout(),
     )
     if spec.experts is not None:
         kwargs.update(num_moe_experts=spec.experts.num_experts, moe_ffn_hidden_size=spec.experts.ffn_hidden_size,
@@ -95,7 +108,9 @@ def transformer_config(spec: ModelSpec, dtype: torch.dtype):
 
 
 def build(spec: ModelSpec, padded_vocab: int, dtype: torch.dtype):
-    """The whole GPTModel (call inside `single_rank()`); parameters uninitialised."""
+    """This rank's GPTModel at the layout of Megatron's parallel state (the whole model inside
+    `single_rank()`; a pipeline stage holds its layers only); parameters uninitialised."""
+    from megatron.core import parallel_state as mpu
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
@@ -104,7 +119,8 @@ def build(spec: ModelSpec, padded_vocab: int, dtype: torch.dtype):
         num_experts=spec.experts.num_experts if spec.experts else None, moe_grouped_gemm=False)))
     kwargs = dict(config=transformer_config(spec, dtype), transformer_layer_spec=layer_spec,
                   vocab_size=padded_vocab, max_sequence_length=spec.max_position_embeddings,
-                  pre_process=True, post_process=True, parallel_output=True,
+                  pre_process=mpu.is_pipeline_first_stage(), post_process=mpu.is_pipeline_last_stage(),
+                  parallel_output=True,
                   share_embeddings_and_output_weights=spec.tied_embeddings, position_embedding_type="rope",
                   rotary_percent=1.0, rotary_base=spec.rotary_base,
                   rope_scaling=spec.rope_scaling_factor is not None,
