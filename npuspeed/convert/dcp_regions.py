@@ -3,16 +3,21 @@
 Megatron stacks each kind of layer parameter over the layers in one stored tensor (key
 `decoder.layers.mlp.linear_fc1.weight`, shape [layers, ...]; experts add an axis), and its own
 load asks for every layer of a key at once. Going back to Hugging Face one layer at a time needs
-one layer's slice of such a tensor: this asks torch.distributed.checkpoint for exactly that
-region (offsets, sizes) and reads it into a tensor of that size, so host memory holds only
-the regions of one batch of parameters.
+one layer's slice of such a tensor: this reads exactly that region (offsets, sizes) from the
+stored chunks that overlap it (the checkpoint's metadata says which, in which file, at which
+offset) straight into a tensor of that size, so host memory holds only that region.
 
 Where each parameter lives (its stored key and the offsets of its prepended axes) is what
 the model itself declares: its `sharded_state_dict()`, built on the meta device.
 """
 from __future__ import annotations
 
+import os
+import struct
+
 import torch
+
+from npuspeed.convert import raw_io
 
 Region = tuple[str, tuple[int, ...], torch.Tensor]  # (stored key, offsets, destination of the region's size)
 
@@ -32,60 +37,139 @@ def locations(model) -> dict[str, tuple[str, tuple[int, ...]]]:
     return found
 
 
-def _planner(regions: dict[str, list[tuple[tuple[int, ...], torch.Tensor]]]):
-    from torch.distributed.checkpoint.planner import LoadPlanner
+class _Record:
+    """One tensor torch.distributed.checkpoint stored with torch.save (a zip archive of a pickle
+    and the storage's bytes, uncompressed) at [offset, offset + length) of a file: where its
+    bytes are and how the tensor lies on them, read from the archive's directory and pickle
+    without loading the tensor."""
 
-    class RegionPlanner(_RegionPlanner, LoadPlanner):
-        pass
+    def __init__(self, path: str, offset: int, length: int):
+        import pickle
+        import zipfile
 
-    return RegionPlanner(regions)
+        with open(path, "rb") as f:
+            archive = zipfile.ZipFile(_Window(f, offset, length))
+            names = archive.namelist()
+            pkl = [n for n in names if n.endswith("/data.pkl")]
+            storages = [n for n in names if "/data/" in n]
+            if len(pkl) != 1 or len(storages) != 1:
+                raise ValueError(f"{path}@{offset}: not one tensor saved by torch.save ({names[:6]})")
+            byteorder = [n for n in names if n.endswith("/byteorder")]
+            if byteorder and archive.read(byteorder[0]) != b"little":
+                raise ValueError(f"{path}@{offset}: a big-endian tensor")
+            info = archive.getinfo(storages[0])
+            if info.compress_type != zipfile.ZIP_STORED:
+                raise ValueError(f"{path}@{offset}: a compressed tensor record")
+            f.seek(offset + info.header_offset + 26)
+            name_len, extra_len = struct.unpack("<HH", f.read(4))
+            self.data = offset + info.header_offset + 30 + name_len + extra_len
+            self.nbytes = info.file_size
+            found = {}
+
+            def rebuild(storage, storage_offset, size, stride, *rest):
+                found.update(dtype=storage, offset=storage_offset, size=tuple(size), stride=tuple(stride))
+
+            class Unpickler(pickle.Unpickler):
+                def find_class(self, module, name):
+                    if (module, name) in (("torch._utils", "_rebuild_tensor_v2"), ("torch._utils", "_rebuild_tensor")):
+                        return rebuild
+                    if (module, name) == ("collections", "OrderedDict"):
+                        return dict
+                    if module == "torch" and name.endswith("Storage"):
+                        return getattr(torch, name).dtype
+                    raise ValueError(f"{path}@{offset}: unexpected {module}.{name} in a tensor record")
+
+                def persistent_load(self, pid):
+                    return pid[1]  # ('storage', its dtype, key, location, numel)
+
+            Unpickler(archive.open(pkl[0])).load()
+        self.dtype, self.offset, self.size, self.stride = found["dtype"], found["offset"], found["size"], found["stride"]
+
+    def contiguous(self) -> bool:
+        expected = 1
+        for n, s in zip(reversed(self.size), reversed(self.stride)):
+            if n != 1 and s != expected:
+                return False
+            expected *= n
+        return self.offset == 0
 
 
-class _RegionPlanner:
-    """A torch.distributed.checkpoint load planner that reads the requested regions only."""
+class _Window:
+    """A file seen as its bytes [offset, offset + length) only (zipfile reads the archive there)."""
 
-    def __init__(self, regions: dict[str, list[tuple[tuple[int, ...], torch.Tensor]]]):
-        self.regions = regions
+    def __init__(self, f, offset: int, length: int):
+        self.f, self.start, self.length, self.pos = f, offset, length, 0
 
-    def set_up_planner(self, state_dict, metadata=None, is_coordinator=False, **_):
-        self.metadata = metadata
+    def seek(self, pos, whence=0):
+        self.pos = {0: pos, 1: self.pos + pos, 2: self.length + pos}[whence]
+        return self.pos
 
-    def create_local_plan(self):
-        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
-        from torch.distributed.checkpoint.planner import LoadPlan
-        from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+    def tell(self):
+        return self.pos
 
-        items = []
-        for key, wanted in self.regions.items():
-            chunks = [ChunkStorageMetadata(offsets=torch.Size(off), sizes=dest.size()) for off, dest in wanted]
-            items += create_read_items_for_chunk_list(key, self.metadata.state_dict_metadata[key], chunks)
-        return LoadPlan(items)
+    def seekable(self):
+        return True
 
-    def create_global_plan(self, plans):
-        return plans
+    def read(self, n=-1):
+        n = self.length - self.pos if n is None or n < 0 else min(n, self.length - self.pos)
+        self.f.seek(self.start + self.pos)
+        self.pos += n
+        return self.f.read(n)
 
-    def finish_plan(self, plan):
-        return plan
 
-    def load_bytes(self, read_item, value):
-        raise AssertionError(f"{read_item.dest_index.fqn}: only tensors are read")
+class Checkpoint:
+    """A torch_dist checkpoint directory whose stored chunks are read straight into the regions
+    asked for: no decoded copy of a chunk (torch's reader holds a chunk's decoded tensor and its
+    destination at once)."""
 
-    def resolve_tensor(self, read_item):
-        dest = self.regions[read_item.dest_index.fqn][read_item.dest_index.index][1]
-        for dim, (start, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
-            dest = dest.narrow(dim, start, length)
-        return dest
+    def __init__(self, path: str):
+        from torch.distributed.checkpoint import FileSystemReader
 
-    def commit_tensor(self, read_item, tensor):
-        pass  # resolve_tensor handed out a view of the destination: nothing to copy back
+        self.path = path
+        self.metadata = FileSystemReader(path).read_metadata()
+
+    def read(self, key: str, offsets: tuple[int, ...], dest: torch.Tensor) -> None:
+        """Fill `dest` with the region of stored tensor `key` that starts at `offsets`."""
+        from torch.distributed.checkpoint.metadata import MetadataIndex
+
+        covered = 0
+        for chunk in self.metadata.state_dict_metadata[key].chunks:
+            lo = [max(c, o) for c, o in zip(chunk.offsets, offsets)]
+            hi = [min(c + n, o + d) for c, n, o, d in zip(chunk.offsets, chunk.sizes, offsets, dest.shape)]
+            if any(a >= b for a, b in zip(lo, hi)):
+                continue
+            info = self.metadata.storage_data[MetadataIndex(key, chunk.offsets)]
+            if getattr(info, "transform_descriptors", None):
+                raise ValueError(f"{key}: stored with transforms {info.transform_descriptors}, which this reader "
+                                 "does not undo")
+            path = os.path.join(self.path, info.relative_path)
+            record = _Record(path, info.offset, info.length)
+            if record.size != tuple(chunk.sizes):
+                raise ValueError(f"{key}: a {record.size} record where the metadata says {tuple(chunk.sizes)}")
+            target = dest
+            for dim, (a, b, o) in enumerate(zip(lo, hi, offsets)):
+                target = target.narrow(dim, a - o, b - a)
+            whole = all(a == c and b == c + n for a, b, c, n in zip(lo, hi, chunk.offsets, chunk.sizes))
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                if whole and record.contiguous() and record.dtype == dest.dtype:
+                    raw_io.read_into(fd, record.data, target)  # straight into place
+                else:  # part of a chunk, a strided chunk or another dtype: the chunk first
+                    storage = torch.empty(record.nbytes // record.dtype.itemsize, dtype=record.dtype)
+                    raw_io.read_into(fd, record.data, storage)
+                    source = storage.as_strided(record.size, record.stride, record.offset)
+                    for dim, (a, b, c) in enumerate(zip(lo, hi, chunk.offsets)):
+                        source = source.narrow(dim, a - c, b - a)
+                    target.copy_(source)
+            finally:
+                os.close(fd)
+            covered += target.numel()
+        if covered != dest.numel():
+            raise ValueError(f"{key}: the checkpoint holds {covered} of the {dest.numel()} elements at {offsets}")
 
 
 def read(path: str, regions: list[Region]) -> None:
     """Fill each region's destination tensor from checkpoint directory `path`."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemReader
-
-    by_key: dict[str, list] = {}
+    checkpoint = Checkpoint(path)
     for key, offsets, dest in regions:
-        by_key.setdefault(key, []).append((offsets, dest))
-    dcp.load({}, storage_reader=FileSystemReader(path), planner=_planner(by_key))
+        checkpoint.read(key, offsets, dest)

@@ -1,10 +1,11 @@
 """A Hugging Face model directory: `config.json` plus safetensors shards, read and written one
 tensor at a time.
 
-Reading goes through `safetensors.safe_open`, which maps a shard and copies out only the
-tensor asked for, so a conversion holds the tensors of one Megatron parameter at a time,
-never a whole shard, let alone the model. Writing assigns tensors to shards by their byte
-size before any is produced, so each output shard is written as soon as its tensors exist.
+Reading parses each shard's header once and reads a tensor's bytes straight into the memory it
+ends up in (safetensors_file.py: no mmap, no decoded copy), so a conversion holds one Megatron
+parameter at a time, never a whole shard, let alone the model. Writing assigns tensors to
+shards by their byte size before any is produced, so each tensor goes to its place in its
+shard's file as soon as it exists.
 """
 from __future__ import annotations
 
@@ -13,21 +14,12 @@ import os
 
 import torch
 
+from npuspeed.convert import safetensors_file
 from npuspeed.errors import UserError
 
 CONFIG = "config.json"
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
-
-
-def _safetensors():
-    try:
-        import safetensors  # noqa: F401
-        from safetensors import safe_open
-        from safetensors.torch import save_file
-    except ImportError as exc:  # pragma: no cover - the environment's, not the code's
-        raise UserError("npuspeed convert needs the `safetensors` package: pip install safetensors") from exc
-    return safe_open, save_file
 
 
 class HFReader:
@@ -44,6 +36,7 @@ class HFReader:
                 self.config = json.load(f)
         except ValueError as exc:
             raise UserError(f"{flag} {root}: {CONFIG} is not valid JSON ({exc})") from exc
+        self._headers: dict[str, dict[str, safetensors_file.Entry]] = {}
         self.shard_of = self._index()
 
     def _index(self) -> dict[str, str]:
@@ -57,17 +50,18 @@ class HFReader:
                                     "download the model again")
             return dict(weight_map)
         if os.path.isfile(os.path.join(self.root, SINGLE)):
-            safe_open, _ = _safetensors()
-            with self._open(SINGLE, safe_open) as f:
-                return {name: SINGLE for name in f.keys()}
+            return {name: SINGLE for name in self._header(SINGLE)}
         raise UserError(f"{self.flag} {self.root}: neither {SINGLE} nor {INDEX}; only safetensors checkpoints convert "
                         "(save the model with save_pretrained(safe_serialization=True))")
 
-    def _open(self, shard: str, safe_open):
-        try:
-            return safe_open(os.path.join(self.root, shard), framework="pt")
-        except Exception as exc:
-            raise UserError(f"{self.flag} {self.root}: shard {shard} is damaged ({exc}); download the model again") from exc
+    def _header(self, shard: str) -> dict[str, safetensors_file.Entry]:
+        if shard not in self._headers:
+            try:
+                self._headers[shard] = safetensors_file.read_header(os.path.join(self.root, shard))
+            except (OSError, ValueError) as exc:
+                raise UserError(f"{self.flag} {self.root}: shard {shard} is damaged ({exc}); "
+                                "download the model again") from exc
+        return self._headers[shard]
 
     def names(self) -> list[str]:
         return sorted(self.shard_of)
@@ -75,19 +69,33 @@ class HFReader:
     def has(self, name: str) -> bool:
         return name in self.shard_of
 
-    def read(self, name: str) -> torch.Tensor:
-        """One tensor, copied out of its shard."""
+    def entry(self, name: str) -> safetensors_file.Entry:
+        """Where tensor `name` is stored (dtype, shape, offset) in its shard."""
         shard = self.shard_of.get(name)
         if shard is None:
             raise UserError(f"{self.flag} {self.root}: tensor {name} is missing from the checkpoint; is it a "
                             f"{(self.config.get('architectures') or ['?'])[0]} checkpoint, complete?")
-        safe_open, _ = _safetensors()
-        with self._open(shard, safe_open) as f:
-            try:
-                return f.get_tensor(name)
-            except Exception as exc:
-                raise UserError(f"{self.flag} {self.root}: tensor {name} in shard {shard} cannot be read ({exc}); "
-                                "download the model again") from exc
+        entry = self._header(shard).get(name)
+        if entry is None:
+            raise UserError(f"{self.flag} {self.root}: tensor {name} is not in shard {shard}, where "
+                            f"{INDEX} puts it; download the model again")
+        return entry
+
+    def read_into(self, name: str, view: torch.Tensor) -> None:
+        """Fill `view` (any strides and shape of the tensor's element count) with tensor `name`."""
+        entry = self.entry(name)
+        try:
+            safetensors_file.read_into(os.path.join(self.root, self.shard_of[name]), entry, view)
+        except (OSError, ValueError) as exc:
+            raise UserError(f"{self.flag} {self.root}: tensor {name} in shard {self.shard_of[name]} cannot be "
+                            f"read ({exc}); download the model again") from exc
+
+    def read(self, name: str) -> torch.Tensor:
+        """One tensor, read from its shard."""
+        entry = self.entry(name)
+        out = torch.empty(entry.shape, dtype=entry.dtype)
+        self.read_into(name, out)
+        return out
 
 
 def plan_shards(sizes: list[tuple[str, int]], max_bytes: int) -> list[list[str]]:
@@ -106,14 +114,6 @@ def plan_shards(sizes: list[tuple[str, int]], max_bytes: int) -> list[list[str]]
 
 def shard_file(i: int, count: int) -> str:
     return SINGLE if count == 1 else f"model-{i + 1:05d}-of-{count:05d}.safetensors"
-
-
-def write_shard(root: str, i: int, count: int, tensors: dict[str, torch.Tensor]) -> str:
-    """Write one shard; return its file name."""
-    _, save_file = _safetensors()
-    name = shard_file(i, count)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(root, name), metadata={"format": "pt"})
-    return name
 
 
 def write_index(root: str, weight_map: dict[str, str], total_bytes: int) -> None:

@@ -12,6 +12,7 @@ checkpoint: megatron_args.txt (the flags) and hf_config.json.
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import torch
@@ -49,19 +50,35 @@ def _check_tensor_set(reader: hf_files.HFReader, groups: list[names.Group], spec
 
 
 def _materializer(groups: list[names.Group], params: dict, reader: hf_files.HFReader, dtype, errors: list):
-    """Parameter name -> its whole (TP=1) value from the HF tensors, in the checkpoint's dtype.
-    A UserError is also kept in `errors`: torch.distributed.checkpoint wraps what the planner
-    raises, and the one line must survive that."""
+    """Parameter name -> its whole (TP=1) value from the HF tensors, in the checkpoint's dtype:
+    each HF tensor is read straight into its place in the parameter (Group.views), so the
+    parameter is the only copy in memory. A UserError is also kept in `errors`:
+    torch.distributed.checkpoint wraps what the planner raises, and the one line must survive that."""
     by_name = {g.megatron: g for g in groups}
+
+    def fused(group, shape) -> torch.Tensor:  # a group without views: build it from whole HF tensors
+        full = group.to_megatron([reader.read(n) for n in group.hf])
+        if tuple(full.shape) != shape:
+            raise UserError(f"--hf {reader.root}: {', '.join(group.hf)} make a {tuple(full.shape)} tensor, "
+                            f"config.json implies {shape} for {group.megatron}")
+        return full.to(dtype)
 
     def materialize(name: str) -> torch.Tensor:
         try:
-            group = by_name[name]
-            full = group.to_megatron([reader.read(n) for n in group.hf])
-            if tuple(full.shape) != tuple(params[name].shape):
-                raise UserError(f"--hf {reader.root}: {', '.join(group.hf)} make a {tuple(full.shape)} tensor, "
-                                f"config.json implies {tuple(params[name].shape)} for {name}")
-            return full.to(dtype)
+            group, shape = by_name[name], tuple(params[name].shape)
+            if group.views is None:
+                return fused(group, shape)
+            out = torch.empty(shape, dtype=dtype)
+            parts = group.views(out)
+            if sum(p.numel() for p in parts) != out.numel():
+                out.zero_()  # rows no HF tensor fills: the vocabulary's padding
+            for hf_name, part in zip(group.hf, parts):
+                stored = reader.entry(hf_name).shape
+                if part.numel() != math.prod(stored) or tuple(part.shape[part.dim() - len(stored) + 1:]) != stored[1:]:
+                    raise UserError(f"--hf {reader.root}: {hf_name} is {stored}, config.json implies "
+                                    f"{tuple(part.shape)} for its part of {name} {shape}")
+                reader.read_into(hf_name, part)
+            return out
         except UserError as exc:
             errors.append(exc)
             raise
@@ -82,7 +99,7 @@ def convert(hf: str, save: str, *, tp: int = 1, pp: int = 1, vpp_layers: int | N
     _check_tensor_set(reader, groups, spec)
     flags = megatron_args.model_flags(spec, divisible_by) + megatron_args.layout_flags(tp, pp, vpp_layers, precision, ep, etp)
     staging.check_target(save)
-    with megatron_model.single_rank(), staging.staged(save) as tmp:
+    with megatron_model.single_rank(), megatron_model.host_cache_off(), staging.staged(save) as tmp:
         dtype = megatron_model.DTYPES[precision]
         with torch.device("meta"):  # keys, shapes and offsets only: tensors are made as they are written
             model = megatron_model.build(spec, padded, dtype)

@@ -4,16 +4,54 @@
 stages every tensor before it writes one, so the whole model would sit in host memory. Here
 the model exists on the meta device only (its sharded_state_dict says each tensor's key,
 shape and offsets, and Megatron's own save does the rest: common state, metadata.json, the
-ShardedObjects); the tensor writes go through torch.distributed.checkpoint's plain
-FileSystemWriter, which asks the planner for one tensor at a time, and the planner makes it
-then from the Hugging Face tensors (`materialize`). Host memory holds a parameter or two.
+ShardedObjects); the tensor writes go through a torch.distributed.checkpoint FileSystemWriter
+whose `write_data` asks the planner for one item, writes it (torch.save, the record the reader
+expects, at an offset of one file) and drops it before it asks for the next; the planner makes
+each tensor then from the Hugging Face tensors (`materialize`). torch's own write_data keeps
+the previous tensor while it makes the next (and reads ahead where an accelerator is present),
+so host memory would hold two parameters; here it holds one.
 """
 from __future__ import annotations
 
 import inspect
+import os
 from typing import Callable
 
 import torch
+
+
+def _writer(path: str):
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.planner import WriteItemType
+    from torch.distributed.checkpoint.storage import WriteResult
+
+    class OneAtATimeWriter(FileSystemWriter):
+        def write_data(self, plan, planner):
+            name = f"{plan.storage_data.prefix}0.distcp"
+            results = []
+            with open(os.path.join(self.path, name), "wb") as stream:
+                for item in plan.items:
+                    data = planner.resolve_data(item)
+                    offset = stream.tell()
+                    if item.type == WriteItemType.BYTE_IO:
+                        stream.write(data.getbuffer())
+                    else:
+                        data = data.detach()
+                        if data.untyped_storage().nbytes() != data.nbytes:  # a view: torch.save writes its storage
+                            data = data.clone()
+                        torch.save(data, stream)
+                    del data
+                    length = stream.tell() - offset
+                    results.append(WriteResult(index=item.index, size_in_bytes=length,
+                                               storage_data=_StorageInfo(name, offset, length)))
+                stream.flush()
+                os.fsync(stream.fileno())
+            done = torch.futures.Future()
+            done.set_result(results)
+            return done
+
+    return OneAtATimeWriter(path)
 
 
 def _strategy(materialize: Callable[[str], torch.Tensor], where: dict[str, tuple[str, tuple[int, ...]]]):
@@ -45,14 +83,13 @@ def _strategy(materialize: Callable[[str], torch.Tensor], where: dict[str, tuple
     class LazySave(mcore_torch.TorchDistSaveShardedStrategy):
         def save(self, sharded_state_dict, checkpoint_dir):
             import torch.distributed.checkpoint as dcp
-            from torch.distributed.checkpoint import FileSystemWriter
 
             state, _, _ = mcore_torch._replace_state_dict_keys_with_sharded_keys(sharded_state_dict, True)
             pyt_state = mcore_torch.mcore_to_pyt_state_dict(state, False)
             params = inspect.signature(mcore_torch.MCoreSavePlanner.__init__).parameters
             kwargs = {k: v for k, v in dict(dedup_replicated_tensors=False, flatten_state_dict=False).items()
                       if k in params or "kwargs" in params}
-            dcp.save(pyt_state, storage_writer=FileSystemWriter(str(checkpoint_dir), thread_count=1),
+            dcp.save(pyt_state, storage_writer=_writer(str(checkpoint_dir)),
                      planner=LazyPlanner(**kwargs))
 
     params = inspect.signature(mcore_torch.TorchDistSaveShardedStrategy.__init__).parameters

@@ -1,30 +1,33 @@
 """Megatron dist_checkpointing checkpoint (any TP/PP/VPP layout) -> Hugging Face directory.
 
 Each parameter is stored with its global shape whatever layout saved it, so its whole (TP=1)
-value is read straight from the checkpoint, a batch of parameters at a time (dcp_regions.py:
-the model exists only on the meta device, to say where each parameter is stored); the
-vocabulary padding comes off, the fused tensors are split, and the tensors are written in
-safetensors shards of at most --max-shard-size bytes with `model.safetensors.index.json`, as
-`save_pretrained` lays them out, each as soon as it is complete. The architecture comes
+value is read straight from the checkpoint, one parameter at a time (dcp_regions.py: the
+model exists only on the meta device, to say where each parameter is stored); each Hugging
+Face tensor is then written from its place in the parameter (a view: the fused tensors are
+not split into copies, the vocabulary padding is left out) to its place in its safetensors
+shard (safetensors_file.py: the shards' headers come from the shapes alone), so neither a
+shard nor a second copy of a parameter is ever in memory. Shards hold at most
+--max-shard-size bytes, with `model.safetensors.index.json`, as `save_pretrained` lays them out. The architecture comes
 from the Hugging Face config.json the converter stored in the checkpoint, or --hf-config.
 """
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 
 import torch
 
-from npuspeed.convert import architectures, dcp_regions, hf_files, megatron_args, megatron_model, names, staging
+from npuspeed.convert import (
+    architectures, dcp_regions, hf_files, megatron_args, megatron_model, names, safetensors_file, staging,
+)
 from npuspeed.convert.hf_to_megatron import HF_CONFIG_FILE, TRACKER
 from npuspeed.errors import UserError, one_line
 
 _ITER = re.compile(r"^iter_(\d{7})$")
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _EMBEDDING = "embedding.word_embeddings.weight"
-#: bytes of Megatron parameters read from the checkpoint at a time (at most one output shard's)
-_READ_BUDGET = 1 << 30
 
 
 def checkpoint_dir(load: str, step: int | None = None) -> str:
@@ -72,41 +75,22 @@ def _check_same_model(common: dict, spec, padded: int, path: str) -> None:
                         "pass the matching config.json with --hf-config")
 
 
-def _plan(groups, params, dtypes) -> list[tuple[str, int]]:
-    """(HF name, bytes) of every output tensor, in order, from shapes alone."""
-    sizes = []
+def _plan(groups, params, dtypes) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+    """(HF name, dtype, shape) of every output tensor, in order, from shapes alone."""
+    out = []
     for group in groups:
         meta = torch.empty(params[group.megatron].shape, dtype=dtypes[group.megatron], device="meta")
-        for name, t in zip(group.hf, group.to_hf(meta)):
-            sizes.append((name, t.numel() * t.element_size()))
-    return sizes
+        out += [(name, t.dtype, tuple(t.shape)) for name, t in zip(group.hf, group.to_hf(meta))]
+    return out
 
 
-def _batches(groups, params, budget: int):
-    """Consecutive groups whose Megatron parameters together take at most `budget` bytes (or one)."""
-    batch, used = [], 0
-    for group in groups:
-        size = params[group.megatron].numel() * 4
-        if batch and used + size > budget:
-            yield batch
-            batch, used = [], 0
-        batch.append(group)
-        used += size
-    if batch:
-        yield batch
-
-
-def _read_batch(path, batch, params, where, dtypes) -> dict:
-    """The whole (TP=1) value of each parameter of the batch, read from the checkpoint."""
-    regions, values = [], {}
-    for group in batch:
-        key, prefix = where[group.megatron]
-        shape = tuple(params[group.megatron].shape)
-        dest = torch.empty((1,) * len(prefix) + shape, dtype=dtypes[group.megatron])
-        regions.append((key, prefix + (0,) * len(shape), dest))
-        values[group.megatron] = dest.view(shape)
-    dcp_regions.read(path, regions)
-    return values
+def _read(checkpoint, group, params, where, dtypes) -> torch.Tensor:
+    """The whole (TP=1) value of the group's parameter, read from the checkpoint."""
+    key, prefix = where[group.megatron]
+    shape = tuple(params[group.megatron].shape)
+    dest = torch.empty((1,) * len(prefix) + shape, dtype=dtypes[group.megatron])
+    checkpoint.read(key, prefix + (0,) * len(shape), dest)
+    return dest.view(shape)
 
 
 def convert(load: str, save: str, *, hf_config: str | None = None, step: int | None = None,
@@ -129,7 +113,7 @@ def convert(load: str, save: str, *, hf_config: str | None = None, step: int | N
     padded, dtype = metadata[_EMBEDDING].global_shape[0], metadata[_EMBEDDING].dtype
     _check_same_model(common, spec, padded, path)
     groups = names.groups(spec, padded)
-    with megatron_model.single_rank(), staging.staged(save) as tmp:
+    with megatron_model.single_rank(), megatron_model.host_cache_off(), staging.staged(save) as tmp:
         with torch.device("meta"):  # shapes and stored locations only: no weights in memory
             model = megatron_model.build(spec, padded, dtype)
         params = megatron_model.check_names(model, [g.megatron for g in groups])
@@ -139,24 +123,36 @@ def convert(load: str, save: str, *, hf_config: str | None = None, step: int | N
             raise UserError(f"checkpoint {path} holds no {missing[0]} of {spec.architecture}: it is a checkpoint "
                             "of another model; pass its config.json with --hf-config")
         dtypes = {g.megatron: metadata[where[g.megatron][0]].dtype for g in groups}
-        shards = hf_files.plan_shards(_plan(groups, params, dtypes), max_shard_bytes)
+        tensors = _plan(groups, params, dtypes)
+        layout = {name: (dtype, shape) for name, dtype, shape in tensors}
+        shards = hf_files.plan_shards([(n, math.prod(s) * d.itemsize) for n, d, s in tensors], max_shard_bytes)
         shard_index = {name: i for i, shard in enumerate(shards) for name in shard}
-        pending: dict[int, dict] = {}
+        checkpoint = dcp_regions.Checkpoint(path)
+        writers: dict[int, safetensors_file.Writer] = {}
         weight_map, total = {}, 0
-        for batch in _batches(groups, params, min(max_shard_bytes, _READ_BUDGET)):
-            try:
-                values = _read_batch(path, batch, params, where, dtypes)
-            except Exception as exc:
-                raise UserError(f"checkpoint {path} cannot be read as {spec.architecture} of config.json "
-                                f"({one_line(exc)[:300]})") from exc
-            for group in batch:
-                for name, tensor in zip(group.hf, group.to_hf(values.pop(group.megatron))):
+        try:
+            for group in groups:
+                try:
+                    value = _read(checkpoint, group, params, where, dtypes)
+                except Exception as exc:
+                    raise UserError(f"checkpoint {path} cannot be read as {spec.architecture} of config.json "
+                                    f"({one_line(exc)[:300]})") from exc
+                # each HF tensor goes from its place in the parameter to its place in its shard
+                parts = group.views(value) if group.views is not None else group.to_hf(value)
+                for name, part in zip(group.hf, parts):
                     i = shard_index[name]
-                    pending.setdefault(i, {})[name] = tensor
-                    total += tensor.numel() * tensor.element_size()
-                    if len(pending[i]) == len(shards[i]):  # complete: write it and let it go
-                        file = hf_files.write_shard(tmp, i, len(shards), pending.pop(i))
+                    if i not in writers:
+                        file = hf_files.shard_file(i, len(shards))
+                        writers[i] = safetensors_file.Writer(os.path.join(tmp, file), [
+                            (n, *layout[n]) for n in shards[i]], metadata={"format": "pt"})
                         weight_map.update({n: file for n in shards[i]})
+                    total += part.numel() * part.element_size()
+                    if writers[i].write(name, part):
+                        del writers[i]
+                del value, parts
+        finally:
+            for writer in writers.values():
+                writer.close()
         hf_files.write_index(tmp, weight_map, total)
         key = "torch_dtype" if "torch_dtype" in cfg and "dtype" not in cfg else "dtype"
         cfg[key] = _DTYPE_NAMES[dtype]

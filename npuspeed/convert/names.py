@@ -26,12 +26,16 @@ from npuspeed.convert.architectures import ModelSpec
 
 @dataclass(frozen=True)
 class Group:
-    """One Megatron parameter (global name, TP=1 shape) and the HF tensors it is made of."""
+    """One Megatron parameter (global name, TP=1 shape) and the HF tensors it is made of.
+    `views`: where each HF tensor lies in the parameter, as views of it whose row-major order
+    is the HF tensor's (the rest, if any, is padding: zeros), so the converter reads and writes
+    the HF tensors in place (hf_to_megatron.py, megatron_to_hf.py) without a fused copy."""
 
     megatron: str
     hf: tuple[str, ...]
     to_megatron: Callable[[list[torch.Tensor]], torch.Tensor]
     to_hf: Callable[[torch.Tensor], list[torch.Tensor]]
+    views: Callable[[torch.Tensor], list[torch.Tensor]] | None = None
 
 
 def _same(tensors):
@@ -39,6 +43,10 @@ def _same(tensors):
 
 
 def _back(tensor):
+    return [tensor]
+
+
+def _whole(tensor):
     return [tensor]
 
 
@@ -60,6 +68,13 @@ def split_qkv(qkv: torch.Tensor, spec: ModelSpec) -> list[torch.Tensor]:
     return [t.reshape(-1, *rest).clone() for t in (q, k, v)]
 
 
+def qkv_views(qkv: torch.Tensor, spec: ModelSpec) -> list[torch.Tensor]:
+    """The q, k and v parts of a fused linear_qkv, as [groups, rows of the group, ...] views."""
+    d, hq = spec.kv_channels, spec.heads_per_group * spec.kv_channels
+    grouped = qkv.view(spec.num_query_groups, hq + 2 * d, *qkv.shape[1:])
+    return [grouped[:, :hq], grouped[:, hq:hq + d], grouped[:, hq + d:]]
+
+
 def pad_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
     if tensor.shape[0] == rows:
         return tensor
@@ -72,27 +87,30 @@ def _layer(spec: ModelSpec, i: int) -> list[Group]:
     attn = hf + "self_attn."
     qkv = tuple(f"{attn}{p}_proj.weight" for p in "qkv")
     groups = [
-        Group(mg + "input_layernorm.weight", (hf + "input_layernorm.weight",), _same, _back),
+        Group(mg + "input_layernorm.weight", (hf + "input_layernorm.weight",), _same, _back, _whole),
         Group(mg + "self_attention.linear_qkv.weight", qkv,
-              lambda t: fuse_qkv(*t, spec), lambda t: split_qkv(t, spec)),
-        Group(mg + "self_attention.linear_proj.weight", (attn + "o_proj.weight",), _same, _back),
-        Group(mg + "pre_mlp_layernorm.weight", (hf + "post_attention_layernorm.weight",), _same, _back),
+              lambda t: fuse_qkv(*t, spec), lambda t: split_qkv(t, spec), lambda t: qkv_views(t, spec)),
+        Group(mg + "self_attention.linear_proj.weight", (attn + "o_proj.weight",), _same, _back, _whole),
+        Group(mg + "pre_mlp_layernorm.weight", (hf + "post_attention_layernorm.weight",), _same, _back, _whole),
     ]
     groups += _mlp(spec, hf, mg) if spec.experts is None else _moe(spec, hf, mg)
     if spec.qkv_bias:
         groups.insert(2, Group(mg + "self_attention.linear_qkv.bias", tuple(n[:-6] + "bias" for n in qkv),
-                               lambda t: fuse_qkv(*t, spec), lambda t: split_qkv(t, spec)))
+                               lambda t: fuse_qkv(*t, spec), lambda t: split_qkv(t, spec),
+                               lambda t: qkv_views(t, spec)))
     if spec.qk_norm:
-        groups[3:3] = [Group(mg + "self_attention.q_layernorm.weight", (attn + "q_norm.weight",), _same, _back),
-                       Group(mg + "self_attention.k_layernorm.weight", (attn + "k_norm.weight",), _same, _back)]
+        groups[3:3] = [Group(mg + "self_attention.q_layernorm.weight", (attn + "q_norm.weight",), _same, _back,
+                             _whole),
+                       Group(mg + "self_attention.k_layernorm.weight", (attn + "k_norm.weight",), _same, _back,
+                             _whole)]
     return groups
 
 
 def _swiglu(mg: str, gate: str, up: str, down: str) -> list[Group]:
     """fc1 = [gate; up], fc2 = down, under Megatron prefix `mg` (an MLP or one expert)."""
     return [Group(mg + "linear_fc1.weight", (gate, up), lambda t: torch.cat(t, dim=0),
-                  lambda t: [c.clone() for c in t.chunk(2, dim=0)]),
-            Group(mg + "linear_fc2.weight", (down,), _same, _back)]
+                  lambda t: [c.clone() for c in t.chunk(2, dim=0)], lambda t: list(t.chunk(2, dim=0))),
+            Group(mg + "linear_fc2.weight", (down,), _same, _back, _whole)]
 
 
 def _mlp(spec: ModelSpec, hf: str, mg: str) -> list[Group]:
@@ -108,7 +126,7 @@ _MOE_NAMES = {"MixtralForCausalLM": ("block_sparse_moe.", ("w1", "w3", "w2")),
 def _moe(spec: ModelSpec, hf: str, mg: str) -> list[Group]:
     """The router, then each expert's SwiGLU (Megatron's SequentialMLP: local_experts.<global j>)."""
     block, (gate, up, down) = _MOE_NAMES[spec.architecture]
-    out = [Group(mg + "mlp.router.weight", (hf + block + "gate.weight",), _same, _back)]
+    out = [Group(mg + "mlp.router.weight", (hf + block + "gate.weight",), _same, _back, _whole)]
     for j in range(spec.experts.num_experts):
         e = f"{hf}{block}experts.{j}."
         out += _swiglu(f"{mg}mlp.experts.local_experts.{j}.", f"{e}{gate}.weight", f"{e}{up}.weight",
@@ -117,7 +135,7 @@ def _moe(spec: ModelSpec, hf: str, mg: str) -> list[Group]:
         e = f"{hf}{block}shared_expert."
         out += _swiglu(f"{mg}mlp.shared_experts.", f"{e}{gate}.weight", f"{e}{up}.weight", f"{e}{down}.weight")
         out.append(Group(f"{mg}mlp.shared_experts.gate_weight", (f"{hf}{block}shared_expert_gate.weight",),
-                         _same, _back))
+                         _same, _back, _whole))
     return out
 
 
@@ -131,12 +149,12 @@ def groups(spec: ModelSpec, padded_vocab: int) -> list[Group]:
     def unpad(t):
         return [t[:vocab]]  # leading rows: contiguous, and the only tensor on its storage
 
-    out = [Group("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), pad, unpad)]
+    out = [Group("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), pad, unpad, unpad)]
     for i in range(spec.num_layers):
         out += _layer(spec, i)
-    out.append(Group("decoder.final_layernorm.weight", ("model.norm.weight",), _same, _back))
+    out.append(Group("decoder.final_layernorm.weight", ("model.norm.weight",), _same, _back, _whole))
     if not spec.tied_embeddings:
-        out.append(Group("output_layer.weight", ("lm_head.weight",), pad, unpad))
+        out.append(Group("output_layer.weight", ("lm_head.weight",), pad, unpad, unpad))
     return out
 
 
