@@ -37,6 +37,13 @@ def locations(model) -> dict[str, tuple[str, tuple[int, ...]]]:
     return found
 
 
+#: torch.save's names of typed storages (in a record's pickle) -> their element types
+_STORAGE_DTYPES = {"FloatStorage": torch.float32, "DoubleStorage": torch.float64, "HalfStorage": torch.float16,
+                   "BFloat16Storage": torch.bfloat16, "LongStorage": torch.int64, "IntStorage": torch.int32,
+                   "ShortStorage": torch.int16, "CharStorage": torch.int8, "ByteStorage": torch.uint8,
+                   "BoolStorage": torch.bool}
+
+
 class _Record:
     """One tensor torch.distributed.checkpoint stored with torch.save (a zip archive of a pickle
     and the storage's bytes, uncompressed) at [offset, offset + length) of a file: where its
@@ -75,8 +82,8 @@ class _Record:
                         return rebuild
                     if (module, name) == ("collections", "OrderedDict"):
                         return dict
-                    if module == "torch" and name.endswith("Storage"):
-                        return getattr(torch, name).dtype
+                    if module == "torch" and name in _STORAGE_DTYPES:
+                        return _STORAGE_DTYPES[name]
                     raise ValueError(f"{path}@{offset}: unexpected {module}.{name} in a tensor record")
 
                 def persistent_load(self, pid):
