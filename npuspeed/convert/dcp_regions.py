@@ -90,7 +90,8 @@ class _Record:
                     return pid[1]  # ('storage', its dtype, key, location, numel)
 
             Unpickler(archive.open(pkl[0])).load()
-        self.dtype, self.offset, self.size, self.stride = found["dtype"], found["offset"], found["size"], found["stride"]
+        self.dtype, self.offset = found["dtype"], found["offset"]
+        self.size, self.stride = found["size"], found["stride"]
 
     def contiguous(self) -> bool:
         expected = 1

@@ -18,7 +18,8 @@ import os
 import torch
 
 from npuspeed.convert import (
-    architectures, dcp_regions, hf_files, layout, lazy_save, megatron_args, megatron_model, names, staging,
+    architectures, dcp_regions, hf_files, host_memory, layout, lazy_save, megatron_args, megatron_model, names,
+    staging,
 )
 from npuspeed.errors import UserError
 
@@ -99,7 +100,7 @@ def convert(hf: str, save: str, *, tp: int = 1, pp: int = 1, vpp_layers: int | N
     _check_tensor_set(reader, groups, spec)
     flags = megatron_args.model_flags(spec, divisible_by) + megatron_args.layout_flags(tp, pp, vpp_layers, precision, ep, etp)
     staging.check_target(save)
-    with megatron_model.single_rank(), megatron_model.host_cache_off(), staging.staged(save) as tmp:
+    with megatron_model.single_rank(), host_memory.cache_off(), staging.staged(save) as tmp:
         dtype = megatron_model.DTYPES[precision]
         with torch.device("meta"):  # keys, shapes and offsets only: tensors are made as they are written
             model = megatron_model.build(spec, padded, dtype)

@@ -19,6 +19,8 @@ from typing import Callable
 
 import torch
 
+from npuspeed.convert import host_memory
+
 
 def _writer(path: str):
     from torch.distributed.checkpoint import FileSystemWriter
@@ -74,6 +76,7 @@ def _strategy(materialize: Callable[[str], torch.Tensor], where: dict[str, tuple
             name = prefixes[offset[:p]]
             if name not in self.cache:
                 self.cache.clear()  # SwiGLU's fc1 is written as two chunks: keep the last parameter
+                host_memory.give_back()
                 self.cache[name] = materialize(name)
             region = self.cache[name]
             for dim, (start, length) in enumerate(zip(offset[p:], sizes[p:])):

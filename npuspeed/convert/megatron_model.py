@@ -39,24 +39,6 @@ def runtime_first() -> None:
 
 
 @contextlib.contextmanager
-def host_cache_off():
-    """npuspeed's CPU allocator (the CPU backend's) keeps freed blocks for reuse, as a device's
-    caching allocator does; a conversion makes each tensor once, in many sizes, so kept blocks
-    only add up (43 MiB on the 156M Llama of docs/convert.md). Off while converting, as before after."""
-    from npuspeed.ops import memory_tracker
-
-    if not memory_tracker.enabled():
-        yield
-        return
-    limit = memory_tracker.cache_limit()
-    memory_tracker.set_cache_limit(0)
-    try:
-        yield
-    finally:
-        memory_tracker.set_cache_limit(limit)
-
-
-@contextlib.contextmanager
 def single_rank():
     """torch.distributed and Megatron's model-parallel state for one rank (TP=PP=1), made here
     and torn down after unless the caller already had them."""

@@ -11,6 +11,7 @@ is written when it exists and no shard is ever held in memory.
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from dataclasses import dataclass
@@ -61,9 +62,7 @@ def read_header(path: str) -> dict[str, Entry]:
         except (KeyError, TypeError, ValueError):
             raise ValueError(f"tensor {name}: header entry {info!r} is not a dtype, shape and data_offsets "
                              f"this reader knows ({', '.join(DTYPES)})") from None
-        numel = 1
-        for d in shape:
-            numel *= d
+        numel = math.prod(shape)
         if end - begin != numel * dtype.itemsize or begin < 0:
             raise ValueError(f"tensor {name}: {shape} {info['dtype']} needs {numel * dtype.itemsize} bytes, "
                              f"its offsets span {end - begin}")
@@ -96,23 +95,21 @@ class Writer:
     def __init__(self, path: str, tensors: list[tuple[str, torch.dtype, tuple[int, ...]]],
                  metadata: dict[str, str] | None = None):
         header: dict = {"__metadata__": dict(metadata)} if metadata else {}
-        self.entries: dict[str, Entry] = {}
-        at = 0
-        layout = []
+        at, layout = 0, []
         for name, dtype, shape in tensors:
-            numel = 1
-            for d in shape:
-                numel *= d
-            header[name] = {"dtype": NAMES[dtype], "shape": list(shape), "data_offsets": [at, at + numel * dtype.itemsize]}
-            layout.append((name, dtype, tuple(shape), at, numel * dtype.itemsize))
-            at += numel * dtype.itemsize
+            nbytes = math.prod(shape) * dtype.itemsize
+            header[name] = {"dtype": NAMES[dtype], "shape": list(shape), "data_offsets": [at, at + nbytes]}
+            layout.append((name, dtype, tuple(shape), at, nbytes))
+            at += nbytes
         text = json.dumps(header, separators=(",", ":")).encode()
         text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as the library writes it
         start = 8 + len(text)
         self.entries = {name: Entry(dtype, shape, start + off, nbytes) for name, dtype, shape, off, nbytes in layout}
         self.left = set(self.entries)
         self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.write(self.fd, struct.pack("<Q", len(text)) + text)
+        head = memoryview(struct.pack("<Q", len(text)) + text)
+        while len(head):
+            head = head[os.write(self.fd, head):]
         os.ftruncate(self.fd, start + at)
 
     def write(self, name: str, tensor: torch.Tensor) -> bool:
