@@ -13,6 +13,8 @@ The issue's target: above the baseline, < 2x the largest shard, on a model of 8 
 
     python benchmarks/bench_convert_memory.py              # the 156M Llama below, 8 shards
     python benchmarks/bench_convert_memory.py --layers 2 --hidden 256 --vocab 4096 --shard 2MB
+    python benchmarks/bench_convert_memory.py --layers 16 --hidden 2048 --ffn 5632 --vocab 128256 \
+        --dtype bfloat16 --shard 400MB     # 1.3B parameters, a Llama 3 vocabulary
 """
 from __future__ import annotations
 
@@ -53,7 +55,7 @@ def make_model(path: Path, args) -> None:
                                    max_position_embeddings=512, tie_word_embeddings=False)
     cfg.architectures = ["LlamaForCausalLM"]
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(cfg).float()
+    model = transformers.AutoModelForCausalLM.from_config(cfg).to(getattr(torch, args.dtype))
     model.save_pretrained(str(path), max_shard_size=args.shard)
 
 
@@ -131,6 +133,7 @@ def main() -> None:
     parser.add_argument("--ffn", type=int, default=2304)
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--shard", default="70MB", help="max_shard_size of save_pretrained (default: 8 shards)")
     parser.add_argument("--workdir", default=None, help="keep the model here (made once) instead of a temp dir")
     parser.add_argument("--json", default=None, help="also write the figures to this file")
@@ -138,7 +141,7 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
         base = Path(args.workdir or tmp)
-        hf = base / f"llama-{args.layers}x{args.hidden}-v{args.vocab}-{args.shard}"
+        hf = base / f"llama-{args.layers}x{args.hidden}-v{args.vocab}-{args.dtype}-{args.shard}"
         if not (hf / "config.json").exists():
             make_model(hf, args)
         sizes = tensor_sizes(hf)

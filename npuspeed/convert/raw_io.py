@@ -31,17 +31,35 @@ def _bytes(block: torch.Tensor) -> memoryview:
     return memoryview(block.detach().reshape(-1).view(torch.uint8).numpy())
 
 
-def read_into(fd: int, offset: int, view: torch.Tensor) -> int:
-    """Fill `view` from the file's bytes at `offset` (row-major); return the bytes read."""
+def _read_exact(fd: int, offset: int, buf: memoryview) -> int:
     done = 0
+    while done < len(buf):
+        n = os.preadv(fd, [buf[done:]], offset + done)
+        if n <= 0:
+            raise EOFError(f"the file ends {offset + done} bytes in, inside a tensor")
+        done += n
+    return done
+
+
+def read_into(fd: int, offset: int, view: torch.Tensor, stored: torch.dtype | None = None,
+              buffer_bytes: int = 16 * 2**20) -> int:
+    """Fill `view` from the file's elements at `offset` (row-major, of dtype `stored`, default
+    the view's); return the bytes read. Another dtype is read through a buffer of at most
+    `buffer_bytes` and converted into place, a piece at a time."""
+    done = 0
+    if stored is None or stored == view.dtype:
+        for block in blocks(view):
+            done += _read_exact(fd, offset + done, _bytes(block))
+        return done
+    step = max(1, buffer_bytes // stored.itemsize)
+    buffer = torch.empty(min(step, view.numel()), dtype=stored)
     for block in blocks(view):
-        buf = _bytes(block)
-        while len(buf):
-            n = os.preadv(fd, [buf], offset + done)
-            if n <= 0:
-                raise EOFError(f"the file ends {offset + done} bytes in, inside a tensor")
-            done += n
-            buf = buf[n:]
+        flat = block.reshape(-1)
+        for start in range(0, flat.numel(), step):
+            piece = flat[start:start + step]
+            staged = buffer[:piece.numel()]
+            done += _read_exact(fd, offset + done, _bytes(staged))
+            piece.copy_(staged)
     return done
 
 

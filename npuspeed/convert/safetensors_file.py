@@ -78,12 +78,7 @@ def read_into(path: str, entry: Entry, view: torch.Tensor) -> None:
         raise ValueError(f"{view.numel()} elements asked for, the tensor has {entry.nbytes // entry.dtype.itemsize}")
     fd = os.open(path, os.O_RDONLY)
     try:
-        if view.dtype == entry.dtype:
-            raw_io.read_into(fd, entry.offset, view)
-        else:  # another precision: read in the stored dtype, convert into place
-            stored = torch.empty(view.shape, dtype=entry.dtype)
-            raw_io.read_into(fd, entry.offset, stored)
-            view.copy_(stored)
+        raw_io.read_into(fd, entry.offset, view, entry.dtype)  # another precision: converted into place
     finally:
         os.close(fd)
 

@@ -55,10 +55,17 @@ def test_reads_what_safetensors_wrote_into_strided_views(tmp_path):
     assert torch.equal(big[1:6, 2:9], tensors["a.weight"])
     big[1:6, 2:9] = 0
     assert not big.any()  # nothing outside the view was touched
-    # another dtype: converted into place as torch would
+    # another dtype: converted into place as torch would, through a buffer of a few elements
     wide = torch.empty(3)
     safetensors_file.read_into(path, header["b.bias"], wide)
     assert torch.equal(wide, tensors["b.bias"].float())
+    narrow = torch.zeros(7, 10, dtype=torch.bfloat16)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        raw_io.read_into(fd, header["a.weight"].offset, narrow[1:6, 2:9], torch.float32, buffer_bytes=12)
+    finally:
+        os.close(fd)
+    assert torch.equal(narrow[1:6, 2:9], tensors["a.weight"].bfloat16()) and narrow.count_nonzero() == 35
 
 
 def test_writes_what_safetensors_reads_from_strided_views_in_any_order(tmp_path):
@@ -140,11 +147,11 @@ def test_reads_regions_across_chunks_as_torch_does(tmp_path, megatron_mp):
     _save_two_column_halves(tmp_path / "ck", full)
     ckpt = dcp_regions.Checkpoint(str(tmp_path / "ck"))
     records = [dcp_regions._Record(str(tmp_path / "ck" / i.relative_path), i.offset, i.length)
-               for i in ckpt.metadata.storage_data.values() if i.relative_path.endswith(".distcp")]
-    assert sorted(r.contiguous() for r in records if r.size == (6, 4)) == [False, True]  # both paths run
+               for index, i in ckpt.metadata.storage_data.items() if index.fqn == "w"]
+    assert sorted(r.contiguous() for r in records) == [False, True] and {r.size for r in records} == {(6, 4)}
     whole = torch.empty(6, 8)
     ckpt.read("w", (0, 0), whole)  # each chunk whole: straight into a strided view of `whole`
-    assert torch.equal(whole, full)
+    assert torch.equal(whole, full)  # both paths ran: straight into place, and the strided record
     part = torch.empty(3, 5)
     ckpt.read("w", (2, 1), part)  # parts of both chunks
     assert torch.equal(part, full[2:5, 1:6])
