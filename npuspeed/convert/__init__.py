@@ -1,6 +1,8 @@
 """Hugging Face checkpoints in and out of Megatron's local-spec GPTModel (`npuspeed convert`).
 
 - hf_files: reading and writing config.json + safetensors shards, one tensor at a time
+- safetensors_file / raw_io: the safetensors format, and tensor bytes moved straight between a
+  file and (a view of) the parameter they belong to; host_memory: freed memory given back
 - architectures: which config.json converts, and the ModelSpec it describes
 - names: HF tensors <-> Megatron global parameters (fused QKV and fc1, vocabulary padding)
 - layout: a global tensor <-> one rank's shard of a TP/PP/EP layout (the example uses it too)

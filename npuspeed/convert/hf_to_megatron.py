@@ -6,7 +6,7 @@ example checks against its flags. It holds no optimizer or RNG state: resume wit
 --no-load-optim. Tensors are stored with their global shapes, so the checkpoint loads at any
 TP/PP/VPP/EP layout; the layout given here checks that the model takes it and pads the
 vocabulary for it. Each parameter is built from its Hugging Face tensors when the writer asks
-for it (lazy_save.py), so host memory holds a parameter or two, not the model. Beside the
+for it (lazy_save.py), so host memory holds one parameter, not the model. Beside the
 checkpoint: megatron_args.txt (the flags) and hf_config.json.
 """
 from __future__ import annotations
