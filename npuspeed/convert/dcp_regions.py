@@ -12,6 +12,7 @@ the model itself declares: its `sharded_state_dict()`, built on the meta device.
 """
 from __future__ import annotations
 
+import math
 import os
 import struct
 
@@ -152,8 +153,9 @@ class Checkpoint:
                                  "does not undo")
             path = os.path.join(self.path, info.relative_path)
             record = _Record(path, info.offset, info.length)
-            if record.size != tuple(chunk.sizes):
-                raise ValueError(f"{key}: a {record.size} record where the metadata says {tuple(chunk.sizes)}")
+            if record.size != tuple(chunk.sizes) or math.prod(record.size) * record.dtype.itemsize > record.nbytes:
+                raise ValueError(f"{key}: a {record.size} record of {record.nbytes} bytes where the metadata says "
+                                 f"{tuple(chunk.sizes)}")
             target = dest
             for dim, (a, b, o) in enumerate(zip(lo, hi, offsets)):
                 target = target.narrow(dim, a - o, b - a)
