@@ -8,7 +8,8 @@ real CLI in its own process. Reported per direction:
   largest anonymous and file-backed RSS seen by sampling /proc/<pid>/status every few ms;
 - the baseline: peak RSS of a process that imports what a conversion imports (torch,
   megatron.core with GPTModel and dist_checkpointing, npuspeed.convert) and converts nothing;
-- the peak above that baseline, and its ratio to the largest input shard and largest tensor.
+- the peak above that baseline, and its ratio to the largest input shard and largest tensor;
+- the process's wall time (imports included).
 The issue's target: above the baseline, < 2x the largest shard, on a model of 8 shards.
 
     python benchmarks/bench_convert_memory.py              # the 156M Llama below, 8 shards
@@ -79,6 +80,7 @@ def measure(cmd: list[str]) -> dict:
     cmd = [cmd[0], "-c", cmd[2] + REPORT_PEAK, *cmd[3:]]
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
                NPUSPEED_DEVICE=os.environ.get("NPUSPEED_DEVICE", "cpu"))
+    started = time.perf_counter()
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     seen = {"RssAnon": 0, "RssFile": 0}
     done = threading.Event()
@@ -100,12 +102,13 @@ def measure(cmd: list[str]) -> dict:
     sampler.start()
     output = proc.stdout.read()
     proc.wait()
+    seconds = time.perf_counter() - started
     done.set()
     sampler.join()
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{output[-3000:]}")
     peak = [line.split()[1] for line in output.splitlines() if line.startswith("VmHWM ")]
-    return {"peak": int(peak[-1]) * 1024, "anon": seen["RssAnon"], "file": seen["RssFile"]}
+    return {"peak": int(peak[-1]) * 1024, "anon": seen["RssAnon"], "file": seen["RssFile"], "seconds": seconds}
 
 
 def same_tensors(a: Path, b: Path) -> int:
@@ -163,13 +166,13 @@ def main() -> None:
           f"{largest_shard / MIB:.1f} MiB, largest tensor {largest_tensor / MIB:.1f} MiB; round trip bitwise")
     print(f"baseline (imports only): peak RSS {baseline['peak'] / MIB:.0f} MiB")
     print(f"{'direction':<16}{'peak RSS':>10}{'above base':>12}{'/ shard':>9}{'/ tensor':>10}"
-          f"{'max anon':>10}{'max file':>10}")
+          f"{'max anon':>10}{'max file':>10}{'seconds':>9}")
     result = {"baseline_bytes": baseline["peak"], "largest_shard_bytes": largest_shard,
               "largest_tensor_bytes": largest_tensor, "shards": len(shards), "model_bytes": sum(sizes.values())}
     for name, r in runs.items():
         above = r["peak"] - baseline["peak"]
         print(f"{name:<16}{r['peak'] / MIB:>9.0f}M{above / MIB:>11.0f}M{above / largest_shard:>9.2f}"
-              f"{above / largest_tensor:>10.2f}{r['anon'] / MIB:>9.0f}M{r['file'] / MIB:>9.0f}M")
+              f"{above / largest_tensor:>10.2f}{r['anon'] / MIB:>9.0f}M{r['file'] / MIB:>9.0f}M{r['seconds']:>9.1f}")
         result[name] = dict(r, above_baseline_bytes=above, per_shard=above / largest_shard,
                             per_tensor=above / largest_tensor)
     if args.json:
