@@ -157,3 +157,35 @@ def test_reads_regions_across_chunks_as_torch_does(tmp_path, megatron_mp):
     assert torch.equal(part, full[2:5, 1:6])
     with pytest.raises(ValueError, match="holds 4 of the 6 elements"):
         ckpt.read("w", (4, 6), torch.empty(3, 2))  # rows 6.. do not exist
+
+
+def test_one_parameter_alive_at_a_time(tmp_path, monkeypatch, megatron_mp):
+    """hf-to-megatron makes each parameter only after the previous one is gone (torch's own
+    FileSystemWriter keeps the last tensor it wrote while the next is made), and the CPU block
+    cache is off meanwhile."""
+    import weakref
+
+    from npuspeed.convert import hf_to_megatron
+    from npuspeed.ops import memory_tracker
+
+    make_hf(tmp_path / "hf", "llama", shard="40KB")
+    made, alive, limits = [], [], []
+    plain = hf_to_megatron._materializer
+
+    def watched(*args):
+        materialize = plain(*args)
+
+        def make(name):
+            alive.append([m for m in made if m() is not None])
+            limits.append(memory_tracker.cache_limit())
+            out = materialize(name)
+            made.append(weakref.ref(out.untyped_storage()))  # a view or detached copy keeps it alive
+            return out
+        return make
+
+    monkeypatch.setattr(hf_to_megatron, "_materializer", watched)
+    before = memory_tracker.cache_limit()
+    hf_to_megatron.convert(str(tmp_path / "hf"), str(tmp_path / "mg"))
+    assert len(made) > 10 and not any(alive), [len(a) for a in alive]
+    if memory_tracker.enabled():
+        assert set(limits) == {0} and memory_tracker.cache_limit() == before
