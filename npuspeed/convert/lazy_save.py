@@ -8,8 +8,9 @@ ShardedObjects); the tensor writes go through a torch.distributed.checkpoint Fil
 whose `write_data` asks the planner for one item, writes it (torch.save, the record the reader
 expects, at an offset of one file) and drops it before it asks for the next; the planner makes
 each tensor then from the Hugging Face tensors (`materialize`). torch's own write_data keeps
-the previous tensor while it makes the next (and reads ahead where an accelerator is present),
-so host memory would hold two parameters; here it holds one.
+the last tensor written of every stored key until the file is complete (the embedding to the
+end) and the previous one while it makes the next (reading ahead where an accelerator is
+present); here host memory holds one parameter.
 """
 from __future__ import annotations
 

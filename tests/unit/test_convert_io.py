@@ -186,6 +186,6 @@ def test_one_parameter_alive_at_a_time(tmp_path, monkeypatch, megatron_mp):
     monkeypatch.setattr(hf_to_megatron, "_materializer", watched)
     before = memory_tracker.cache_limit()
     hf_to_megatron.convert(str(tmp_path / "hf"), str(tmp_path / "mg"))
-    assert len(made) > 10 and not any(alive), [len(a) for a in alive]
+    assert len(made) > 10 and not any(alive), str([len(a) for a in alive])
     if memory_tracker.enabled():
         assert set(limits) == {0} and memory_tracker.cache_limit() == before
