@@ -21,7 +21,9 @@ def model_flags(spec: ModelSpec, divisible_by: int) -> list[str]:
              "--ffn-hidden-size", str(spec.ffn_hidden_size), "--num-attention-heads", str(spec.num_attention_heads)]
     if spec.num_query_groups != spec.num_attention_heads:
         flags += ["--group-query-attention", "--num-query-groups", str(spec.num_query_groups)]
-    if spec.kv_channels * spec.num_attention_heads != spec.hidden_size:
+    if spec.mla is not None:
+        flags += _mla_flags(spec)
+    elif spec.kv_channels * spec.num_attention_heads != spec.hidden_size:
         flags += ["--kv-channels", str(spec.kv_channels)]
     flags += ["--max-position-embeddings", str(spec.max_position_embeddings),
               "--normalization", "RMSNorm", "--norm-epsilon", repr(spec.norm_epsilon), "--swiglu",
@@ -48,6 +50,35 @@ def model_flags(spec: ModelSpec, divisible_by: int) -> list[str]:
             flags += ["--moe-shared-expert-intermediate-size", str(experts.shared_ffn_hidden_size)]
         if experts.shared_gate:
             flags.append("--moe-shared-expert-gate")
+        flags += _routing_flags(spec)
+    return flags
+
+
+def _mla_flags(spec: ModelSpec) -> list[str]:
+    """Multi-latent attention (Megatron-LM's names); --qk-layernorm gives the local spec its
+    q/kv latent norms; --rope-type rope: MLA's default would be YaRN."""
+    m = spec.mla
+    flags = ["--multi-latent-attention"]
+    if m.q_lora_rank is not None:
+        flags += ["--q-lora-rank", str(m.q_lora_rank)]
+    return flags + ["--kv-lora-rank", str(m.kv_lora_rank), "--qk-head-dim", str(m.qk_head_dim),
+                    "--qk-pos-emb-head-dim", str(m.qk_pos_emb_head_dim), "--v-head-dim", str(m.v_head_dim),
+                    "--rope-type", "rope", "--qk-layernorm"]
+
+
+def _routing_flags(spec: ModelSpec) -> list[str]:
+    """DeepSeek's routing and dense first layers (--moe-layer-freq: Megatron-LM's list pattern)."""
+    e, flags = spec.experts, []
+    if e.score_function != "softmax":
+        flags += ["--moe-router-score-function", e.score_function]
+    if e.expert_bias:
+        flags.append("--moe-router-enable-expert-bias")
+    if e.scaling_factor is not None:
+        flags += ["--moe-router-topk-scaling-factor", _number(e.scaling_factor)]
+    if e.num_groups is not None:
+        flags += ["--moe-router-num-groups", str(e.num_groups), "--moe-router-group-topk", str(e.group_topk)]
+    if e.dense_layers:
+        flags += ["--moe-layer-freq", f"[0]*{e.dense_layers}+[1]*{spec.num_layers - e.dense_layers}"]
     return flags
 
 

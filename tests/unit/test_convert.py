@@ -42,6 +42,13 @@ CASES = {  # name: (architecture, config overrides)
     "qwen2-moe-shared-expert": ("qwen2_moe", {}),
     "qwen3-moe": ("qwen3_moe", {}),
     "qwen3-moe-unnormalised-topk": ("qwen3_moe", {"norm_topk_prob": False}),
+    # MLA with q_lora_rank, interleaved RoPE rows, sigmoid routing with a random expert bias, 2 groups,
+    # routed_scaling_factor 2.5, a shared expert, one dense first layer
+    "deepseek-v3": ("deepseek_v3", {}),
+    "deepseek-v3-rope-halves": ("deepseek_v3", {"rope_interleave": False}),  # RoPE rows permuted
+    "deepseek-v2-group-limited": ("deepseek_v2", {}),  # softmax, group_limited_greedy, scaling 2.5
+    "deepseek-v2-lite": ("deepseek_v2", {"q_lora_rank": None, "topk_method": "greedy", "n_group": 1,
+                                         "topk_group": 1, "routed_scaling_factor": 1.0}),
 }
 
 
@@ -52,6 +59,12 @@ def test_logits_and_round_trip(case, tmp_path, megatron_mp):
     arch, overrides = CASES[case]
     hf_model = make_hf(tmp_path / "hf", arch, **overrides)
     assert len(glob.glob(str(tmp_path / "hf" / "*.safetensors"))) > 1  # a sharded checkpoint with an index
+    if case == "deepseek-v2-lite" and _megatron_release() >= (0, 19):  # TE-only query projection there
+        from npuspeed.errors import UserError
+
+        with pytest.raises(UserError, match="q_lora_rank null .* convert with megatron-core 0.16"):
+            hf_to_megatron.convert(str(tmp_path / "hf"), str(tmp_path / "mg"), tp=2)
+        return
     done = hf_to_megatron.convert(str(tmp_path / "hf"), str(tmp_path / "mg"), tp=2, divisible_by=128)
     assert done["padded_vocab_size"] == 512  # 258 padded to a multiple of 128 x TP2
     tokens = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(1))
@@ -71,6 +84,113 @@ def test_logits_and_round_trip(case, tmp_path, megatron_mp):
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "back")).float().eval()
     with torch.no_grad():
         assert torch.equal(reloaded(tokens).logits, want)
+
+
+def _megatron_release() -> tuple[int, int]:
+    import megatron.core
+
+    return tuple(int(x) for x in megatron.core.__version__.split(".")[:2])
+
+
+def test_deepseek_rope_rows_must_be_permuted(tmp_path, megatron_mp, monkeypatch):
+    """The logits test catches a wrong RoPE layout: DeepSeek-V3 with rope_interleave=false
+    converted without the row permutation is 1.3e-3 off (measured), 130x the tolerance."""
+    from npuspeed.convert import deepseek, hf_to_megatron
+
+    model = make_hf(tmp_path / "hf", "deepseek_v3", rope_interleave=False)
+    monkeypatch.setattr(deepseek, "_pairs", lambda rows, d, to_megatron: rows)
+    hf_to_megatron.convert(str(tmp_path / "hf"), str(tmp_path / "mg"))
+    tokens = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(1))
+    logits, _ = megatron_logits(str(tmp_path / "mg"), tokens)
+    with torch.no_grad():
+        diff = (logits[..., :VOCAB] - model(tokens).logits).abs().max().item()
+    assert diff > 1e-4, diff
+
+
+def test_deepseek_flags_megatron_lm_accepts(tmp_path, megatron_mp):
+    """The printed flags of a DeepSeek-V3 are Megatron-LM's (its own parser, where installed)."""
+    from npuspeed.convert import hf_to_megatron
+
+    make_hf(tmp_path / "hf", "deepseek_v3")
+    flags = hf_to_megatron.convert(str(tmp_path / "hf"), str(tmp_path / "mg"))["flags"]
+    assert (tmp_path / "mg" / hf_to_megatron.ARGS_FILE).read_text().split() == flags
+    for pair in (["--q-lora-rank", "24"], ["--kv-lora-rank", "16"], ["--qk-head-dim", "16"],
+                 ["--qk-pos-emb-head-dim", "8"], ["--v-head-dim", "12"], ["--rope-type", "rope"],
+                 ["--moe-router-score-function", "sigmoid"], ["--moe-router-topk-scaling-factor", "2.5"],
+                 ["--moe-router-num-groups", "2"], ["--moe-router-group-topk", "1"],
+                 ["--moe-layer-freq", "[0]*1+[1]*1"], ["--moe-shared-expert-intermediate-size", "32"]):
+        i = flags.index(pair[0])
+        assert flags[i:i + 2] == pair
+    assert {"--multi-latent-attention", "--qk-layernorm", "--moe-router-enable-expert-bias"} <= set(flags)
+    assert "--kv-channels" not in flags and "--moe-router-pre-softmax" not in flags
+    arguments = pytest.importorskip("megatron.training.arguments")
+    import argparse
+
+    args = arguments.add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False)).parse_args(flags)
+    assert args.multi_latent_attention and args.moe_layer_freq == [0, 1] and args.moe_router_enable_expert_bias
+    assert (args.q_lora_rank, args.kv_lora_rank, args.v_head_dim, args.rope_type) == (24, 16, 12, "rope")
+
+
+DEEPSEEK_BAD = {  # name: (architecture, config overrides, what the line says)
+    "yarn": ("deepseek_v3", {"rope_parameters": {"rope_type": "yarn", "factor": 40.0, "rope_theta": 10000.0,
+                                                 "original_max_position_embeddings": 64, "mscale": 1.0,
+                                                 "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1}},
+             "rope_parameters.rope_type='yarn' is not converted"),
+    "v3-unnormalised-sigmoid": ("deepseek_v3", {"norm_topk_prob": False}, "norm_topk_prob=False is not converted"),
+    "v2-group-ranked-by-top2": ("deepseek_v2", {"num_experts_per_tok": 4}, "topk_group=2 is not converted"),
+    "v2-topk-method": ("deepseek_v2", {"topk_method": "noaux_tc"}, "topk_method='noaux_tc' is not converted"),
+    "attention-bias": ("deepseek_v3", {"attention_bias": True}, "attention_bias=True is not converted"),
+    "kv-heads": ("deepseek_v3", {"num_key_value_heads": 2}, "num_key_value_heads=2 is not converted"),
+    "no-shared-experts": ("deepseek_v3", {"n_shared_experts": 0}, "n_shared_experts=0 is not converted"),
+    "fp8": ("deepseek_v3", {"quantization_config": {"quant_method": "fp8"}},
+            "quantization_config='fp8' is not converted"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(DEEPSEEK_BAD))
+def test_deepseek_refuses_what_does_not_map(case):
+    from npuspeed.convert import architectures
+    from npuspeed.errors import UserError
+
+    arch, overrides, says = DEEPSEEK_BAD[case]
+    cfg = hf_config(arch).to_dict()
+    cfg.update(overrides)
+    with pytest.raises(UserError) as exc:
+        architectures.from_hf_config(cfg)
+    assert says in str(exc.value) and "\n" not in str(exc.value), str(exc.value)
+
+
+def test_deepseek_mtp_layers_refused_or_dropped(tmp_path, capsys, megatron_mp):
+    """DeepSeek-V3's multi-token-prediction layer (tensors of layer num_hidden_layers) is not in
+    transformers' forward: one line naming --drop-mtp-layers, which leaves them out."""
+    from safetensors.torch import save_file
+
+    from npuspeed.cli import main
+
+    make_hf(tmp_path / "hf", "deepseek_v3", num_nextn_predict_layers=1)
+    save_file({"model.layers.2.eh_proj.weight": torch.zeros(64, 128)}, str(tmp_path / "hf" / "mtp.safetensors"))
+    index = tmp_path / "hf" / "model.safetensors.index.json"
+    data = json.loads(index.read_text())
+    data["weight_map"]["model.layers.2.eh_proj.weight"] = "mtp.safetensors"
+    index.write_text(json.dumps(data))
+    line = _bad(tmp_path, _h2m(tmp_path), capsys)
+    assert "model.layers.2.eh_proj.weight belongs to a multi-token-prediction layer" in line, line
+    assert "--drop-mtp-layers" in line and not (tmp_path / "mg").exists()
+    assert main(["convert", *_h2m(tmp_path, "--drop-mtp-layers")]) == 0
+    assert "left out 1 multi-token-prediction tensors" in capsys.readouterr().out
+
+
+def test_mla_refuses_untested_megatron_release(monkeypatch, megatron_mp):
+    import megatron.core
+
+    from npuspeed.convert import architectures, megatron_model
+    from npuspeed.errors import UserError
+
+    spec = architectures.from_hf_config(hf_config("deepseek_v3").to_dict())
+    monkeypatch.setattr(megatron.core, "__version__", "0.17.0")
+    with pytest.raises(UserError, match="multi-latent attention conversion is tested on megatron-core 0.12, "
+                                        ".*0.19, not 0.17.0"):
+        megatron_model.transformer_config(spec, torch.float32)
 
 
 def test_llama3_rope_scaling(tmp_path, megatron_mp):
