@@ -75,6 +75,14 @@ def _attention(args) -> None:
                                 f"{tp}: each rank needs whole query groups")
     ffn = args.ffn_hidden_size
     _need(ffn % tp == 0, f"--ffn-hidden-size {ffn} is not divisible by --tensor-model-parallel-size {tp}")
+    if args.multi_latent_attention:
+        _need(args.rope_type == "rope", f"--multi-latent-attention with --rope-type {args.rope_type}: the example "
+                                        "runs MLA with --rope-type rope only (YaRN is not wired)")
+        _need(not args.group_query_attention, "--multi-latent-attention excludes --group-query-attention")
+    freq = args.moe_layer_freq
+    if isinstance(freq, list):
+        _need(len(freq) == args.num_layers, f"--moe-layer-freq has {len(freq)} entries for --num-layers "
+                                            f"{args.num_layers}: give one per layer")
 
 
 def _sequence(args) -> None:

@@ -84,8 +84,15 @@ def _routing_flags(spec: ModelSpec) -> list[str]:
 
 def fingerprint(spec: ModelSpec, padded_vocab: int) -> dict:
     """The example's model description (ckpt_verify.MODEL_FLAGS) of a run with `model_flags`."""
-    explicit_kv = spec.kv_channels * spec.num_attention_heads != spec.hidden_size
+    explicit_kv = spec.mla is None and spec.kv_channels * spec.num_attention_heads != spec.hidden_size
+    m, e = spec.mla, spec.experts
+    dense = e.dense_layers if e else 0
     return {
+        "multi_latent_attention": m is not None, "q_lora_rank": m.q_lora_rank if m else None,
+        "kv_lora_rank": m.kv_lora_rank if m else None, "qk_head_dim": m.qk_head_dim if m else None,
+        "qk_pos_emb_head_dim": m.qk_pos_emb_head_dim if m else None, "v_head_dim": m.v_head_dim if m else None,
+        "moe_layer_freq": [0] * dense + [1] * (spec.num_layers - dense) if dense else 1,
+        "moe_router_enable_expert_bias": bool(e and e.expert_bias),
         "num_layers": spec.num_layers, "hidden_size": spec.hidden_size, "ffn_hidden_size": spec.ffn_hidden_size,
         "num_attention_heads": spec.num_attention_heads, "num_query_groups": spec.num_query_groups,
         "kv_channels": spec.kv_channels if explicit_kv else None, "padded_vocab_size": padded_vocab,
@@ -93,7 +100,7 @@ def fingerprint(spec: ModelSpec, padded_vocab: int) -> dict:
         "position_embedding_type": "rope", "untie_embeddings_and_output_weights": not spec.tied_embeddings,
         "disable_bias_linear": True, "num_experts": spec.experts.num_experts if spec.experts else None,
         "moe_ffn_hidden_size": spec.experts.ffn_hidden_size if spec.experts else None,
-        "add_qkv_bias": spec.qkv_bias, "qk_layernorm": spec.qk_norm,
+        "add_qkv_bias": spec.qkv_bias, "qk_layernorm": spec.qk_norm or spec.mla is not None,  # MLA: latent norms
         "moe_shared_expert_intermediate_size": spec.experts.shared_ffn_hidden_size if spec.experts else None,
         "moe_shared_expert_gate": bool(spec.experts and spec.experts.shared_gate),
     }
