@@ -77,8 +77,11 @@ def _mla_and_routing(g):
     g.add_argument("--qk-head-dim", type=int, default=128, help="query/key head size without RoPE")
     g.add_argument("--qk-pos-emb-head-dim", type=int, default=64, help="query/key head size with RoPE")
     g.add_argument("--v-head-dim", type=int, default=128)
-    g.add_argument("--rope-type", choices=["rope", "yarn"], default=None,
-                   help="MLA's RoPE (the example has rope only; Megatron's MLA default would be yarn)")
+    g.add_argument("--rope-type", choices=["rope", "yarn"], default=None, help="MLA's RoPE (default: yarn, as "
+                   "Megatron's MLA; its original context 4096, beta fast 32 and slow 1 are MLA's defaults)")
+    g.add_argument("--rotary-scaling-factor", type=float, default=1.0, help="MLA's YaRN factor")
+    g.add_argument("--mscale", type=float, default=1.0, help="MLA's YaRN mscale (cos/sin scaling)")
+    g.add_argument("--mscale-all-dim", type=float, default=0.0, help="MLA's YaRN mscale_all_dim (softmax scaling)")
     g.add_argument("--moe-router-score-function", choices=["softmax", "sigmoid"], default="softmax")
     g.add_argument("--moe-router-enable-expert-bias", action="store_true",
                    help="a per-expert bias added to the scores for choosing experts only (DeepSeek-V3)")

@@ -105,15 +105,16 @@ def transformer_config(args) -> TransformerConfig:
 
 
 def _mla_config(args, kwargs: dict):
-    """Megatron's MLATransformerConfig (DeepSeek-V2/V3) with plain RoPE on the rotary part:
-    rotary_scaling_factor 1 keeps megatron-core 0.12/0.13's softmax scale 1/sqrt(head size), as
-    Megatron-LM's default --rotary-scaling-factor 1 does."""
+    """Megatron's MLATransformerConfig (DeepSeek-V2/V3) as Megatron-LM makes it from these flags
+    (rope type yarn unless given; --rotary-scaling-factor 1 by default, which also keeps
+    megatron-core 0.12/0.13's softmax scale 1/sqrt(head size) with plain RoPE)."""
     from megatron.core.transformer.transformer_config import MLATransformerConfig
 
     kwargs.update(multi_latent_attention=True, q_lora_rank=args.q_lora_rank, kv_lora_rank=args.kv_lora_rank,
                   qk_head_dim=args.qk_head_dim, qk_pos_emb_head_dim=args.qk_pos_emb_head_dim,
-                  v_head_dim=args.v_head_dim, rope_type=args.rope_type, rotary_base=args.rotary_base,
-                  rotary_percent=args.rotary_percent, rotary_scaling_factor=1.0, transformer_impl="local")
+                  v_head_dim=args.v_head_dim, rope_type=args.rope_type or "yarn", rotary_base=args.rotary_base,
+                  rotary_percent=args.rotary_percent, rotary_scaling_factor=args.rotary_scaling_factor,
+                  mscale=args.mscale, mscale_all_dim=args.mscale_all_dim, transformer_impl="local")
     return MLATransformerConfig(**_supported(MLATransformerConfig, kwargs))
 
 

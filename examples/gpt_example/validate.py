@@ -76,9 +76,10 @@ def _attention(args) -> None:
     ffn = args.ffn_hidden_size
     _need(ffn % tp == 0, f"--ffn-hidden-size {ffn} is not divisible by --tensor-model-parallel-size {tp}")
     if args.multi_latent_attention:
-        _need(args.rope_type == "rope", f"--multi-latent-attention with --rope-type {args.rope_type}: the example "
-                                        "runs MLA with --rope-type rope only (YaRN is not wired)")
         _need(not args.group_query_attention, "--multi-latent-attention excludes --group-query-attention")
+    else:
+        _need(args.rope_type is None, f"--rope-type {args.rope_type} is multi-latent attention's; drop it or add "
+                                      "--multi-latent-attention")
     freq = args.moe_layer_freq
     if isinstance(freq, list):
         _need(len(freq) == args.num_layers, f"--moe-layer-freq has {len(freq)} entries for --num-layers "

@@ -61,6 +61,9 @@ class MLA:
     qk_pos_emb_head_dim: int  # qk_rope_head_dim
     v_head_dim: int
     hf_rope_interleaved: bool
+    yarn_factor: float | None = None  # YaRN on the RoPE part (None: plain RoPE), with its two mscales
+    yarn_mscale: float = 1.0
+    yarn_mscale_all_dim: float = 0.0
 
 
 @dataclass(frozen=True)

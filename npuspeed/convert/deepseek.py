@@ -17,6 +17,7 @@ What maps (checked against transformers 5.24's forward, the reference of the log
   routing maps where Megatron ranks a group the way transformers does (see `_groups`).
 - Shared experts (n_shared_experts x moe_intermediate_size, no gate); first_k_dense_replace
   dense layers (Megatron's --moe-layer-freq pattern).
+- YaRN (the released configs' RoPE scaling) is Megatron's MLA YaRN (`_yarn`).
 Everything else that would change the maths is refused with one line.
 """
 from __future__ import annotations
@@ -105,17 +106,49 @@ def _experts(arch: str, cfg: dict, layers: int) -> Experts:
                    num_groups=groups, group_topk=group_topk, dense_layers=dense)
 
 
+#: YaRN settings Megatron-LM cannot pass to MLA (no flag in core_v0.16/0.19: MLATransformerConfig's
+#: defaults), so a config converts only with these values (DeepSeek-V2's and V3's)
+YARN_FIXED = {"original_max_position_embeddings": 4096, "beta_fast": 32.0, "beta_slow": 1.0}
+
+
+def _yarn(arch: str, cfg: dict) -> tuple[float, float | None, float, float]:
+    """(rope base, YaRN factor or None, mscale, mscale_all_dim) as Megatron's MLA takes them.
+    transformers scales cos/sin by m(f, mscale)/m(f, mscale_all_dim) when both are set, else by
+    m(f, 1), and the softmax by m(f, mscale_all_dim)^2 when that is set; Megatron does the first
+    and the last with its mscale and mscale_all_dim (0: no softmax scaling)."""
+    params = dict(cfg.get("rope_scaling") or {})
+    params.update(cfg.get("rope_parameters") or {})
+    where = "rope_parameters" if cfg.get("rope_parameters") else "rope_scaling"
+    if (params.get("rope_type") or params.get("type")) != "yarn":
+        theta, factor = _rope(arch, cfg)
+        if factor is not None:
+            raise _refuse(arch, f"{where}.rope_type", "llama3", "Megatron's MLA has plain RoPE and YaRN only")
+        return theta, None, 1.0, 0.0
+    for field, value in YARN_FIXED.items():
+        got = params.get(field)
+        if got is None or float(got) != value:
+            raise _refuse(arch, f"{where}.{field}", got, f"Megatron-LM's MLA takes YaRN's {field} as {value:g} only")
+    if params.get("attention_factor") is not None:
+        raise _refuse(arch, f"{where}.attention_factor", params["attention_factor"], "not mapped to Megatron's YaRN")
+    if params.get("truncate", True) is not True:  # Megatron's MLA rounds the correction range
+        raise _refuse(arch, f"{where}.truncate", params["truncate"], "Megatron's MLA YaRN rounds the correction range")
+    mscale, all_dim = params.get("mscale"), params.get("mscale_all_dim")
+    if all_dim and not mscale:
+        raise _refuse(arch, f"{where}.mscale", mscale, "with mscale_all_dim set, Megatron's YaRN needs it")
+    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    return theta, float(params["factor"]), float(mscale) if all_dim else 1.0, float(all_dim) if all_dim else 0.0
+
+
 def from_hf_config(arch: str, cfg: dict) -> ModelSpec:
     _check(arch, cfg)
-    theta, rope_factor = _rope(arch, cfg)
-    if rope_factor is not None:
-        raise _refuse(arch, "rope_parameters.rope_type", "llama3", "Megatron's MLA has plain RoPE and YaRN only")
+    theta, yarn_factor, yarn_mscale, yarn_all_dim = _yarn(arch, cfg)
     nope, rope, v = int(cfg["qk_nope_head_dim"]), int(cfg["qk_rope_head_dim"]), int(cfg["v_head_dim"])
     if rope % 2:
         raise _refuse(arch, "qk_rope_head_dim", rope, "RoPE rotates pairs of dimensions")
     q_lora = cfg.get("q_lora_rank")
     mla = MLA(int(q_lora) if q_lora else None, int(cfg["kv_lora_rank"]), nope, rope, v,
-              hf_rope_interleaved=arch == "DeepseekV2ForCausalLM" or bool(cfg.get("rope_interleave", True)))
+              hf_rope_interleaved=arch == "DeepseekV2ForCausalLM" or bool(cfg.get("rope_interleave", True)),
+              yarn_factor=yarn_factor, yarn_mscale=yarn_mscale, yarn_mscale_all_dim=yarn_all_dim)
     heads = int(cfg["num_attention_heads"])
     layers = int(cfg["num_hidden_layers"])
     return ModelSpec(

@@ -56,14 +56,21 @@ def model_flags(spec: ModelSpec, divisible_by: int) -> list[str]:
 
 def _mla_flags(spec: ModelSpec) -> list[str]:
     """Multi-latent attention (Megatron-LM's names); --qk-layernorm gives the local spec its
-    q/kv latent norms; --rope-type rope: MLA's default would be YaRN."""
+    q/kv latent norms; --rope-type always (MLA's default would be YaRN)."""
     m = spec.mla
     flags = ["--multi-latent-attention"]
     if m.q_lora_rank is not None:
         flags += ["--q-lora-rank", str(m.q_lora_rank)]
     return flags + ["--kv-lora-rank", str(m.kv_lora_rank), "--qk-head-dim", str(m.qk_head_dim),
                     "--qk-pos-emb-head-dim", str(m.qk_pos_emb_head_dim), "--v-head-dim", str(m.v_head_dim),
-                    "--rope-type", "rope", "--qk-layernorm"]
+                    "--qk-layernorm", *_mla_rope_flags(m)]
+
+
+def _mla_rope_flags(m) -> list[str]:
+    if m.yarn_factor is None:
+        return ["--rope-type", "rope"]
+    return ["--rope-type", "yarn", "--rotary-scaling-factor", _number(m.yarn_factor), "--mscale",
+            _number(m.yarn_mscale), "--mscale-all-dim", _number(m.yarn_mscale_all_dim)]
 
 
 def _routing_flags(spec: ModelSpec) -> list[str]:

@@ -133,13 +133,27 @@ def _mla_config(spec: ModelSpec, kwargs: dict):
                         "which the local spec has not (Transformer Engine only); convert with megatron-core 0.16")
     kwargs.update(multi_latent_attention=True, q_lora_rank=m.q_lora_rank, kv_lora_rank=m.kv_lora_rank,
                   qk_head_dim=m.qk_head_dim, qk_pos_emb_head_dim=m.qk_pos_emb_head_dim, v_head_dim=m.v_head_dim,
-                  transformer_impl="local", rope_type="rope", rotary_base=spec.rotary_base, rotary_percent=1.0,
-                  rotary_scaling_factor=1.0, qk_layernorm=True,
+                  transformer_impl="local", rotary_base=spec.rotary_base, rotary_percent=1.0, qk_layernorm=True,
+                  **_mla_rope(m, release),
                   moe_router_score_function=e.score_function, moe_router_enable_expert_bias=e.expert_bias,
                   moe_router_topk_scaling_factor=e.scaling_factor, moe_router_num_groups=e.num_groups,
                   moe_router_group_topk=e.group_topk,
                   moe_layer_freq=[0] * e.dense_layers + [1] * (spec.num_layers - e.dense_layers))
     return MLATransformerConfig(**_supported(MLATransformerConfig, kwargs))
+
+
+def _mla_rope(m, release: tuple) -> dict:
+    """Plain RoPE (rotary_scaling_factor 1: megatron-core 0.12/0.13 scale the softmax by YaRN's
+    mscale of it even then), or YaRN with DeepSeek's settings."""
+    if m.yarn_factor is None:
+        return dict(rope_type="rope", rotary_scaling_factor=1.0)
+    if release < (0, 15):  # 0.12/0.13 scale the softmax by mscale, not mscale_all_dim; 0.14 cannot build on meta
+        raise UserError(f"YaRN RoPE scaling with multi-latent attention converts on megatron-core 0.15, 0.16 and "
+                        f"0.19, not 0.{release[1]}; use one of those")
+    from npuspeed.convert.deepseek import YARN_FIXED
+
+    return dict(rope_type="yarn", rotary_scaling_factor=m.yarn_factor, mscale=m.yarn_mscale,
+                mscale_all_dim=m.yarn_mscale_all_dim, **YARN_FIXED)
 
 
 def build(spec: ModelSpec, padded_vocab: int, dtype: torch.dtype):

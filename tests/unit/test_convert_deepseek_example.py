@@ -27,15 +27,25 @@ def _logits(model, tokens):
         return model(tokens, positions, None)[..., :VOCAB]
 
 
-@pytest.mark.parametrize("arch", ["deepseek_v3", "deepseek_v2"])
-def test_example_runs_a_converted_deepseek(arch, tmp_path, megatron_mp):
+YARN = {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096, "beta_fast": 32,
+        "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707, "rope_theta": 10000.0}
+CASES = {"deepseek_v3": {}, "deepseek_v2": {},
+         "deepseek_v3_yarn": {"rope_parameters": YARN, "max_position_embeddings": 163840}}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_example_runs_a_converted_deepseek(case, tmp_path, megatron_mp):
+    import megatron.core
     from megatron.core import dist_checkpointing
 
     from gpt_example import args as example_args
     from gpt_example import ckpt_verify, model as example_model
     from npuspeed.convert import hf_to_megatron, into_model
 
-    hf_model = make_hf(tmp_path / "hf", arch)
+    if case.endswith("yarn") and tuple(int(x) for x in megatron.core.__version__.split(".")[:2]) < (0, 15):
+        pytest.skip("YaRN with MLA converts on megatron-core 0.15 and later")
+    arch = case.removesuffix("_yarn")
+    hf_model = make_hf(tmp_path / "hf", arch, **CASES[case])
     done = hf_to_megatron.convert(str(tmp_path / "hf"), str(tmp_path / "mg"))
     args = example_args.parse_args(done["flags"] + ["--seq-length", "24", "--micro-batch-size", "2",
                                                     "--mock-data"])
