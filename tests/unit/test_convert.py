@@ -195,6 +195,46 @@ def test_deepseek_refuses_what_does_not_map(case):
     assert says in str(exc.value) and "\n" not in str(exc.value), str(exc.value)
 
 
+#: the released models' config.json fields that matter here (V3: its quantization_config left out,
+#: as after dequantizing to bf16)
+_V2_LITE = dict(architectures=["DeepseekV2ForCausalLM"], vocab_size=102400, hidden_size=2048, intermediate_size=10944,
+                moe_intermediate_size=1408, num_hidden_layers=27, num_attention_heads=16, num_key_value_heads=16,
+                n_shared_experts=2, n_routed_experts=64, routed_scaling_factor=1.0, kv_lora_rank=512, q_lora_rank=None,
+                qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128, topk_method="greedy", n_group=1,
+                topk_group=1, num_experts_per_tok=6, moe_layer_freq=1, first_k_dense_replace=1, norm_topk_prob=False,
+                scoring_func="softmax", aux_loss_alpha=0.001, hidden_act="silu", max_position_embeddings=163840,
+                rms_norm_eps=1e-6, rope_theta=10000, attention_bias=False,
+                rope_scaling={"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 0.707,
+                              "mscale_all_dim": 0.707, "original_max_position_embeddings": 4096, "type": "yarn"})
+_V3 = dict(_V2_LITE, architectures=["DeepseekV3ForCausalLM"], vocab_size=129280, hidden_size=7168,
+           intermediate_size=18432, moe_intermediate_size=2048, num_hidden_layers=61, num_nextn_predict_layers=1,
+           num_attention_heads=128, num_key_value_heads=128, n_shared_experts=1, n_routed_experts=256,
+           routed_scaling_factor=2.5, q_lora_rank=1536, topk_method="noaux_tc", n_group=8, topk_group=4,
+           num_experts_per_tok=8, first_k_dense_replace=3, norm_topk_prob=True, scoring_func="sigmoid",
+           rope_scaling=dict(_V2_LITE["rope_scaling"], mscale=1.0, mscale_all_dim=1.0))
+
+
+def test_released_deepseek_configs():
+    """DeepSeek-V3 and V2-Lite map; DeepSeek-V2 (236B) does not: Megatron ranks its 8 groups by the
+    sum of the best 6//3=2 scores, transformers by the best one."""
+    from npuspeed.convert import architectures, megatron_args
+    from npuspeed.errors import UserError
+
+    v3 = architectures.from_hf_config(_V3)
+    flags = " ".join(megatron_args.model_flags(v3, 128))
+    for part in ("--rope-type yarn --rotary-scaling-factor 40 --mscale 1 --mscale-all-dim 1",
+                 "--moe-router-num-groups 8 --moe-router-group-topk 4", "--moe-layer-freq [0]*3+[1]*58",
+                 "--moe-router-topk-scaling-factor 2.5", "--q-lora-rank 1536"):
+        assert part in flags, part
+    lite = architectures.from_hf_config(_V2_LITE)
+    assert lite.mla.q_lora_rank is None and lite.experts.shared_ffn_hidden_size == 2816
+    assert lite.experts.num_groups is None and lite.experts.pre_softmax
+    v2 = dict(_V2_LITE, q_lora_rank=1536, n_routed_experts=160, topk_method="group_limited_greedy", n_group=8,
+              topk_group=3)
+    with pytest.raises(UserError, match="topk_group=3 is not converted"):
+        architectures.from_hf_config(v2)
+
+
 def test_deepseek_mtp_layers_refused_or_dropped(tmp_path, capsys, megatron_mp):
     """DeepSeek-V3's multi-token-prediction layer (tensors of layer num_hidden_layers) is not in
     transformers' forward: one line naming --drop-mtp-layers, which leaves them out."""
