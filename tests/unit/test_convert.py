@@ -143,10 +143,15 @@ def test_deepseek_yarn(arch, mscale, tmp_path, megatron_mp):
     are within 2.4e-7 (0.16.1 and 0.19.2)."""
     from npuspeed.convert import hf_to_megatron
 
-    if _megatron_release() < (0, 15):
-        pytest.skip("YaRN with MLA converts on megatron-core 0.15 and later (refused before)")
     rope = dict(DEEPSEEK_YARN, mscale=float(mscale), mscale_all_dim=float(mscale))
     scaled = make_hf(tmp_path / "hf", arch, rope_parameters=rope, max_position_embeddings=163840)
+    if _megatron_release() < (0, 15):  # refused in one line there
+        from npuspeed.errors import UserError
+
+        with pytest.raises(UserError, match="YaRN RoPE scaling with multi-latent attention converts on "
+                                            "megatron-core 0.15, 0.16 and 0.19, not 0.1"):
+            hf_to_megatron.convert(str(tmp_path / "hf"), str(tmp_path / "mg"))
+        return
     plain = make_hf(tmp_path / "plain", arch, max_position_embeddings=163840)  # the same seed: the same weights
     tokens = torch.randint(0, VOCAB, (2, 48), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
