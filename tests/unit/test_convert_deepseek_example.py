@@ -80,3 +80,17 @@ def test_moe_layer_freq_pattern():
     assert moe_layer_freq("[0,1]*2") == [0, 1, 0, 1]
     with pytest.raises(Exception, match="use an int or terms"):
         moe_layer_freq("[2]*3")
+
+
+@pytest.mark.parametrize("extra,says", [(["--use-flash-attn"], "--use-flash-attn with --multi-latent-attention"),
+                                        (["--context-parallel-size", "2"], "--context-parallel-size with --multi"),
+                                        (["--moe-layer-freq", "[0]*3"], "--moe-layer-freq has 3 entries")])
+def test_example_refuses_what_mla_does_not_take(extra, says, monkeypatch):
+    from gpt_example import args as example_args
+    from npuspeed.errors import UserError
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    base = ["--multi-latent-attention", "--rope-type", "rope", "--q-lora-rank", "8", "--kv-lora-rank", "8",
+            "--mock-data"]
+    with pytest.raises(UserError, match=says.replace("[", r"\[")):
+        example_args.parse_args(base + extra)
