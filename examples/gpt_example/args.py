@@ -79,6 +79,8 @@ def _mla_and_routing(g):
     g.add_argument("--v-head-dim", type=int, default=128)
     g.add_argument("--rope-type", choices=["rope", "yarn"], default=None, help="MLA's RoPE (default: yarn, as "
                    "Megatron's MLA; its original context 4096, beta fast 32 and slow 1 are MLA's defaults)")
+    g.add_argument("--no-rope-fusion", action="store_true", help="Megatron-LM's flag; the example never fuses "
+                   "RoPE (apply_rope_fusion is off), so it only documents the run")
     g.add_argument("--rotary-scaling-factor", type=float, default=1.0, help="MLA's YaRN factor")
     g.add_argument("--mscale", type=float, default=1.0, help="MLA's YaRN mscale (cos/sin scaling)")
     g.add_argument("--mscale-all-dim", type=float, default=0.0, help="MLA's YaRN mscale_all_dim (softmax scaling)")

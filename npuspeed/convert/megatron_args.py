@@ -67,8 +67,8 @@ def _mla_flags(spec: ModelSpec) -> list[str]:
 
 
 def _mla_rope_flags(m) -> list[str]:
-    if m.yarn_factor is None:
-        return ["--rope-type", "rope"]
+    if m.yarn_factor is None:  # Megatron refuses RoPE fusion with MLA's plain RoPE (YaRN only)
+        return ["--rope-type", "rope", "--no-rope-fusion"]
     return ["--rope-type", "yarn", "--rotary-scaling-factor", _number(m.yarn_factor), "--mscale",
             _number(m.yarn_mscale), "--mscale-all-dim", _number(m.yarn_mscale_all_dim)]
 

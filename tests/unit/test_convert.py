@@ -107,8 +107,9 @@ def test_deepseek_rope_rows_must_be_permuted(tmp_path, megatron_mp, monkeypatch)
     assert diff > 1e-4, diff
 
 
-def test_deepseek_flags_megatron_lm_accepts(tmp_path, megatron_mp):
-    """The printed flags of a DeepSeek-V3 are Megatron-LM's (its own parser, where installed)."""
+def test_deepseek_flags_megatron_lm_accepts(tmp_path, megatron_mp, monkeypatch):
+    """The printed flags of a DeepSeek-V3 are Megatron-LM's: its parser, validate_args and
+    core_transformer_config_from_args take them (where megatron.training is installed: .venv312)."""
     from npuspeed.convert import hf_to_megatron
 
     make_hf(tmp_path / "hf", "deepseek_v3")
@@ -121,7 +122,7 @@ def test_deepseek_flags_megatron_lm_accepts(tmp_path, megatron_mp):
                  ["--moe-layer-freq", "[0]*1+[1]*1"], ["--moe-shared-expert-intermediate-size", "32"]):
         i = flags.index(pair[0])
         assert flags[i:i + 2] == pair
-    assert {"--multi-latent-attention", "--qk-layernorm", "--moe-router-enable-expert-bias"} <= set(flags)
+    assert {"--multi-latent-attention", "--qk-layernorm", "--moe-router-enable-expert-bias", "--no-rope-fusion"} <= set(flags)
     assert "--kv-channels" not in flags and "--moe-router-pre-softmax" not in flags
     arguments = pytest.importorskip("megatron.training.arguments")
     import argparse
@@ -129,6 +130,18 @@ def test_deepseek_flags_megatron_lm_accepts(tmp_path, megatron_mp):
     args = arguments.add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False)).parse_args(flags)
     assert args.multi_latent_attention and args.moe_layer_freq == [0, 1] and args.moe_router_enable_expert_bias
     assert (args.q_lora_rank, args.kv_lora_rank, args.v_head_dim, args.rope_type) == (24, 16, 12, "rope")
+    # and Megatron-LM's own checks and its MLATransformerConfig take them
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("RANK", "0")
+    args = arguments.add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False)).parse_args(
+        flags + ["--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "2",
+                 "--lr", "1e-4", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB)])
+    args.world_size, args.rank = 1, 0
+    arguments.validate_args(args, {})
+    config = arguments.core_transformer_config_from_args(args)
+    assert type(config).__name__ == "MLATransformerConfig" and config.moe_layer_freq == [0, 1]
+    assert (config.rope_type, config.moe_router_score_function, config.moe_router_topk_scaling_factor) == (
+        "rope", "sigmoid", 2.5)
 
 
 #: DeepSeek-V3's own YaRN settings (V2's: mscale and mscale_all_dim 0.707)
