@@ -1,6 +1,6 @@
 """Megatron's local DotProductAttention for multi-latent attention.
 
-megatron-core 0.16 and 0.19 build MLA's core attention with `k_channels` (query/key head size,
+megatron-core 0.12-0.19 build MLA's core attention with `k_channels` (query/key head size,
 qk_head_dim + qk_pos_emb_head_dim) and `v_channels` (v_head_dim), which only Transformer
 Engine's attention takes: the local spec's DotProductAttention rejects them, so
 `get_gpt_layer_local_spec(multi_latent_attention=True)` does not build. Its forward needs one

@@ -59,6 +59,9 @@ def test_example_runs_a_converted_deepseek(case, tmp_path, megatron_mp):
     ckpt_verify.verify_fits(common["run"], args, path)  # the example's own flags-vs-checkpoint check
     config = example_model.transformer_config(args)
     (chunk,) = example_model.build_model(args, config, args.padded_vocab_size)
+    attention = chunk.decoder.layers[0].self_attention.core_attention  # npuspeed's MLA core attention
+    assert type(attention).__name__ == "MLADotProductAttention"
+    assert attention.hidden_size_per_partition == args.num_attention_heads * args.v_head_dim
     chunk.load_state_dict(dist_checkpointing.load({"model": chunk.sharded_state_dict()}, path)["model"])
     diff = (_logits(chunk, tokens) - want).abs().max().item()
     assert diff <= 1e-5, diff
