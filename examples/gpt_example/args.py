@@ -60,11 +60,54 @@ def _model(p):
                    help="scale the shared experts' output by a learned sigmoid gate (Qwen2-MoE)")
     g.add_argument("--moe-router-load-balancing-type", choices=["aux_loss", "seq_aux_loss", "none"],
                    default="aux_loss")
+    _mla_and_routing(g)
     g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None)
     g.add_argument("--recompute-method", choices=["uniform", "block"], default=None)
     g.add_argument("--recompute-num-layers", type=int, default=None)
     g.add_argument("--transformer-impl", choices=["local"], default="local",
                    help="only Megatron-Core's local modules (no Transformer Engine)")
+
+
+def _mla_and_routing(g):
+    """DeepSeek-V2/V3 (Megatron-LM's names and defaults): multi-latent attention, whose q/kv
+    latent norms the local spec builds with --qk-layernorm, and DeepSeek's routing."""
+    g.add_argument("--multi-latent-attention", action="store_true")
+    g.add_argument("--q-lora-rank", type=int, default=None, help="query latent rank (default: no query latent)")
+    g.add_argument("--kv-lora-rank", type=int, default=32)
+    g.add_argument("--qk-head-dim", type=int, default=128, help="query/key head size without RoPE")
+    g.add_argument("--qk-pos-emb-head-dim", type=int, default=64, help="query/key head size with RoPE")
+    g.add_argument("--v-head-dim", type=int, default=128)
+    g.add_argument("--rope-type", choices=["rope", "yarn"], default=None, help="MLA's RoPE (default: yarn, as "
+                   "Megatron's MLA; its original context 4096, beta fast 32 and slow 1 are MLA's defaults)")
+    g.add_argument("--no-rope-fusion", action="store_true", help="Megatron-LM's flag; the example never fuses "
+                   "RoPE (apply_rope_fusion is off), so it only documents the run")
+    g.add_argument("--rotary-scaling-factor", type=float, default=1.0, help="MLA's YaRN factor")
+    g.add_argument("--mscale", type=float, default=1.0, help="MLA's YaRN mscale (cos/sin scaling)")
+    g.add_argument("--mscale-all-dim", type=float, default=0.0, help="MLA's YaRN mscale_all_dim (softmax scaling)")
+    g.add_argument("--moe-router-score-function", choices=["softmax", "sigmoid"], default="softmax")
+    g.add_argument("--moe-router-enable-expert-bias", action="store_true",
+                   help="a per-expert bias added to the scores for choosing experts only (DeepSeek-V3)")
+    g.add_argument("--moe-router-topk-scaling-factor", type=float, default=None)
+    g.add_argument("--moe-router-num-groups", type=int, default=None, help="group-limited routing: groups")
+    g.add_argument("--moe-router-group-topk", type=int, default=None, help="group-limited routing: groups kept")
+    g.add_argument("--moe-layer-freq", type=moe_layer_freq, default=1,
+                   help="N: every N-th layer MoE; or a pattern such as [0]*3+[1]*58 (0 dense, 1 MoE)")
+
+
+def moe_layer_freq(text: str):
+    """Megatron-LM's --moe-layer-freq without eval: an int, or terms `[0, 1, ...]*N` joined by +."""
+    import ast
+
+    if "[" not in text:
+        return int(text)
+    pattern = []
+    for term in text.replace(" ", "").split("+"):
+        body, _, times = term.partition("]*") if "]*" in term else (term[:-1], "", "1")
+        items = ast.literal_eval(body.lstrip("(") + "]")
+        if not isinstance(items, list) or any(i not in (0, 1) for i in items) or not times.rstrip(")").isdigit():
+            raise argparse.ArgumentTypeError(f"{text!r}: use an int or terms like [0]*3+[1]*5")
+        pattern += items * int(times.rstrip(")"))
+    return pattern
 
 
 def _parallel(p):

@@ -20,10 +20,16 @@ MODEL_FLAGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_he
                "kv_channels", "padded_vocab_size", "max_position_embeddings", "normalization", "swiglu",
                "position_embedding_type", "untie_embeddings_and_output_weights", "disable_bias_linear",
                "num_experts", "moe_ffn_hidden_size", "add_qkv_bias", "qk_layernorm",
-               "moe_shared_expert_intermediate_size", "moe_shared_expert_gate")
+               "moe_shared_expert_intermediate_size", "moe_shared_expert_gate", "multi_latent_attention",
+               "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim",
+               "moe_layer_freq", "moe_router_enable_expert_bias")
+#: MLA's sizes, which mean something only with --multi-latent-attention
+MLA_FLAGS = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")
 #: What a checkpoint written before a flag existed holds for it: that flag's default.
 _ADDED_LATER = {"add_qkv_bias": False, "qk_layernorm": False, "moe_shared_expert_intermediate_size": None,
-                "moe_shared_expert_gate": False}
+                "moe_shared_expert_gate": False, "multi_latent_attention": False, "q_lora_rank": None,
+                "kv_lora_rank": None, "qk_head_dim": None, "qk_pos_emb_head_dim": None, "v_head_dim": None,
+                "moe_layer_freq": 1, "moe_router_enable_expert_bias": False}
 
 
 def iter_dir(root: str, iteration: int) -> str:
@@ -31,7 +37,12 @@ def iter_dir(root: str, iteration: int) -> str:
 
 
 def model_fingerprint(args) -> dict:
-    return {name: getattr(args, name, None) for name in MODEL_FLAGS}
+    found = {name: getattr(args, name, None) for name in MODEL_FLAGS}
+    if not found["multi_latent_attention"]:
+        found.update(dict.fromkeys(MLA_FLAGS))
+    if found["moe_layer_freq"] is None:
+        found["moe_layer_freq"] = 1
+    return found
 
 
 def complete_iterations(root: str) -> list[int]:

@@ -9,6 +9,7 @@ shards SwiGLU's fused fc1 differently from its TP=1 layout).
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import zlib
 
@@ -19,6 +20,7 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer import TransformerConfig
 
 from npuspeed.convert import layout
+from npuspeed.convert.mla_core_attention import buildable
 
 
 def padded_vocab_size(vocab: int, args) -> int:
@@ -90,8 +92,43 @@ def transformer_config(args) -> TransformerConfig:
         fp16=args.fp16,
         deallocate_pipeline_outputs=True,
         deterministic_mode=args.deterministic_mode,
+        moe_router_score_function=args.moe_router_score_function,
+        moe_router_enable_expert_bias=args.moe_router_enable_expert_bias,
+        moe_router_topk_scaling_factor=args.moe_router_topk_scaling_factor,
+        moe_router_num_groups=args.moe_router_num_groups,
+        moe_router_group_topk=args.moe_router_group_topk,
+        moe_layer_freq=args.moe_layer_freq,
     )
+    if args.multi_latent_attention:
+        return _mla_config(args, kwargs)
     return TransformerConfig(**_supported(TransformerConfig, kwargs))
+
+
+def _mla_config(args, kwargs: dict):
+    """Megatron's MLATransformerConfig (DeepSeek-V2/V3) as Megatron-LM makes it from these flags
+    (rope type yarn unless given; --rotary-scaling-factor 1 by default, which also keeps
+    megatron-core 0.12/0.13's softmax scale 1/sqrt(head size) with plain RoPE)."""
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    kwargs.update(multi_latent_attention=True, q_lora_rank=args.q_lora_rank, kv_lora_rank=args.kv_lora_rank,
+                  qk_head_dim=args.qk_head_dim, qk_pos_emb_head_dim=args.qk_pos_emb_head_dim,
+                  v_head_dim=args.v_head_dim, rope_type=args.rope_type or "yarn", rotary_base=args.rotary_base,
+                  rotary_percent=args.rotary_percent, rotary_scaling_factor=args.rotary_scaling_factor,
+                  mscale=args.mscale, mscale_all_dim=args.mscale_all_dim, transformer_impl="local")
+    return MLATransformerConfig(**_supported(MLATransformerConfig, kwargs))
+
+
+def _block_spec(args, config, stage):
+    """Per-layer specs where layers differ (dense first layers, MLA); None: one layer spec fits."""
+    if not args.multi_latent_attention and args.moe_layer_freq == 1:
+        return None
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    from npuspeed.convert.mla_core_attention import local_mla_spec
+
+    spec = get_gpt_decoder_block_spec(**_supported(get_gpt_decoder_block_spec, dict(
+        config=config, use_transformer_engine=False, normalization=args.normalization, vp_stage=stage)))
+    return local_mla_spec(spec) if args.multi_latent_attention else spec
 
 
 def _grouped_gemm(args) -> bool:
@@ -126,7 +163,8 @@ def build_model(args, config: TransformerConfig, vocab_size: int) -> list[torch.
         post = mpu.is_pipeline_last_stage(**_supported(mpu.is_pipeline_last_stage, dict(
             ignore_virtual=False, vp_stage=stage if vpp else None)))
         kwargs = dict(
-            config=config, transformer_layer_spec=spec, vocab_size=vocab_size,
+            config=config, transformer_layer_spec=_block_spec(args, config, stage if vpp else None) or spec,
+            vocab_size=vocab_size,
             max_sequence_length=args.max_position_embeddings, pre_process=pre, post_process=post,
             parallel_output=True,
             share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
@@ -135,7 +173,8 @@ def build_model(args, config: TransformerConfig, vocab_size: int) -> list[torch.
             rope_scaling=args.use_rope_scaling, rope_scaling_factor=args.rope_scaling_factor,
             vp_stage=stage if vpp else None,
         )
-        chunks.append(GPTModel(**_supported(GPTModel.__init__, kwargs)))
+        with buildable() if args.multi_latent_attention else contextlib.nullcontext():
+            chunks.append(GPTModel(**_supported(GPTModel.__init__, kwargs)))
     if vpp:
         mpu.set_virtual_pipeline_model_parallel_rank(0)
     return chunks

@@ -75,6 +75,20 @@ def _attention(args) -> None:
                                 f"{tp}: each rank needs whole query groups")
     ffn = args.ffn_hidden_size
     _need(ffn % tp == 0, f"--ffn-hidden-size {ffn} is not divisible by --tensor-model-parallel-size {tp}")
+    if args.multi_latent_attention:
+        _need(not args.group_query_attention, "--multi-latent-attention excludes --group-query-attention")
+        # npuspeed's attention replacements assume one head size for queries, keys and values
+        for flag, on in (("--use-flash-attn", getattr(args, "use_flash_attn", False)),
+                         ("--context-parallel-size", args.context_parallel_size > 1)):
+            _need(not on, f"{flag} with --multi-latent-attention is not supported by npuspeed yet (MLA's value "
+                          "heads differ from its query/key heads): drop it")
+    else:
+        _need(args.rope_type is None, f"--rope-type {args.rope_type} is multi-latent attention's; drop it or add "
+                                      "--multi-latent-attention")
+    freq = args.moe_layer_freq
+    if isinstance(freq, list):
+        _need(len(freq) == args.num_layers, f"--moe-layer-freq has {len(freq)} entries for --num-layers "
+                                            f"{args.num_layers}: give one per layer")
 
 
 def _sequence(args) -> None:

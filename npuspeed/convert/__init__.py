@@ -5,6 +5,8 @@
   file and (a view of) the parameter they belong to; host_memory: freed memory given back
 - architectures: which config.json converts, and the ModelSpec it describes
 - names: HF tensors <-> Megatron global parameters (fused QKV and fc1, vocabulary padding)
+- deepseek: DeepSeek-V2/V3 (MLA, their routing, shared experts, dense first layers, YaRN);
+  mla_core_attention: what lets the local spec build MLA
 - layout: a global tensor <-> one rank's shard of a TP/PP/EP layout (the example uses it too)
 - megatron_model: the whole local-spec GPTModel in one process
 - megatron_args: the Megatron flags that describe a converted model

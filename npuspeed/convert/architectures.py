@@ -24,7 +24,9 @@ MOE = {
     "Qwen2MoeForCausalLM": (True, False),
     "Qwen3MoeForCausalLM": (False, True),
 }
-SUPPORTED = {**DENSE, **MOE}
+#: multi-latent attention and DeepSeek's routing (npuspeed/convert/deepseek.py)
+DEEPSEEK = {"DeepseekV2ForCausalLM": (False, False), "DeepseekV3ForCausalLM": (False, False)}
+SUPPORTED = {**DENSE, **MOE, **DEEPSEEK}
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,29 @@ class Experts:
     aux_loss_coeff: float
     shared_ffn_hidden_size: int | None = None  # one shared expert every token goes through (Qwen2-MoE)
     shared_gate: bool = False  # its output scaled by sigmoid(x . w), w of shape [1, hidden]
+    score_function: str = "softmax"  # DeepSeek-V3: "sigmoid"
+    expert_bias: bool = False  # V3's e_score_correction_bias, added to the scores for choosing only
+    scaling_factor: float | None = None  # routed_scaling_factor: the chosen weights times this
+    num_groups: int | None = None  # group-limited routing: experts in groups, the best group_topk groups
+    group_topk: int | None = None
+    dense_layers: int = 0  # DeepSeek's first_k_dense_replace: the first layers have a plain MLP
+
+
+@dataclass(frozen=True)
+class MLA:
+    """Multi-latent attention's sizes (DeepSeek-V2/V3); `q_lora_rank` None: one query projection.
+    `hf_rope_interleaved`: the Hugging Face rotary dimensions come in pairs (x0, x1), (x2, x3), as
+    Megatron's MLA takes them; False (V3's rope_interleave false): halves, rows permuted here."""
+
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_head_dim: int  # qk_nope_head_dim
+    qk_pos_emb_head_dim: int  # qk_rope_head_dim
+    v_head_dim: int
+    hf_rope_interleaved: bool
+    yarn_factor: float | None = None  # YaRN on the RoPE part (None: plain RoPE), with its two mscales
+    yarn_mscale: float = 1.0
+    yarn_mscale_all_dim: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -61,7 +86,8 @@ class ModelSpec:
     qkv_bias: bool
     qk_norm: bool
     experts: Experts | None = None
-    attention_dropout: float = 0.0  # training only; these models have no other dropout
+    attention_dropout: float = 0.0
+    mla: MLA | None = None  # training only; these models have no other dropout
 
     @property
     def heads_per_group(self) -> int:
@@ -121,6 +147,10 @@ def from_hf_config(cfg: dict) -> ModelSpec:
         raise UserError(f"config.json architectures={archs!r}: not convertible (supported: "
                         f"{', '.join(SUPPORTED)})")
     arch = archs[0]
+    if arch in DEEPSEEK:
+        from npuspeed.convert import deepseek
+
+        return deepseek.from_hf_config(arch, cfg)
     qkv_bias, qk_norm = SUPPORTED[arch]
     _check_plain(arch, cfg)
     heads = int(cfg["num_attention_heads"])
@@ -169,8 +199,13 @@ def check_layout(spec: ModelSpec, tp: int, pp: int, vpp_layers: int | None, ep: 
     """The layout's flags against the model: one line for the first that cannot take it."""
     flag = "--tensor-model-parallel-size"
     counts = [("attention heads", spec.num_attention_heads), ("key/value heads", spec.num_query_groups)]
-    if spec.experts is None:
+    if spec.experts is None or spec.experts.dense_layers:
         counts.append(("FFN width (intermediate_size)", spec.ffn_hidden_size))
+    if spec.experts is not None and spec.experts.shared_ffn_hidden_size:
+        counts.append(("shared experts' FFN width", spec.experts.shared_ffn_hidden_size))
+    if spec.mla is not None:  # megatron-core 0.16's local spec splits the down projections over TP too
+        counts += [("q_lora_rank", spec.mla.q_lora_rank or tp),
+                   ("rows of kv_a_proj_with_mqa", spec.mla.kv_lora_rank + spec.mla.qk_pos_emb_head_dim)]
     for what, count in counts:
         if count % tp:
             raise UserError(f"{flag} {tp}: the model's {count} {what} do not split over {tp} ranks; "

@@ -29,6 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="ranks each expert is split over (default: the TP size)")
     h2m.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
                      help="the vocabulary is padded to a multiple of this x TP (Megatron-LM's default 128)")
+    h2m.add_argument("--drop-mtp-layers", action="store_true", help="DeepSeek-V3: leave out the multi-token-"
+                     "prediction layers' tensors (transformers' forward does not use them)")
     precision = h2m.add_mutually_exclusive_group()
     for name in ("bf16", "fp16", "fp32"):
         precision.add_argument(f"--{name}", dest="precision", action="store_const", const=name,
@@ -56,7 +58,10 @@ def main(argv: list[str]) -> int:
                 args.hf, args.save, tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
                 vpp_layers=args.num_layers_per_virtual_pipeline_stage, ep=args.expert_model_parallel_size,
                 etp=args.expert_tensor_parallel_size,
-                divisible_by=args.make_vocab_size_divisible_by, precision=args.precision)
+                divisible_by=args.make_vocab_size_divisible_by, precision=args.precision,
+                drop_mtp=args.drop_mtp_layers)
+            if done["dropped"]:
+                print(f"npuspeed convert: left out {done['dropped']} multi-token-prediction tensors (--drop-mtp-layers)")
             print(f"npuspeed convert: {done['spec'].architecture} -> {done['save']} (iteration 0, padded "
                   f"vocabulary {done['padded_vocab_size']})")
             print(f"Megatron flags (also in {done['save']}/{hf_to_megatron.ARGS_FILE}):")

@@ -36,11 +36,18 @@ def default_precision(config: dict) -> str:
     return _PRECISION_OF_DTYPE.get(str(config.get("dtype") or config.get("torch_dtype") or ""), "fp32")
 
 
-def _check_tensor_set(reader: hf_files.HFReader, groups: list[names.Group], spec) -> None:
+def _check_tensor_set(reader: hf_files.HFReader, groups: list[names.Group], spec, drop_mtp: bool = False) -> int:
+    """Every tensor mapped and every mapped tensor there; returns how many MTP tensors are left out."""
+    from npuspeed.convert import deepseek
+
     wanted = {n for g in groups for n in g.hf}
     ignored = {"lm_head.weight"} if spec.tied_embeddings else set()
     unmapped = [n for n in reader.names()
                 if n not in wanted and n not in ignored and not n.endswith(names.IGNORED_SUFFIXES)]
+    mtp = [n for n in unmapped if deepseek.mtp_layer(spec, n) is not None]
+    if mtp and not drop_mtp:
+        raise deepseek.mtp_layer(spec, mtp[0])
+    unmapped = [n for n in unmapped if n not in mtp]
     if unmapped:
         raise UserError(f"--hf {reader.root}: tensor {unmapped[0]} (and {len(unmapped) - 1} more) is not mapped "
                         f"for {spec.architecture}; the checkpoint holds weights this converter would drop")
@@ -48,6 +55,7 @@ def _check_tensor_set(reader: hf_files.HFReader, groups: list[names.Group], spec
     if absent:
         raise UserError(f"--hf {reader.root}: tensor {absent[0]} (and {len(absent) - 1} more) is missing; "
                         f"is it a complete {spec.architecture} checkpoint?")
+    return len(mtp)
 
 
 def _materializer(groups: list[names.Group], params: dict, reader: hf_files.HFReader, dtype, errors: list):
@@ -57,19 +65,20 @@ def _materializer(groups: list[names.Group], params: dict, reader: hf_files.HFRe
     torch.distributed.checkpoint wraps what the planner raises, and the one line must survive that."""
     by_name = {g.megatron: g for g in groups}
 
-    def fused(group, shape) -> torch.Tensor:  # a group without views: build it from whole HF tensors
+    def fused(group, shape, kind) -> torch.Tensor:  # a group without views: build it from whole HF tensors
         full = group.to_megatron([reader.read(n) for n in group.hf])
         if tuple(full.shape) != shape:
             raise UserError(f"--hf {reader.root}: {', '.join(group.hf)} make a {tuple(full.shape)} tensor, "
                             f"config.json implies {shape} for {group.megatron}")
-        return full.to(dtype)
+        return full.to(kind)
 
     def materialize(name: str) -> torch.Tensor:
         try:
             group, shape = by_name[name], tuple(params[name].shape)
+            kind = params[name].dtype  # the run's precision; Megatron's expert_bias stays fp32
             if group.views is None:
-                return fused(group, shape)
-            out = torch.empty(shape, dtype=dtype)
+                return fused(group, shape, kind)
+            out = torch.empty(shape, dtype=kind)
             parts = group.views(out)
             if sum(p.numel() for p in parts) != out.numel():
                 out.zero_()  # rows no HF tensor fills: the vocabulary's padding
@@ -88,8 +97,8 @@ def _materializer(groups: list[names.Group], params: dict, reader: hf_files.HFRe
 
 
 def convert(hf: str, save: str, *, tp: int = 1, pp: int = 1, vpp_layers: int | None = None, ep: int = 1,
-            etp: int | None = None, divisible_by: int = 128, precision: str | None = None) -> dict:
-    """Convert; return {"save", "flags", "spec", "padded_vocab_size"}."""
+            etp: int | None = None, divisible_by: int = 128, precision: str | None = None, drop_mtp: bool = False) -> dict:
+    """Convert; return {"save", "flags", "spec", "padded_vocab_size", "dropped"}."""
     megatron_model.runtime_first()
     reader = hf_files.HFReader(hf)
     spec = architectures.from_hf_config(reader.config)
@@ -97,7 +106,7 @@ def convert(hf: str, save: str, *, tp: int = 1, pp: int = 1, vpp_layers: int | N
     precision = precision or default_precision(reader.config)
     padded = layout.padded_vocab_size(spec.vocab_size, divisible_by, tp)
     groups = names.groups(spec, padded)
-    _check_tensor_set(reader, groups, spec)
+    dropped = _check_tensor_set(reader, groups, spec, drop_mtp)
     flags = megatron_args.model_flags(spec, divisible_by) + megatron_args.layout_flags(tp, pp, vpp_layers, precision, ep, etp)
     staging.check_target(save)
     with megatron_model.single_rank(), host_memory.cache_off(), staging.staged(save) as tmp:
@@ -127,4 +136,4 @@ def convert(hf: str, save: str, *, tp: int = 1, pp: int = 1, vpp_layers: int | N
             f.write(" ".join(flags) + "\n")
         with open(os.path.join(tmp, HF_CONFIG_FILE), "w") as f:
             json.dump(reader.config, f, indent=2, sort_keys=True)
-    return {"save": os.path.abspath(save), "flags": flags, "spec": spec, "padded_vocab_size": padded}
+    return {"save": os.path.abspath(save), "flags": flags, "spec": spec, "padded_vocab_size": padded, "dropped": dropped}

@@ -47,7 +47,9 @@ def load_into(chunks, hf: str, padded_vocab: int, model_flags: dict | None = Non
     num_local = spec.experts.num_experts // ep_size if spec.experts else 0
     filled = 0
     for chunk in chunks:
-        for name, param in chunk.named_parameters():
+        # DeepSeek-V3's routing bias is a buffer (Megatron's router.expert_bias), not a parameter
+        bias = [(n, b) for n, b in chunk.named_buffers() if n.endswith("router.expert_bias")]
+        for name, param in list(chunk.named_parameters()) + bias:
             gname = layout.global_name(name, chunk, num_local, ep_rank)
             group = by_name.get(gname)
             if group is None:

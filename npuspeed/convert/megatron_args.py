@@ -21,7 +21,9 @@ def model_flags(spec: ModelSpec, divisible_by: int) -> list[str]:
              "--ffn-hidden-size", str(spec.ffn_hidden_size), "--num-attention-heads", str(spec.num_attention_heads)]
     if spec.num_query_groups != spec.num_attention_heads:
         flags += ["--group-query-attention", "--num-query-groups", str(spec.num_query_groups)]
-    if spec.kv_channels * spec.num_attention_heads != spec.hidden_size:
+    if spec.mla is not None:
+        flags += _mla_flags(spec)
+    elif spec.kv_channels * spec.num_attention_heads != spec.hidden_size:
         flags += ["--kv-channels", str(spec.kv_channels)]
     flags += ["--max-position-embeddings", str(spec.max_position_embeddings),
               "--normalization", "RMSNorm", "--norm-epsilon", repr(spec.norm_epsilon), "--swiglu",
@@ -48,13 +50,56 @@ def model_flags(spec: ModelSpec, divisible_by: int) -> list[str]:
             flags += ["--moe-shared-expert-intermediate-size", str(experts.shared_ffn_hidden_size)]
         if experts.shared_gate:
             flags.append("--moe-shared-expert-gate")
+        flags += _routing_flags(spec)
+    return flags
+
+
+def _mla_flags(spec: ModelSpec) -> list[str]:
+    """Multi-latent attention (Megatron-LM's names); --qk-layernorm gives the local spec its
+    q/kv latent norms; --rope-type always (MLA's default would be YaRN)."""
+    m = spec.mla
+    flags = ["--multi-latent-attention"]
+    if m.q_lora_rank is not None:
+        flags += ["--q-lora-rank", str(m.q_lora_rank)]
+    return flags + ["--kv-lora-rank", str(m.kv_lora_rank), "--qk-head-dim", str(m.qk_head_dim),
+                    "--qk-pos-emb-head-dim", str(m.qk_pos_emb_head_dim), "--v-head-dim", str(m.v_head_dim),
+                    "--qk-layernorm", *_mla_rope_flags(m)]
+
+
+def _mla_rope_flags(m) -> list[str]:
+    if m.yarn_factor is None:  # Megatron refuses RoPE fusion with MLA's plain RoPE (YaRN only)
+        return ["--rope-type", "rope", "--no-rope-fusion"]
+    return ["--rope-type", "yarn", "--rotary-scaling-factor", _number(m.yarn_factor), "--mscale",
+            _number(m.yarn_mscale), "--mscale-all-dim", _number(m.yarn_mscale_all_dim)]
+
+
+def _routing_flags(spec: ModelSpec) -> list[str]:
+    """DeepSeek's routing and dense first layers (--moe-layer-freq: Megatron-LM's list pattern)."""
+    e, flags = spec.experts, []
+    if e.score_function != "softmax":
+        flags += ["--moe-router-score-function", e.score_function]
+    if e.expert_bias:
+        flags.append("--moe-router-enable-expert-bias")
+    if e.scaling_factor is not None:
+        flags += ["--moe-router-topk-scaling-factor", _number(e.scaling_factor)]
+    if e.num_groups is not None:
+        flags += ["--moe-router-num-groups", str(e.num_groups), "--moe-router-group-topk", str(e.group_topk)]
+    if e.dense_layers:
+        flags += ["--moe-layer-freq", f"[0]*{e.dense_layers}+[1]*{spec.num_layers - e.dense_layers}"]
     return flags
 
 
 def fingerprint(spec: ModelSpec, padded_vocab: int) -> dict:
     """The example's model description (ckpt_verify.MODEL_FLAGS) of a run with `model_flags`."""
-    explicit_kv = spec.kv_channels * spec.num_attention_heads != spec.hidden_size
+    explicit_kv = spec.mla is None and spec.kv_channels * spec.num_attention_heads != spec.hidden_size
+    m, e = spec.mla, spec.experts
+    dense = e.dense_layers if e else 0
     return {
+        "multi_latent_attention": m is not None, "q_lora_rank": m.q_lora_rank if m else None,
+        "kv_lora_rank": m.kv_lora_rank if m else None, "qk_head_dim": m.qk_head_dim if m else None,
+        "qk_pos_emb_head_dim": m.qk_pos_emb_head_dim if m else None, "v_head_dim": m.v_head_dim if m else None,
+        "moe_layer_freq": [0] * dense + [1] * (spec.num_layers - dense) if dense else 1,
+        "moe_router_enable_expert_bias": bool(e and e.expert_bias),
         "num_layers": spec.num_layers, "hidden_size": spec.hidden_size, "ffn_hidden_size": spec.ffn_hidden_size,
         "num_attention_heads": spec.num_attention_heads, "num_query_groups": spec.num_query_groups,
         "kv_channels": spec.kv_channels if explicit_kv else None, "padded_vocab_size": padded_vocab,
@@ -62,7 +107,7 @@ def fingerprint(spec: ModelSpec, padded_vocab: int) -> dict:
         "position_embedding_type": "rope", "untie_embeddings_and_output_weights": not spec.tied_embeddings,
         "disable_bias_linear": True, "num_experts": spec.experts.num_experts if spec.experts else None,
         "moe_ffn_hidden_size": spec.experts.ffn_hidden_size if spec.experts else None,
-        "add_qkv_bias": spec.qkv_bias, "qk_layernorm": spec.qk_norm,
+        "add_qkv_bias": spec.qkv_bias, "qk_layernorm": spec.qk_norm or spec.mla is not None,  # MLA: latent norms
         "moe_shared_expert_intermediate_size": spec.experts.shared_ffn_hidden_size if spec.experts else None,
         "moe_shared_expert_gate": bool(spec.experts and spec.experts.shared_gate),
     }

@@ -104,7 +104,56 @@ def transformer_config(spec: ModelSpec, dtype: torch.dtype):
                       moe_token_dispatcher_type="alltoall", moe_grouped_gemm=False,
                       moe_shared_expert_intermediate_size=spec.experts.shared_ffn_hidden_size,
                       moe_shared_expert_gate=spec.experts.shared_gate)
+    if spec.mla is not None:
+        return _mla_config(spec, kwargs)
     return TransformerConfig(**_supported(TransformerConfig, kwargs))
+
+
+#: megatron-core releases whose local-spec MLA the DeepSeek conversion is tested on (logits and
+#: round trip): (major, minor)
+MLA_RELEASES = ((0, 12), (0, 13), (0, 14), (0, 15), (0, 16), (0, 19))
+
+
+def _mla_config(spec: ModelSpec, kwargs: dict):
+    """MLATransformerConfig of a DeepSeek model: plain RoPE on the rotary part (rope_type rope,
+    so softmax scale 1/sqrt(qk_head_dim + qk_pos_emb_head_dim)), the q/kv latent norms as the
+    local spec's qk_layernorm, and DeepSeek's routing and dense first layers."""
+    import megatron.core
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    version = getattr(megatron.core, "__version__", "?")
+    release = tuple(int(x) for x in version.split(".")[:2] if x.isdigit())
+    if release not in MLA_RELEASES:
+        raise UserError(f"{spec.architecture}: multi-latent attention conversion is tested on megatron-core "
+                        f"{', '.join('%d.%d' % r for r in MLA_RELEASES)}, not {version}; use one of those")
+    m, e = spec.mla, spec.experts
+    if m.q_lora_rank is None and release >= (0, 19):
+        raise UserError(f"{spec.architecture}: q_lora_rank null (one query projection, as DeepSeek-V2-Lite): "
+                        f"megatron-core {version}'s MLA then builds the query projection as a fused norm+linear, "
+                        "which the local spec has not (Transformer Engine only); convert with megatron-core 0.16")
+    kwargs.update(multi_latent_attention=True, q_lora_rank=m.q_lora_rank, kv_lora_rank=m.kv_lora_rank,
+                  qk_head_dim=m.qk_head_dim, qk_pos_emb_head_dim=m.qk_pos_emb_head_dim, v_head_dim=m.v_head_dim,
+                  transformer_impl="local", rotary_base=spec.rotary_base, rotary_percent=1.0, qk_layernorm=True,
+                  **_mla_rope(m, release),
+                  moe_router_score_function=e.score_function, moe_router_enable_expert_bias=e.expert_bias,
+                  moe_router_topk_scaling_factor=e.scaling_factor, moe_router_num_groups=e.num_groups,
+                  moe_router_group_topk=e.group_topk,
+                  moe_layer_freq=[0] * e.dense_layers + [1] * (spec.num_layers - e.dense_layers))
+    return MLATransformerConfig(**_supported(MLATransformerConfig, kwargs))
+
+
+def _mla_rope(m, release: tuple) -> dict:
+    """Plain RoPE (rotary_scaling_factor 1: megatron-core 0.12/0.13 scale the softmax by YaRN's
+    mscale of it even then), or YaRN with DeepSeek's settings."""
+    if m.yarn_factor is None:
+        return dict(rope_type="rope", rotary_scaling_factor=1.0)
+    if release < (0, 15):  # 0.12/0.13 scale the softmax by mscale, not mscale_all_dim; 0.14 cannot build on meta
+        raise UserError(f"YaRN RoPE scaling with multi-latent attention converts on megatron-core 0.15, 0.16 and "
+                        f"0.19, not 0.{release[1]}; use one of those")
+    from npuspeed.convert.deepseek import YARN_FIXED
+
+    return dict(rope_type="yarn", rotary_scaling_factor=m.yarn_factor, mscale=m.yarn_mscale,
+                mscale_all_dim=m.yarn_mscale_all_dim, **YARN_FIXED)
 
 
 def build(spec: ModelSpec, padded_vocab: int, dtype: torch.dtype):
@@ -114,10 +163,19 @@ def build(spec: ModelSpec, padded_vocab: int, dtype: torch.dtype):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    layer_spec = get_gpt_layer_local_spec(**_supported(get_gpt_layer_local_spec, dict(
-        qk_layernorm=spec.qk_norm, normalization="RMSNorm",
-        num_experts=spec.experts.num_experts if spec.experts else None, moe_grouped_gemm=False)))
-    kwargs = dict(config=transformer_config(spec, dtype), transformer_layer_spec=layer_spec,
+    config = transformer_config(spec, dtype)
+    if spec.mla is not None:  # per-layer specs: MLA everywhere, dense MLPs in the first layers
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+        from npuspeed.convert.mla_core_attention import local_mla_spec
+
+        layer_spec = local_mla_spec(get_gpt_decoder_block_spec(config, use_transformer_engine=False,
+                                                               normalization="RMSNorm"))
+    else:
+        layer_spec = get_gpt_layer_local_spec(**_supported(get_gpt_layer_local_spec, dict(
+            qk_layernorm=spec.qk_norm, normalization="RMSNorm",
+            num_experts=spec.experts.num_experts if spec.experts else None, moe_grouped_gemm=False)))
+    kwargs = dict(config=config, transformer_layer_spec=layer_spec,
                   vocab_size=padded_vocab, max_sequence_length=spec.max_position_embeddings,
                   pre_process=mpu.is_pipeline_first_stage(), post_process=mpu.is_pipeline_last_stage(),
                   parallel_output=True,
@@ -132,7 +190,14 @@ def build(spec: ModelSpec, padded_vocab: int, dtype: torch.dtype):
                         "rope_scaling_factor: Llama 3's RoPE scaling needs megatron-core 0.13 or later")
     # every parameter in the run's precision, norms included (torch's norms ignore params_dtype;
     # Megatron's Float16Module casts them the same way in a bf16/fp16 run)
-    return GPTModel(**_supported(GPTModel.__init__, kwargs)).to(dtype)
+    from npuspeed.convert.mla_core_attention import buildable
+
+    with buildable() if spec.mla is not None else contextlib.nullcontext():
+        model = GPTModel(**_supported(GPTModel.__init__, kwargs)).to(dtype)
+    for name, buf in model.named_buffers():  # Megatron keeps (and saves) the router's expert bias in fp32
+        if name.endswith("router.expert_bias"):
+            buf.data = buf.data.float()
+    return model
 
 
 def check_names(model, expected: list[str]) -> dict:
@@ -142,6 +207,7 @@ def check_names(model, expected: list[str]) -> dict:
     import megatron.core
 
     params = dict(model.named_parameters())
+    params.update((n, b) for n, b in model.named_buffers() if n.endswith("router.expert_bias"))
     extra = sorted(set(params) - set(expected))
     missing = sorted(set(expected) - set(params))
     if extra or missing:

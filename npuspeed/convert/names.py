@@ -12,7 +12,7 @@ q_layernorm/k_layernorm), unlike Transformer Engine's spec, which folds them int
 (the local spec's sharded_state_dict stores them under TE's keys, linear_qkv.layer_norm_weight
 and linear_fc1.layer_norm_weight, which is dist_checkpointing's business, not this mapping's).
 MoE layers: the router, each expert's SwiGLU as SequentialMLP's local_experts.<global j>, and
-Qwen2-MoE's shared expert with its gate.
+Qwen2-MoE's shared expert with its gate. DeepSeek-V2/V3 layers: npuspeed/convert/deepseek.py.
 """
 from __future__ import annotations
 
@@ -83,6 +83,10 @@ def pad_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 def _layer(spec: ModelSpec, i: int) -> list[Group]:
+    if spec.mla is not None:  # DeepSeek's multi-latent attention and MoE layout
+        from npuspeed.convert import deepseek
+
+        return deepseek.layer_groups(spec, i)
     hf, mg = f"model.layers.{i}.", f"decoder.layers.{i}."
     attn = hf + "self_attn."
     qkv = tuple(f"{attn}{p}_proj.weight" for p in "qkv")

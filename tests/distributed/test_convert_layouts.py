@@ -33,8 +33,10 @@ CASES = {  # name: (architecture, config overrides)
     "llama": ("llama", {}), "mistral": ("mistral", {}), "qwen2": ("qwen2", {}),
     "qwen3-tied": ("qwen3", {"tie_word_embeddings": True}), "mixtral": ("mixtral", {}),
     "qwen2-moe": ("qwen2_moe", {}), "qwen3-moe": ("qwen3_moe", {}),
+    # MLA; V3: sigmoid routing with its bias, 2 groups; V2: softmax, group-limited (2 layers: one dense)
+    "deepseek-v3": ("deepseek_v3", {}), "deepseek-v2": ("deepseek_v2", {}),
 }
-MOE = {"mixtral", "qwen2-moe", "qwen3-moe"}
+MOE = {"mixtral", "qwen2-moe", "qwen3-moe", "deepseek-v3", "deepseek-v2"}
 WORLD = 4
 LAYOUTS = [dict(name="tp2", tp=2, pp=1, ep=1, etp=None), dict(name="pp2", tp=1, pp=2, ep=1, etp=None),
            dict(name="tp2pp2", tp=2, pp=2, ep=1, etp=None, save=True),
@@ -44,8 +46,12 @@ MISTAKES = [dict(case="llama", layout="tp2", mistake="fc1-contiguous"),
 PAIRS = [(c, lay["name"]) for lay in LAYOUTS for c in CASES if lay["ep"] == 1 or c in MOE]
 SAVED = [(c, lay) for c, lay in PAIRS if lay in {x["name"] for x in LAYOUTS if x.get("save")}]
 HOLDERS = {"tp2": 4, "pp2": 2, "tp2pp2": 2, "ep2": 4}  # ranks with the logits: the last stage, 2 or 1 data-parallel
-WRITTEN_BY = {"tp2pp2": "decoder.layers.self_attention.linear_qkv.weight",  # a TP x PP split tensor
-              "ep2": "decoder.layers.mlp.experts.experts.linear_fc1.weight"}  # experts 0-1 and 2-3
+WRITTEN_BY = {"tp2pp2": ("decoder.layers.self_attention.linear_qkv.weight", {0, 1, 2, 3}),  # split TP x PP
+              "ep2": ("decoder.layers.mlp.experts.experts.linear_fc1.weight", {0, 1})}  # experts 0-1 and 2-3
+#: DeepSeek's layers differ (a dense first layer), so Megatron stores each layer under its own key:
+#: the first stage's TP ranks write layer 0's query projection
+WRITTEN_BY_MLA = {"tp2pp2": ("decoder.layers.0.self_attention.linear_q_up_proj.weight", {0, 1}),
+                  "ep2": ("decoder.layers.1.mlp.experts.experts.linear_fc1.weight", {0, 1})}
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +119,8 @@ def test_round_trip_through_a_megatron_save(converted, launched, case, layout):
     tmp, cases = converted
     saved = Path(cases[case]["saves"]) / layout
     # saved from that layout: every rank that holds a part of the tensor wrote it
-    assert _writers(saved / "iter_0000001", WRITTEN_BY[layout]) == set(range(4 if layout == "tp2pp2" else 2))
+    key, writers = (WRITTEN_BY_MLA if case.startswith("deepseek") else WRITTEN_BY)[layout]
+    assert _writers(saved / "iter_0000001", key) == writers
     back = tmp / case / f"back_{layout}"
     megatron_to_hf.convert(str(saved), str(back), hf_config=cases[case]["hf"], max_shard_bytes=40_000)
     before, after = hf_tensors(cases[case]["hf"]), hf_tensors(back)
