@@ -71,16 +71,23 @@ def test_mixtral_at_ep2(tmp_path, megatron_mp):
     for other in (ep2, direct, grouped):
         assert abs(other["losses"][0] - ep1["losses"][0]) <= 1e-5, (ep1["losses"], other["losses"])
     # GroupedMLP's checkpoint holds the experts as SequentialMLP does: it converts back too
-    _cli("megatron-to-hf", "--load", str(tmp_path / "grouped_saved"), "--save", str(tmp_path / "back"),
-         "--hf-config", str(tmp_path / "hf"))
+    gap, _ = back_to_hf(tmp_path, "grouped_saved", 1)
+    assert gap <= 1e-5, gap
+
+
+def back_to_hf(tmp, saved: str, iteration: int):
+    """`megatron-to-hf` of the example's save `tmp/saved` (the original config from `tmp/hf`) into
+    `tmp/back`: (the largest gap between transformers' logits of it and the Megatron model's, the
+    logits of tokens that transformers gives from it)."""
+    out = _cli("megatron-to-hf", "--load", str(tmp / saved), "--save", str(tmp / "back"), "--hf-config", str(tmp / "hf"))
+    assert "-> " in out  # what went where, printed
     from hf_tiny import VOCAB, megatron_logits_at
 
     tokens = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(3))
-    logits = megatron_logits_at(str(tmp_path / "grouped_saved" / "iter_0000001"), str(tmp_path / "hf" / "config.json"),
-                                tokens)
+    logits = megatron_logits_at(str(tmp / saved / f"iter_{iteration:07d}"), str(tmp / "hf" / "config.json"), tokens)
     with torch.no_grad():
-        want = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "back")).float().eval()(tokens).logits
-    assert (logits[..., :VOCAB] - want).abs().max().item() <= 1e-5
+        want = transformers.AutoModelForCausalLM.from_pretrained(str(tmp / "back")).float().eval()(tokens).logits
+    return (logits[..., :VOCAB] - want).abs().max().item(), (tokens, want)
 
 
 def _run(converted, name, nproc, layout, iters, extra=()):
@@ -107,17 +114,7 @@ def test_trains_at_any_layout_and_converts_back(converted, megatron_mp):
     for other in (tp2, pp2, direct):
         assert abs(other["losses"][0] - tp1["losses"][0]) <= 1e-5, (other["losses"], tp1["losses"])
 
-    out = _cli("megatron-to-hf", "--load", str(tmp / "tp2_saved"), "--save", str(tmp / "back"),
-               "--hf-config", str(tmp / "hf"))
-    assert "-> " in out
-    from hf_tiny import VOCAB, megatron_logits_at
-
-    tokens = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(3))
-    logits = megatron_logits_at(str(tmp / "tp2_saved" / "iter_0000002"), str(tmp / "hf" / "config.json"), tokens)
-    hf_model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp / "back")).float().eval()
-    with torch.no_grad():
-        want = hf_model(tokens).logits
-    diff = (logits[..., :VOCAB] - want).abs().max().item()
+    diff, (tokens, want) = back_to_hf(tmp, "tp2_saved", 2)
     assert diff <= 1e-5, diff
     before = transformers.AutoModelForCausalLM.from_pretrained(str(tmp / "hf")).float().eval()
     with torch.no_grad():
