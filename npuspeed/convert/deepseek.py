@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from npuspeed.convert import names
-from npuspeed.convert.architectures import MLA, Experts, ModelSpec, _refuse, _rope
+from npuspeed.convert.model_spec import MLA, Experts, ModelSpec, refuse as _refuse, rope as _rope
 from npuspeed.errors import UserError
 
 #: how transformers ranks a group of experts for group-limited routing: the sum of its best k

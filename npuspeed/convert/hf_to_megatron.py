@@ -18,8 +18,8 @@ import os
 import torch
 
 from npuspeed.convert import (
-    architectures, dcp_regions, hf_files, host_memory, layout, lazy_save, megatron_args, megatron_model, names,
-    staging,
+    architectures, dcp_regions, hf_files, host_memory, layout, lazy_save, megatron_args, megatron_model, name_table,
+    names, staging,
 )
 from npuspeed.errors import UserError
 
@@ -105,7 +105,7 @@ def convert(hf: str, save: str, *, tp: int = 1, pp: int = 1, vpp_layers: int | N
     architectures.check_layout(spec, tp, pp, vpp_layers, ep, etp)
     precision = precision or default_precision(reader.config)
     padded = layout.padded_vocab_size(spec.vocab_size, divisible_by, tp)
-    groups = names.groups(spec, padded)
+    groups = name_table.groups(spec, padded)
     dropped = _check_tensor_set(reader, groups, spec, drop_mtp)
     flags = megatron_args.model_flags(spec, divisible_by) + megatron_args.layout_flags(tp, pp, vpp_layers, precision, ep, etp)
     staging.check_target(save)

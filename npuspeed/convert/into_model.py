@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from npuspeed.convert import architectures, hf_files, layout, megatron_args, names
+from npuspeed.convert import architectures, hf_files, layout, megatron_args, name_table
 from npuspeed.errors import UserError
 
 
@@ -41,7 +41,7 @@ def load_into(chunks, hf: str, padded_vocab: int, model_flags: dict | None = Non
     spec = architectures.from_hf_config(reader.config)
     if model_flags is not None:
         check_flags(spec, padded_vocab, model_flags, hf)
-    by_name = {g.megatron: g for g in names.groups(spec, padded_vocab)}
+    by_name = {g.megatron: g for g in name_table.groups(spec, padded_vocab)}
     ranks = _ranks()
     ep_rank, ep_size = ranks["ep"]
     num_local = spec.experts.num_experts // ep_size if spec.experts else 0

@@ -8,7 +8,7 @@ compares with its own flags before it reads a tensor (gpt_example/ckpt_verify.py
 """
 from __future__ import annotations
 
-from npuspeed.convert.architectures import ModelSpec
+from npuspeed.convert.model_spec import ModelSpec
 
 
 def _number(value: float) -> str:

@@ -18,7 +18,7 @@ import tempfile
 
 import torch
 
-from npuspeed.convert.architectures import ModelSpec
+from npuspeed.convert.model_spec import ModelSpec
 from npuspeed.errors import UserError
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

@@ -20,7 +20,8 @@ import re
 import torch
 
 from npuspeed.convert import (
-    architectures, dcp_regions, hf_files, host_memory, megatron_args, megatron_model, names, safetensors_file, staging,
+    architectures, dcp_regions, hf_files, host_memory, megatron_args, megatron_model, name_table,
+    safetensors_file, staging,
 )
 from npuspeed.convert.hf_to_megatron import HF_CONFIG_FILE, TRACKER
 from npuspeed.errors import UserError, one_line
@@ -112,7 +113,7 @@ def convert(load: str, save: str, *, hf_config: str | None = None, step: int | N
         raise UserError(f"checkpoint {path} holds no {_EMBEDDING}: not a GPTModel checkpoint")
     padded, dtype = metadata[_EMBEDDING].global_shape[0], metadata[_EMBEDDING].dtype
     _check_same_model(common, spec, padded, path)
-    groups = names.groups(spec, padded)
+    groups = name_table.groups(spec, padded)
     with megatron_model.single_rank(), host_memory.cache_off(), staging.staged(save) as tmp:
         with torch.device("meta"):  # shapes and stored locations only: no weights in memory
             model = megatron_model.build(spec, padded, dtype)

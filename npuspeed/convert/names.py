@@ -12,7 +12,8 @@ q_layernorm/k_layernorm), unlike Transformer Engine's spec, which folds them int
 (the local spec's sharded_state_dict stores them under TE's keys, linear_qkv.layer_norm_weight
 and linear_fc1.layer_norm_weight, which is dist_checkpointing's business, not this mapping's).
 MoE layers: the router, each expert's SwiGLU as SequentialMLP's local_experts.<global j>, and
-Qwen2-MoE's shared expert with its gate. DeepSeek-V2/V3 layers: npuspeed/convert/deepseek.py.
+Qwen2-MoE's shared expert with its gate. DeepSeek-V2/V3 layers: npuspeed/convert/deepseek.py; the
+whole model's table: npuspeed/convert/name_table.py.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from typing import Callable
 
 import torch
 
-from npuspeed.convert.architectures import ModelSpec
+from npuspeed.convert.model_spec import ModelSpec
 
 
 @dataclass(frozen=True)
@@ -82,34 +83,6 @@ def pad_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([tensor, pad], dim=0)
 
 
-def _layer(spec: ModelSpec, i: int) -> list[Group]:
-    if spec.mla is not None:  # DeepSeek's multi-latent attention and MoE layout
-        from npuspeed.convert import deepseek
-
-        return deepseek.layer_groups(spec, i)
-    hf, mg = f"model.layers.{i}.", f"decoder.layers.{i}."
-    attn = hf + "self_attn."
-    qkv = tuple(f"{attn}{p}_proj.weight" for p in "qkv")
-    groups = [
-        Group(mg + "input_layernorm.weight", (hf + "input_layernorm.weight",), _same, _back, _whole),
-        Group(mg + "self_attention.linear_qkv.weight", qkv,
-              lambda t: fuse_qkv(*t, spec), lambda t: split_qkv(t, spec), lambda t: qkv_views(t, spec)),
-        Group(mg + "self_attention.linear_proj.weight", (attn + "o_proj.weight",), _same, _back, _whole),
-        Group(mg + "pre_mlp_layernorm.weight", (hf + "post_attention_layernorm.weight",), _same, _back, _whole),
-    ]
-    groups += _mlp(spec, hf, mg) if spec.experts is None else _moe(spec, hf, mg)
-    if spec.qkv_bias:
-        groups.insert(2, Group(mg + "self_attention.linear_qkv.bias", tuple(n[:-6] + "bias" for n in qkv),
-                               lambda t: fuse_qkv(*t, spec), lambda t: split_qkv(t, spec),
-                               lambda t: qkv_views(t, spec)))
-    if spec.qk_norm:
-        groups[3:3] = [Group(mg + "self_attention.q_layernorm.weight", (attn + "q_norm.weight",), _same, _back,
-                             _whole),
-                       Group(mg + "self_attention.k_layernorm.weight", (attn + "k_norm.weight",), _same, _back,
-                             _whole)]
-    return groups
-
-
 def _swiglu(mg: str, gate: str, up: str, down: str) -> list[Group]:
     """fc1 = [gate; up], fc2 = down, under Megatron prefix `mg` (an MLP or one expert)."""
     return [Group(mg + "linear_fc1.weight", (gate, up), lambda t: torch.cat(t, dim=0),
@@ -140,25 +113,6 @@ def _moe(spec: ModelSpec, hf: str, mg: str) -> list[Group]:
         out += _swiglu(f"{mg}mlp.shared_experts.", f"{e}{gate}.weight", f"{e}{up}.weight", f"{e}{down}.weight")
         out.append(Group(f"{mg}mlp.shared_experts.gate_weight", (f"{hf}{block}shared_expert_gate.weight",),
                          _same, _back, _whole))
-    return out
-
-
-def groups(spec: ModelSpec, padded_vocab: int) -> list[Group]:
-    """Every Megatron parameter of the model in order: embedding, layers, final norm, output."""
-    vocab = spec.vocab_size
-
-    def pad(t):
-        return pad_rows(t[0], padded_vocab)
-
-    def unpad(t):
-        return [t[:vocab]]  # leading rows: contiguous, and the only tensor on its storage
-
-    out = [Group("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), pad, unpad, unpad)]
-    for i in range(spec.num_layers):
-        out += _layer(spec, i)
-    out.append(Group("decoder.final_layernorm.weight", ("model.norm.weight",), _same, _back, _whole))
-    if not spec.tied_embeddings:
-        out.append(Group("output_layer.weight", ("lm_head.weight",), pad, unpad, unpad))
     return out
 
 

@@ -110,12 +110,12 @@ def test_damaged_shard_is_one_line(tmp_path, damage, says):
 def test_views_place_what_to_megatron_builds(tmp_path, arch):
     """Each HF tensor read into its view of the parameter (the converter's path) gives the
     parameter to_megatron builds, padding included, bitwise; and the views are the HF tensors."""
-    from npuspeed.convert import architectures, hf_to_megatron, layout, names
+    from npuspeed.convert import architectures, hf_to_megatron, layout, name_table
 
     make_hf(tmp_path / "hf", arch, shard="40KB")
     reader = hf_files.HFReader(str(tmp_path / "hf"))
     spec = architectures.from_hf_config(reader.config)
-    groups = names.groups(spec, layout.padded_vocab_size(spec.vocab_size, 128, 1))
+    groups = name_table.groups(spec, layout.padded_vocab_size(spec.vocab_size, 128, 1))
     built = {g.megatron: g.to_megatron([reader.read(n) for n in g.hf]) for g in groups}
     params = {k: torch.empty(v.shape, device="meta") for k, v in built.items()}
     materialize = hf_to_megatron._materializer(groups, params, reader, torch.float32, [])
