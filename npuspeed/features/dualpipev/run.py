@@ -19,7 +19,7 @@ import torch
 
 from npuspeed import telemetry
 from npuspeed.features.dualpipev import order
-from npuspeed.features.dualpipev.links import Links
+from npuspeed.features.dualpipev.links import Links, message_shape
 from npuspeed.features.moe_common import a2a_clock
 from npuspeed.features.moe_fb_overlap import bubble
 
@@ -29,15 +29,6 @@ def _no_sync(config, chunk: int):
     if func is None:
         return contextlib.nullcontext()
     return (func[chunk] if isinstance(func, list) else func)()
-
-
-def _shape(config, seq_length: int, micro_batch_size: int):
-    from megatron.core import parallel_state
-
-    seq = seq_length // parallel_state.get_context_parallel_world_size()
-    if config.sequence_parallel:
-        seq //= parallel_state.get_tensor_model_parallel_world_size()
-    return (seq, micro_batch_size, config.hidden_size)
 
 
 class Step:
@@ -53,7 +44,7 @@ class Step:
         self.m = call["num_microbatches"]
         dtype = config.pipeline_dtype or torch.float32
         self.measure = measure  # the bubble measure (moe_fb_overlap/bubble.py): receive waits and paired steps
-        self.links = Links(_shape(config, call["seq_length"], call["micro_batch_size"]), dtype,
+        self.links = Links(message_shape(config, call["seq_length"], call["micro_batch_size"]), dtype,
                            get_accelerator().device(), bubble.record_wait if measure else None)
         self.pair = pair  # run_pair(forward, backward) when the overlap is on
         self.store, self.tokens = [], torch.zeros([], dtype=torch.int, device=get_accelerator().device())

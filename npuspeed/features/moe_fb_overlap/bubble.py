@@ -189,14 +189,12 @@ def _exchange_seconds(kwargs, group, rounds: int = 8) -> float:
     from megatron.core.utils import get_model_config
 
     from npuspeed.accelerator import get_accelerator
+    from npuspeed.features.dualpipev.links import message_shape
 
     model = kwargs.get("model")
     config = get_model_config(model[0] if isinstance(model, list) else model)
-    seq = kwargs["seq_length"] // max(1, getattr(config, "context_parallel_size", 1) or 1)
-    if getattr(config, "sequence_parallel", False):
-        seq //= max(1, config.tensor_model_parallel_size)
     dtype = getattr(config, "pipeline_dtype", None) or config.params_dtype
-    send = torch.ones(seq, kwargs["micro_batch_size"], config.hidden_size, dtype=dtype,
+    send = torch.ones(message_shape(config, kwargs["seq_length"], kwargs["micro_batch_size"]), dtype=dtype,
                       device=get_accelerator().device())
     recv = torch.empty_like(send)
     ranks = dist.get_process_group_ranks(group)
