@@ -58,8 +58,8 @@ def _check_tensor_set(reader: hf_files.HFReader, groups: list[names.Group], spec
     return len(mtp)
 
 
-def _materializer(groups: list[names.Group], params: dict, reader: hf_files.HFReader, dtype, errors: list):
-    """Parameter name -> its whole (TP=1) value from the HF tensors, in the checkpoint's dtype:
+def _materializer(groups: list[names.Group], params: dict, reader: hf_files.HFReader, errors: list):
+    """Parameter name -> its whole (TP=1) value from the HF tensors, in its parameter's dtype:
     each HF tensor is read straight into its place in the parameter (Group.views), so the
     parameter is the only copy in memory. A UserError is also kept in `errors`:
     torch.distributed.checkpoint wraps what the planner raises, and the one line must survive that."""
@@ -123,7 +123,7 @@ def convert(hf: str, save: str, *, tp: int = 1, pp: int = 1, vpp_layers: int | N
         os.makedirs(path)
         errors: list[UserError] = []
         try:
-            lazy_save.save(state, path, _materializer(groups, params, reader, dtype, errors),
+            lazy_save.save(state, path, _materializer(groups, params, reader, errors),
                            dcp_regions.locations(model))
         except BaseException:  # torch's CheckpointException is a BaseException
             if errors:

@@ -118,7 +118,7 @@ def test_views_place_what_to_megatron_builds(tmp_path, arch):
     groups = name_table.groups(spec, layout.padded_vocab_size(spec.vocab_size, 128, 1))
     built = {g.megatron: g.to_megatron([reader.read(n) for n in g.hf]) for g in groups}
     params = {k: torch.empty(v.shape, device="meta") for k, v in built.items()}
-    materialize = hf_to_megatron._materializer(groups, params, reader, torch.float32, [])
+    materialize = hf_to_megatron._materializer(groups, params, reader, [])
     assert all(g.views is not None for g in groups)
     for g in groups:
         value = materialize(g.megatron)
