@@ -8,7 +8,7 @@ Runs, interleaved round by round: Megatron's MoE layer (no flag); --moe-fb-overl
 (NPUSPEED_FB_OVERLAP_PATH=serial: the same transfers on the clock, none hidden: what the
 all-to-alls cost a step); forced paired; forced paired with the experts' dW kept joined with dX
 (NPUSPEED_FB_OVERLAP_WGRAD=joined: not inside the dispatch gradient's all-to-all); auto (what a user gets: the step trial picks); the
-chunked overlap. Prints per configuration the median step, tokens/s against Megatron's, the
+chunked overlap, forced and as its own step trial picks. Prints per configuration the median step, tokens/s against Megatron's, the
 all-to-all share of the serial step, and the hidden share two ways: per transfer (in flight -
 waited over in flight: a2a_hidden_fraction, per phase) and per step (the serial step's all-to-all
 time the compute no longer waits for: 1 - waited / serial in flight).
@@ -33,7 +33,8 @@ RUNS = {  # name -> (flags, environment)
     "fb paired": (["--moe-fb-overlap"], {"NPUSPEED_FB_OVERLAP_PATH": "paired"}),
     "fb joined": (["--moe-fb-overlap"], {"NPUSPEED_FB_OVERLAP_PATH": "paired", "NPUSPEED_FB_OVERLAP_WGRAD": "joined"}),
     "fb auto": (["--moe-fb-overlap"], {}),
-    "chunked": (["--moe-alltoall-overlap-comm"], {}),
+    "chunked": (["--moe-alltoall-overlap-comm"], {"NPUSPEED_A2A_OVERLAP_PATH": "chunked"}),
+    "chunk auto": (["--moe-alltoall-overlap-comm"], {}),
 }
 
 

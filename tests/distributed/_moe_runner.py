@@ -15,7 +15,7 @@ EXAMPLE = os.path.join(ROOT, "examples", "pretrain_gpt.py")
 
 
 def _expert_grads(chunks, info) -> dict:
-    from gpt_example.model import _global_name
+    from npuspeed.convert.layout import global_name as _global_name
 
     local, ep_rank, etp_rank = info["num_local"], info["ep_rank"], info["etp_rank"]
     grads = {}

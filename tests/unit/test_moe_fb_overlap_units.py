@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from npuspeed.features.moe_fb_overlap import choice, turns
+from npuspeed.ops.choose import step_trial
 from npuspeed.ops.choose.record import MEGATRON
 
 
@@ -52,7 +53,7 @@ def _trial(times: dict[str, list[float]], monkeypatch):
     monkeypatch.setattr(choice, "_CHOOSER", None)
     monkeypatch.delenv(choice.FORCE_ENV, raising=False)
     clock = {"now": 0.0}
-    monkeypatch.setattr(choice.time, "perf_counter", lambda: clock["now"])
+    monkeypatch.setattr(step_trial.time, "perf_counter", lambda: clock["now"])
     trial, modes, notes = choice.StepTrial(4), [], []
     for _ in range(8):
         mode = trial.mode()

@@ -1,11 +1,14 @@
-"""--moe-alltoall-overlap-comm's patch: MoELayer.forward runs dispatch, experts and combine in
-chunks (one wrapper: the steps it calls kept their contracts 0.16-0.19)."""
+"""--moe-alltoall-overlap-comm's patches: MoELayer.forward runs dispatch, experts and combine in
+chunks (one wrapper: the steps it calls kept their contracts 0.16-0.19), and each of Megatron's
+schedule functions runs its step as the step trial says (choice.py: chunked or Megatron's layer)."""
 from __future__ import annotations
 
 
 def register(registry, ctx, config, feature: str) -> None:
-    from npuspeed.features.moe_alltoall_overlap import overlap
+    from npuspeed.features.moe_alltoall_overlap import choice, overlap
 
     for spec in overlap.RANGES:
         registry.register(f"{overlap.MOE_LAYER}.MoELayer.forward", wrapper=overlap.forward_wrapper(config.chunks, ctx.note),
                           feature=feature, megatron=spec)
+    for name in choice.STEP_FUNCTIONS:
+        registry.register(f"{choice.SCHEDULES}.{name}", wrapper=choice.step_wrapper(ctx.note), feature=feature)

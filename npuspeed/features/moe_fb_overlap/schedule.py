@@ -19,6 +19,7 @@ from npuspeed import telemetry
 from npuspeed.features.moe_common import a2a_clock
 from npuspeed.features.moe_fb_overlap import turns
 from npuspeed.features.moe_fb_overlap.choice import SERIAL, StepTrial
+from npuspeed.ops.choose.step_trial import world_sum
 
 
 class Session:
@@ -34,7 +35,7 @@ class Session:
 
 
 _SESSION: list[Session] = []
-_TRIALS: dict[int, StepTrial] = {}
+_TRIALS: dict = {}  # micro-batches -> its step trial
 
 
 def current() -> Session | None:
@@ -51,19 +52,6 @@ def _worker_setup(acc):
     """The worker thread starts on device 0: put it on this thread's device."""
     index = acc.current_device()
     return lambda: acc.set_device(index)
-
-
-def _agree(acc):
-    """Sum each timing over every rank (all must take the same schedule)."""
-    import torch
-    import torch.distributed as dist
-
-    def agree(values):
-        t = torch.tensor(values, dtype=torch.float64, device=acc.device())
-        dist.all_reduce(t)
-        return t.tolist()
-
-    return agree
 
 
 def training_call(signature, args, kwargs) -> dict | None:
@@ -120,10 +108,10 @@ def trial_step(n: int, run, note, paired):
     if mode == SERIAL:
         telemetry.count("moe.fb_overlap.serial_steps")
         with a2a_clock.phase("serial"):
-            return trial.timed(SERIAL, run, acc.synchronize, _agree(acc), note)
+            return trial.timed(SERIAL, run, acc.synchronize, world_sum(acc), note)
     telemetry.count("moe.fb_overlap.steps")
     with paired(acc):
-        return trial.timed(mode, run, acc.synchronize, _agree(acc), note)
+        return trial.timed(mode, run, acc.synchronize, world_sum(acc), note)
 
 
 def forward_step_wrapper(original):
