@@ -5,7 +5,8 @@ formula (PP-1)(F&B+B-3W), W = 0), on gloo ranks of this host.
     python benchmarks/bench_pipeline_bubble.py [--ranks 2|4] [--iters 6] [--micro-batches 8] [--hidden 128 ...]
 
 `--ranks 2`: PP 2 alone (one rank per core on a 2-core host: no oversubscription), MoE experts
-local. `--ranks 4`: PP 2 x EP 2 (oversubscribed on a small host), each schedule serial and with
+local; the interleaved schedule as is and with `--overlap-p2p-comm` (its transfers posted ahead
+and waited on later, so a rank is not held in lockstep with the other's op times). `--ranks 4`: PP 2 x EP 2 (oversubscribed on a small host), each schedule serial and with
 `--moe-fb-overlap` (the interleaved one runs its extra micro-batch and pairs; DualPipeV's pairs
 take turns). The example's `pipeline_bubble` (every rank): the time blocked in pipeline receives
 a step, after the first iteration, beside the formula from the same rank's lone forward and
@@ -43,7 +44,8 @@ def runs(a) -> list[tuple[str, list[str], str]]:
     """(name, flags, NPUSPEED_FB_OVERLAP_PATH) of each run."""
     dual = ["--schedules-method", "dualpipev"]
     if a.ranks == 2:
-        return [("interleaved", [], ""), ("dualpipev", dual, "")]
+        return [("interleaved", [], ""), ("interleaved --overlap-p2p-comm", ["--overlap-p2p-comm"], ""),
+                ("dualpipev", dual, "")]
     fb = ["--moe-fb-overlap"]
     return [("interleaved", fb, "serial"), ("interleaved + fb overlap", fb, "paired"),
             ("dualpipev", dual, ""), ("dualpipev + fb overlap", dual + fb, "paired")]

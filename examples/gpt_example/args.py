@@ -115,6 +115,9 @@ def _parallel(p):
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
+    g.add_argument("--overlap-p2p-comm", action="store_true",
+                   help="interleaved pipeline: post the next send/receive before the current compute and wait "
+                        "for it after (Megatron's overlap_p2p_comm; no batched send/receive)")
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--context-parallel-size", type=int, default=1,
                    help="split each sequence over this many ranks (npuspeed's CP: see --context-parallel-algo)")

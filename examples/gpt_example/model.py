@@ -91,6 +91,8 @@ def transformer_config(args) -> TransformerConfig:
         bf16=args.bf16,
         fp16=args.fp16,
         deallocate_pipeline_outputs=True,
+        overlap_p2p_comm=args.overlap_p2p_comm,
+        batch_p2p_comm=not args.overlap_p2p_comm,
         deterministic_mode=args.deterministic_mode,
         moe_router_score_function=args.moe_router_score_function,
         moe_router_enable_expert_bias=args.moe_router_enable_expert_bias,

@@ -57,6 +57,12 @@ def _pipeline(args) -> None:
         _need((layers // pp) % vpp == 0,
               f"--num-layers-per-virtual-pipeline-stage {vpp} does not divide the {layers // pp} layers of "
               "each pipeline stage (--num-layers / --pipeline-model-parallel-size)")
+    if getattr(args, "overlap_p2p_comm", False):
+        _need(vpp is not None, "--overlap-p2p-comm overlaps the interleaved schedule's sends and receives: add "
+                               "--num-layers-per-virtual-pipeline-stage N or drop --overlap-p2p-comm")
+        _need(getattr(args, "schedules_method", None) is None,
+              "--overlap-p2p-comm is for Megatron's interleaved schedule, not --schedules-method dualpipev "
+              "(which posts its own transfers): drop one")
 
 
 def _attention(args) -> None:

@@ -158,6 +158,9 @@ EXAMPLE_ROWS = [
     ("gbs-vs-dp", ["--global-batch-size", "2", "--micro-batch-size", "2"], W2,
      "--global-batch-size 2 is not a multiple of --micro-batch-size 2 x data-parallel size 2 = 4"),
     ("mbs-zero", ["--micro-batch-size", "0"], {}, "--micro-batch-size 0 must be > 0"),
+    ("overlap-p2p-without-vpp", ["--overlap-p2p-comm", "--pipeline-model-parallel-size", "2", "--num-layers", "2"],
+     W2, "--overlap-p2p-comm overlaps the interleaved schedule's sends and receives: add "
+         "--num-layers-per-virtual-pipeline-stage"),
     ("world-vs-tp", ["--tensor-model-parallel-size", "4"], W2,
      "world size 2 is not divisible by --tensor-model-parallel-size 4"),
     ("world-vs-tp-pp", ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"],

@@ -48,6 +48,30 @@ def test_idle_forward_backward_and_the_formula():
     assert "measured/formula" in bubble.line(s)
 
 
+class _Work:
+    def __init__(self, seconds):
+        self.seconds = seconds
+
+    def wait(self):
+        time.sleep(self.seconds)
+        return True
+
+
+def test_deferred_waits_of_overlap_p2p_comm_are_the_idle_time():
+    """--overlap-p2p-comm: _communicate returns its requests unwaited; each later wait is timed."""
+    schedule = bubble.schedule_wrapper(lambda *a, **k: None)
+    communicate = bubble.communicate_wrapper(lambda **k: (None, None, {"recv_prev": _Work(0.03),
+                                                                       "send_next": _Work(0.0)}))
+    for _ in range(2):
+        schedule(forward_step_func=None, data_iterator=None, model=[object(), object()], num_microbatches=4)
+        _, _, reqs = communicate(wait_on_reqs=False)
+        assert bubble.summary() is None or bubble.summary()["waits"] % 2 == 0  # not counted until waited on
+        assert reqs["recv_prev"].wait() is True and reqs["send_next"].seconds == 0.0  # the request's own answers
+        reqs["send_next"].wait()
+    s = bubble.summary()
+    assert s["waits"] == 4 and 30 <= s["idle_ms_per_step"] < 45
+
+
 def test_a_pairs_halves_are_not_one_chunks_cost():
     bubble.schedule_wrapper(lambda *a, **k: None)(None, None, model=[object()], num_microbatches=2)
     forward = bubble.forward_step_wrapper(_sleep(0.05))

@@ -1,8 +1,8 @@
 """Each rank's pipeline bubble per step, measured, beside the schedule's formula for it.
 
 Idle: the time this rank spent blocked in Megatron's pipeline send/receive (`_communicate`,
-which waits on its requests unless `--overlap-p2p-comm` defers them) with the device drained
-first, so the time is the wait and not queued compute. F and B: the mean `forward_step` and
+or, where `--overlap-p2p-comm` defers the waits, each wait on its requests) with the device
+drained first, so the time is the wait and not queued compute. F and B: the mean `forward_step` and
 `backward_step` of one model chunk and micro-batch, from the calls that ran alone (a paired
 forward and backward overlap, so neither half is one chunk's cost). The interleaved schedule's
 bubble is (PP-1)(F+B)/v in whole-stage units, (PP-1)(F+B) in the chunk units measured here, the
@@ -68,17 +68,49 @@ def _current_phase() -> str:
     return "cool_down" if _phase["forwards"] >= _phase["total"] else "steady"
 
 
-def communicate_wrapper(original):
-    @functools.wraps(original)
-    def communicate(*args, **kwargs):
+class _TimedWork:
+    """A request the schedule waits on later (`--overlap-p2p-comm`): its wait is the idle time."""
+
+    __slots__ = ("_work",)
+
+    def __init__(self, work):
+        self._work = work
+
+    def wait(self, *args, **kwargs):
         _sync()
         t0 = time.perf_counter()
         try:
-            return original(*args, **kwargs)
+            return self._work.wait(*args, **kwargs)
         finally:
-            if kwargs.get("wait_on_reqs", True):
+            _waited(time.perf_counter() - t0)
+
+    def __getattr__(self, name):
+        return getattr(self._work, name)
+
+
+def _deferred(reqs):
+    if isinstance(reqs, dict):
+        return {k: _TimedWork(v) for k, v in reqs.items()}
+    if isinstance(reqs, list):
+        return [_TimedWork(v) for v in reqs]
+    return reqs
+
+
+def communicate_wrapper(original):
+    @functools.wraps(original)
+    def communicate(*args, **kwargs):
+        waits = kwargs.get("wait_on_reqs", True)
+        _sync()
+        t0 = time.perf_counter()
+        try:
+            out = original(*args, **kwargs)
+        finally:
+            if waits:
                 _sync()
                 _waited(time.perf_counter() - t0)
+        if waits or not isinstance(out, tuple) or len(out) != 3:
+            return out
+        return out[0], out[1], _deferred(out[2])  # waited on later: each wait is timed then
 
     return communicate
 
