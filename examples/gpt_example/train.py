@@ -412,6 +412,9 @@ def _train(args, progress) -> dict:
         # them; a buffer the step keeps alive shows in every iteration, hence in the median
         "optimizer_step_peak_bytes_median": int(_max_over_ranks(
             statistics.median(step_peaks) if step_peaks else 0)),
+        # each rank's smallest over iterations (largest over ranks): on a loaded host gloo's thread
+        # can lag in more than half the iterations; a buffer the step keeps alive is still in this
+        "optimizer_step_peak_bytes_min": int(_max_over_ranks(min(step_peaks) if step_peaks else 0)),
         # per rank (rank order): the peak, and the forward/backward part of it (without the step)
         "peak_mem_bytes_per_rank": _per_rank(max(run_peak, acc.max_memory_allocated())),
         "forward_backward_peak_bytes": int(_max_over_ranks(run_peak)),

@@ -53,10 +53,11 @@ def test_bitwise_losses_and_weight_bytes(layout, tmp_path):
     # precision's. The tracking allocator counts bytes, not time, but gloo frees the temporaries
     # of its collectives (the step's found-inf and grad-norm scalars, and with overlap a bucket's
     # reduce-scatter buffers) from its own thread, so one iteration's peak may still hold some
-    # of them (CI once saw +165 kB at dp2-distopt-overlap). Each rank's median over iterations
-    # is free of that race; a residual left alive is in every iteration, so in the median too,
-    # and far above the slack.
-    key = "optimizer_step_peak_bytes_median"
+    # of them (CI once saw +165 kB at dp2-distopt-overlap; a full suite beside another on 2 cores
+    # saw it in the median of 20 iterations). Each rank's smallest over iterations is free of
+    # that race; a residual left alive is in every iteration, so in the smallest too, and far
+    # above the slack.
+    key = "optimizer_step_peak_bytes_min"
     assert reuse[key] <= base[key] + SCALAR_SLACK, (reuse[key], base[key])
     ratio = reuse["weight_bytes"] / base["weight_bytes"]
     if "--use-distributed-optimizer" in extra:
