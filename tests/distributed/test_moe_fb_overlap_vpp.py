@@ -116,10 +116,12 @@ def test_plain_vpp_baseline_matches_pp1(tmp_path_factory):
 def test_serial_and_measured_paths(tmp_path_factory, path):
     """Forced serial: Megatron's plain interleaved schedule, no pair. Unforced: the step trial
     times paired and serial steps and every rank keeps the same one (one all-reduce of the
-    timings over all ranks), still Megatron's numbers."""
+    timings over all ranks), still Megatron's numbers; this run with `--overlap-p2p-comm` too
+    (the schedule's receives posted ahead, waited on later: the bubble measure times those waits)."""
     base = _run(tmp_path_factory, "base", [])
     env = {"NPUSPEED_FB_OVERLAP_PATH": "serial"} if path == "serial" else {}
-    run = _run(tmp_path_factory, f"path-{path}", ["--moe-fb-overlap"], env)
+    p2p = ["--overlap-p2p-comm"] if path == "auto" else []
+    run = _run(tmp_path_factory, f"path-{path}", ["--moe-fb-overlap", *p2p], env)
     loss, grad = gaps(run, base)
     assert loss <= TOL and grad <= TOL, (loss, grad)
     steps = [d["counters"].get("moe.fb_overlap.steps", 0) for d in run["dumps"]]
@@ -131,3 +133,5 @@ def test_serial_and_measured_paths(tmp_path_factory, path):
         assert steps == [0] * NPROC
     else:
         assert steps[0] >= 3  # the set-up step and the two timed paired ones at least
+        # --overlap-p2p-comm: every wait is a deferred one, timed through the measure's proxies
+        assert all(b["waits"] > 0 and b["idle_ms_per_step"] > 0 for b in run["pipeline_bubble"]), run["pipeline_bubble"]
