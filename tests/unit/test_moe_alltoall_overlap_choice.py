@@ -14,7 +14,7 @@ from npuspeed.ops.choose.record import MEGATRON
 
 @pytest.fixture
 def fresh(monkeypatch):
-    monkeypatch.setattr(choice, "_CHOOSER", None)
+    monkeypatch.setattr(step_trial, "_CHOOSERS", {})
     monkeypatch.setattr(choice, "_TRIALS", {})
     monkeypatch.setattr(choice, "_state", {"mode": choice.CHUNKED, "decided": choice.CHUNKED, "depth": 0})
     monkeypatch.delenv(choice.FORCE_ENV, raising=False)
@@ -70,7 +70,7 @@ def test_forcing_variable_and_deterministic_mode(fresh, monkeypatch):
     with pytest.raises(ValueError, match="NPUSPEED_A2A_OVERLAP_PATH='sometimes'"):
         _steps(fresh, {}, calls=1)
     monkeypatch.delenv(choice.FORCE_ENV)
-    monkeypatch.setattr(choice, "_CHOOSER", None)
+    monkeypatch.setattr(step_trial, "_CHOOSERS", {})
     monkeypatch.setattr(choice, "_TRIALS", {})
     monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
     seen, _ = _steps(fresh, {choice.CHUNKED: [9.0] * 5, MEGATRON: [1.0] * 5}, calls=5)

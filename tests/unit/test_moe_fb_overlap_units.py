@@ -50,7 +50,7 @@ def test_an_error_in_the_backward_reaches_the_caller():
 
 def _trial(times: dict[str, list[float]], monkeypatch):
     """Run the step trial with fake step times (one list per mode, consumed in order)."""
-    monkeypatch.setattr(choice, "_CHOOSER", None)
+    monkeypatch.setattr(step_trial, "_CHOOSERS", {})
     monkeypatch.delenv(choice.FORCE_ENV, raising=False)
     clock = {"now": 0.0}
     monkeypatch.setattr(step_trial.time, "perf_counter", lambda: clock["now"])
@@ -81,7 +81,7 @@ def test_trial_falls_back_to_megatrons_loop_where_pairing_loses(monkeypatch):
 
 
 def test_forcing_variable(monkeypatch):
-    monkeypatch.setattr(choice, "_CHOOSER", None)
+    monkeypatch.setattr(step_trial, "_CHOOSERS", {})
     monkeypatch.setenv(choice.FORCE_ENV, "serial")
     assert choice.StepTrial(2).mode() == "serial"
     monkeypatch.setenv(choice.FORCE_ENV, "sometimes")

@@ -28,17 +28,12 @@ PATHS = step_trial.Paths(on=CHUNKED, off=MEGATRON, flag="--moe-alltoall-overlap-
 SCHEDULES = "megatron.core.pipeline_parallel.schedules"
 STEP_FUNCTIONS = ("forward_backward_no_pipelining", "forward_backward_pipelining_with_interleaving",
                   "forward_backward_pipelining_without_interleaving")
-_CHOOSER: Chooser | None = None
 _TRIALS: dict[int, step_trial.StepTrial] = {}  # micro-batches -> its trial
 _state = {"mode": CHUNKED, "decided": CHUNKED, "depth": 0}
 
 
 def chooser() -> Chooser:
-    global _CHOOSER
-    if _CHOOSER is None:
-        _CHOOSER = Chooser(name="moe_alltoall_overlap", force_env=FORCE_ENV, forceable=(CHUNKED, MEGATRON),
-                           baseline=MEGATRON)
-    return _CHOOSER
+    return step_trial.chooser("moe_alltoall_overlap", FORCE_ENV, (CHUNKED, MEGATRON))
 
 
 def chunked_now() -> bool:

@@ -11,21 +11,15 @@ from __future__ import annotations
 
 from npuspeed.ops.choose import step_trial
 from npuspeed.ops.choose.chooser import Chooser
-from npuspeed.ops.choose.record import MEGATRON
 
 FORCE_ENV = "NPUSPEED_FB_OVERLAP_PATH"
 PAIRED, SERIAL = "paired", "serial"
 PATHS = step_trial.Paths(on=PAIRED, off=SERIAL, flag="--moe-fb-overlap", off_text="Megatron's serial schedule",
                          on_text="pairing")
-_CHOOSER: Chooser | None = None
 
 
 def chooser() -> Chooser:
-    global _CHOOSER
-    if _CHOOSER is None:
-        _CHOOSER = Chooser(name="moe_fb_overlap", force_env=FORCE_ENV, forceable=(PAIRED, SERIAL),
-                           baseline=MEGATRON)
-    return _CHOOSER
+    return step_trial.chooser("moe_fb_overlap", FORCE_ENV, (PAIRED, SERIAL))
 
 
 def StepTrial(microbatches: int) -> step_trial.StepTrial:  # noqa: N802 (the trial per step count)

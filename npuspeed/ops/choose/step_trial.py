@@ -18,6 +18,15 @@ from npuspeed.ops.choose.chooser import Chooser
 from npuspeed.ops.choose.record import MEGATRON, Choice
 
 ROUNDS = 2
+_CHOOSERS: dict[str, Chooser] = {}  # one per feature, made on first use
+
+
+def chooser(name: str, force_env: str, forceable: tuple) -> Chooser:
+    """The feature's chooser (its records are `npuspeed report`'s path_choices under `name`)."""
+    made = _CHOOSERS.get(name)
+    if made is None:
+        made = _CHOOSERS[name] = Chooser(name=name, force_env=force_env, forceable=forceable, baseline=MEGATRON)
+    return made
 
 
 @dataclass(frozen=True)
