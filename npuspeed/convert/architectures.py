@@ -7,7 +7,7 @@ than none. Fields that only matter for generation or for the Python class are ig
 """
 from __future__ import annotations
 
-from npuspeed.convert.model_spec import MLA, Experts, ModelSpec, refuse as _refuse, rope as _rope  # noqa: F401
+from npuspeed.convert.model_spec import Experts, ModelSpec, refuse as _refuse, rope as _rope
 from npuspeed.errors import UserError
 
 #: architecture -> (QKV bias, per-head query/key norm): the dense Llama family
