@@ -75,12 +75,26 @@ install-test-311: deps311
 install-test-312: deps312
 	$(PY312) -m pip install -q --no-build-isolation -e ".[test,bench]"
 
+# The example: a small Llama-style model (RMSNorm, SwiGLU, RoPE, GQA, bf16) at TP2 + SP, trained
+# twice in one command, without npuspeed's flags and with the ones a Llama user turns on
+# (EXAMPLE_FLAGS), then that run's own report: features and paths chosen, counters, tokens/s and
+# peak memory against the run without the flags.
+EXAMPLE_MODEL ?= --tensor-model-parallel-size 2 --sequence-parallel --use-cpu-initialization \
+  --num-layers 2 --hidden-size 256 --ffn-hidden-size 704 --num-attention-heads 8 \
+  --group-query-attention --num-query-groups 2 --seq-length 512 --max-position-embeddings 512 \
+  --normalization RMSNorm --swiglu --position-embedding-type rope --disable-bias-linear \
+  --untie-embeddings-and-output-weights --bf16 --micro-batch-size 1 --global-batch-size 4 \
+  --train-iters 10 --lr 3e-4 --lr-warmup-iters 2 --log-interval 5
+EXAMPLE_FLAGS ?= --use-flash-attn --use-fused-rmsnorm --use-fused-swiglu --use-fused-rotary-pos-emb \
+  --use-fused-linear-cross-entropy
+
 example: install
 	mkdir -p runs
-	$(VENV)/bin/torchrun --nproc-per-node $(NPROC) examples/pretrain_gpt.py \
-	  --tensor-model-parallel-size 2 --sequence-parallel --use-cpu-initialization \
-	  --train-iters 30 --lr 3e-3 --summary-json runs/example_summary.json
-	$(VENV)/bin/npuspeed report
+	$(VENV)/bin/torchrun --nproc-per-node $(NPROC) examples/pretrain_gpt.py $(EXAMPLE_MODEL) \
+	  --summary-json runs/example_baseline.json
+	$(VENV)/bin/torchrun --nproc-per-node $(NPROC) examples/pretrain_gpt.py $(EXAMPLE_MODEL) $(EXAMPLE_FLAGS) \
+	  --summary-json runs/example_summary.json
+	$(VENV)/bin/npuspeed report --run runs/example_summary.json --baseline runs/example_baseline.json
 
 # CI (.ci/run): the whole suite on Python 3.11 (megatron-core 0.16.1, a CPU build of torch) and
 # on Python 3.12 (megatron-core 0.19.2, the index's CUDA build of torch on a host without a GPU),

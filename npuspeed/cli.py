@@ -27,6 +27,12 @@ def main(argv: list[str] | None = None) -> int:
                    "(npuspeed convert --help)")
     rep = sub.add_parser("report", help="device, features, patches and ops that apply here")
     rep.add_argument("--json", action="store_true", help="machine-readable output")
+    rep.add_argument("--patches", action="store_true", help="list every patch target (about 80 rows) "
+                     "instead of one line counting them")
+    rep.add_argument("--run", metavar="SUMMARY", default=None, help="the report of a finished run: the "
+                     "--summary-json the example wrote (its features, paths chosen, counters, speed, memory)")
+    rep.add_argument("--baseline", metavar="SUMMARY", default=None, help="with --run: a run of the same "
+                     "model without the flags; prints tokens/s and peak memory against it")
     rep.add_argument("--measure-peak", action="store_true", help="time a large bf16 GEMM on the device and "
                      "report its TFLOP/s (measured_peak_tflops; a peak for the example's --device-peak-tflops)")
     src = sub.add_parser("patch-source", help="add the npuspeed import line to a Megatron-LM "
@@ -40,6 +46,8 @@ def main(argv: list[str] | None = None) -> int:
         if rest:
             parser.error(f"unrecognized arguments: {' '.join(rest)}")
         return _patch_source(args)
+    if args.command == "report" and (args.run or args.baseline):
+        return _run_report(parser, args, rest)
     if args.command == "report":
         from npuspeed import runtime
         from npuspeed.errors import exit_on_user_error
@@ -50,9 +58,29 @@ def main(argv: list[str] | None = None) -> int:
 
             runtime.initialize(expand(rest)[0])
         data = collect(measure_peak=args.measure_peak)
-        print(json.dumps(data, indent=2, default=str) if args.json else render(data))
+        print(json.dumps(data, indent=2, default=str) if args.json else render(data, patches=args.patches))
         return 0
     return 2
+
+
+def _run_report(parser, args, rest) -> int:
+    """`npuspeed report --run SUMMARY [--baseline SUMMARY]`: a finished run's own report."""
+    from npuspeed import run_report
+    from npuspeed.errors import exit_on_user_error
+
+    if not args.run:
+        parser.error("--baseline needs --run SUMMARY (the run to compare with it)")
+    if rest or args.measure_peak:
+        parser.error("--run reads a finished run's summary: it takes no feature flags and no --measure-peak")
+    with exit_on_user_error():
+        run = run_report.load(args.run, "--run")
+        base = run_report.load(args.baseline, "--baseline") if args.baseline else None
+        if args.json:
+            print(json.dumps({"report": run.get("npuspeed_report"), "comparison": run_report.comparison(run, base)},
+                             indent=2, default=str))
+        else:
+            print(run_report.render(run, base, patches=args.patches))
+    return 0
 
 
 def _patch_source(args) -> int:

@@ -110,22 +110,29 @@ def _table(rows: list[list[str]], headers: list[str]) -> str:
     return "\n".join([line(headers), line(["-" * w for w in widths])] + [line(r) for r in rows])
 
 
-def render(data: dict) -> str:
+def render(data: dict, patches: bool = False) -> str:
+    """The human form. The features that are on come first, each with its path (the others on
+    one line), the ops, then what ran; the table of every patch target (about 80 rows) only with
+    `patches` (`npuspeed report --patches`), else one line counting them."""
+    features = data["features"]
     out = [
         f"npuspeed {data['npuspeed_version']}  torch {data['torch_version']}  "
         f"megatron-core {data['megatron_core_version']}  python {data['python_version']}",
         f"device: {data['device']} ({data['accelerator']['device_name']})  "
         f"dist backend: {data['dist_backend']}  memory: {data['accelerator']['memory_tracking']}",
         "",
-        _table([[f["name"], "on" if f["enabled"] else "off", f["path"]] for f in data["features"]],
-               ["feature", "state", "path in use"]),
+        _table([[f["name"], "on", f["path"]] for f in features if f["enabled"]], ["feature", "state", "path in use"]),
+        "off: " + (", ".join(f["name"] for f in features if not f["enabled"]) or "none"),
         "",
         _table([[o["name"], "yes" if o["compiled"] else "no", o["implementation"]] for o in data["ops"]],
                ["op", "compiled", "implementation"]),
         "",
-        _table([[p["target"], p["feature"], p["kind"], p["status"] + (f" ({p['reason']})" if p["reason"] else "")]
-                for p in data["patches"]], ["patch target", "feature", "kind", "status"]),
+        _patches(data["patches"], patches),
     ]
+    counters = {k: v for k, v in (data.get("counters") or {}).items() if isinstance(v, (int, float)) and v}
+    if counters:
+        out += ["", "counters (what ran, how often):"]
+        out += [f"  - {k}: {v:g}" for k, v in sorted(counters.items())]
     calls = data.get("attention_calls") or {}
     if calls.get("calls"):
         out += ["", "attention calls (kernel: count, why):"]
@@ -142,6 +149,17 @@ def render(data: dict) -> str:
     if data["notes"]:
         out += ["", "notes:"] + [f"  - {n}" for n in data["notes"]]
     return "\n".join(out)
+
+
+def _patches(rows: list[dict], whole: bool) -> str:
+    if whole:
+        return _table([[p["target"], p["feature"], p["kind"],
+                        p["status"] + (f" ({p['reason']})" if p["reason"] else "")]
+                       for p in rows], ["patch target", "feature", "kind", "status"])
+    applied = [p for p in rows if p["status"] == "applied"]
+    by_feature = sorted({p["feature"] for p in applied})
+    return (f"patches: {len(applied)} applied ({', '.join(by_feature) or 'none'}), "
+            f"{len(rows) - len(applied)} skipped; `npuspeed report --patches` lists every target")
 
 
 def _torch_npu_lines(data: dict) -> list[str]:

@@ -458,8 +458,13 @@ def _train(args, progress) -> dict:
         **throughput.summary_keys(args, mean_ms, torch.distributed.get_world_size(), acc.device_name()),
     }
     if rank0 and args.summary_json:
+        # rank 0's own `npuspeed report` at the end of the run: the features on, the paths each
+        # chooser took on this run's shapes, the counters (`npuspeed report --run` renders it)
+        from npuspeed.reporting import collect
+
+        summary["npuspeed_report"] = collect()
         with open(args.summary_json, "w") as f:
-            json.dump(summary, f, indent=2)
+            json.dump(summary, f, indent=2, default=str)
     torch.distributed.barrier()
     mpu.destroy_model_parallel()
     torch.distributed.destroy_process_group()

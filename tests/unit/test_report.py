@@ -61,17 +61,24 @@ def test_human_table_renders(report_json, npuspeed_runtime, capsys):
     from npuspeed import cli, report
     from npuspeed.reporting import render
 
-    text = render(report_json)
+    text = render(report_json, patches=True)
     lines = text.splitlines()
     assert lines[0].startswith("npuspeed ")
     assert any(line.split()[:2] == ["device", "on"] for line in lines)
     assert any(line.startswith("torch.cuda.current_device") and "applied" in line for line in lines)
     for header in ("feature", "op", "patch target"):
         assert any(line.startswith(header) for line in lines), header
+    # by default the ~80 patch targets are one line counting them (`--patches` lists them)
+    short = render(report_json)
+    assert "patch target" not in short and "torch.cuda.current_device" not in short
+    applied = sum(p["status"] == "applied" for p in report_json["patches"])
+    assert f"patches: {applied} applied (" in short and "npuspeed report --patches" in short
     # the in-process CLI and API give the same kind of table
-    assert cli.main(["report"]) == 0
+    assert cli.main(["report", "--patches"]) == 0
     out = capsys.readouterr().out
     assert "patch target" in out and "torch.cuda.current_device" in out
+    assert cli.main(["report"]) == 0
+    assert "patch target" not in capsys.readouterr().out
     assert report(as_json=True)["device"] == "cpu"
     assert "dist backend: gloo" in report()
 
