@@ -10,6 +10,7 @@ ROOT = Path(__file__).resolve().parents[2]
 FEATURES = ROOT / "npuspeed" / "features"
 README_MAX_LINES = 300
 TABLE_ROW_MAX_CHARS = 210  # the feature table: short cells and a link, never a paragraph per cell
+FIGURE_MARK = re.compile(r"<!--/?fig[^>]*-->")  # benchmarks/figures.py's markers around a figure
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
 
 
@@ -44,7 +45,8 @@ def test_readme_is_short():
     lines = (ROOT / "README.md").read_text().splitlines()
     assert len(lines) <= README_MAX_LINES, (
         f"README.md has {len(lines)} lines (at most {README_MAX_LINES}): move detail to docs/")
-    long_rows = [f"line {i}: {len(line)} chars" for i, line in enumerate(lines, 1)
+    shown = [FIGURE_MARK.sub("", line) for line in lines]  # a figure's source markers are not shown
+    long_rows = [f"line {i}: {len(line)} chars" for i, line in enumerate(shown, 1)
                  if line.startswith("|") and len(line) > TABLE_ROW_MAX_CHARS]
     assert not long_rows, f"README.md table rows over {TABLE_ROW_MAX_CHARS} characters: {long_rows}"
 
