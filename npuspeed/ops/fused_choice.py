@@ -3,8 +3,11 @@
 `--use-fused-rmsnorm`, `--use-fused-swiglu`, `--use-fused-rotary-pos-emb` (and the MoE ops)
 each hand `Chooser.pick` their candidates for one call: the device's native op (`npu`:
 torch_npu's fused kernel; `native`: torch's own where it differs from Megatron's), npuspeed's
-kernel (`cpp` on CPU, `triton` on CUDA/NPU when importable) and `megatron`, the path that runs
-with the flag off. Per key (op, device type, dtype, shapes, options) every candidate runs
+kernel (`cpp` on CPU, `triton` on CUDA/NPU when importable), `compile` (torch.compile of the
+same function Megatron runs: `compiled`, on accelerators unless NPUSPEED_FUSED_OP_COMPILE says
+otherwise), `liger` (Liger-Kernel's kernel where `liger_kernel` imports: `liger`) and
+`megatron`, the path that runs with the flag off. A first call's compile or JIT is never a
+timing sample (npuspeed.ops.choose.measure keeps it apart as `first_ms`). Per key (op, device type, dtype, shapes, options) every candidate runs
 forward + backward on detached copies of the call's inputs: one warm-up round (which also
 checks its output against Megatron's and drops a candidate that disagrees or raises), then
 `repeats` interleaved timed rounds; the fastest minimum wins, ties go to `megatron`, so a flag
