@@ -157,7 +157,7 @@ def test_a_first_call_s_compile_never_decides_the_pick(monkeypatch):
     x = torch.randn(96, 96)
     choice = fused_choice.choose("test_op", {"megatron": heavy, "fast": jitted}, (x,), chooser=fused_choice.CHOOSER)
     assert choice.impl == "fast", choice.line()
-    assert choice.first_ms["fast"] >= 300 and "first call (compile/JIT, not counted) fast" in choice.why
+    assert "first call (compile/JIT, not counted) fast" in choice.why  # kept apart, named
 
 
 def test_an_unconfigured_chooser_synchronizes_the_device(monkeypatch):
