@@ -24,6 +24,9 @@ EXTRAS = {
     "test": ["pytest>=7", "hypothesis>=6", "pytest-timeout", "pybind11", "transformers", "safetensors",
              'triton>=3.6,<3.10; platform_system == "Linux" and platform_machine == "x86_64"'],
     "bench": ["matplotlib"],
+    # Liger-Kernel's Triton RMSNorm, SwiGLU and RoPE join the fused-op chooser's candidates where
+    # it imports (a GPU); never required: npuspeed imports it lazily, on first use.
+    "liger": ["liger-kernel>=0.5"],
     # What megatron.training (Megatron-LM core_v0.16) imports at load, plus pybind11 for the
     # dataset helper it builds at start-up. Not triton: a GPU compiler that npuspeed stands in
     # for where absent (megatron_lm/load_stubs.py). Tokenizer packages (sentencepiece,

@@ -13,7 +13,10 @@ own fused op where it differs from the baseline (torch_npu's on an NPU; on CPU a
 baseline RMSNorm already is torch's native op, and torch has no SwiGLU or RoPE op, so no
 row); `compile` torch.compile of Megatron's function (slow to compile: opt in); `chosen`
 what the flag runs, i.e. npuspeed.ops.fused_choice's measured pick (its trial happens in the
-warm-up; the pick is printed and stored in the row's extra).
+warm-up; the pick is printed and stored in the row's extra; the chooser is pointed at the
+accelerator as the features point it in a run). Every candidate the flags choose among, timed
+by their own chooser at a model's shapes, with torch.compile and Liger-Kernel among them:
+bench_fused_choice.py (the device report's table).
 Shapes: `readme` 4096 tokens x hidden 4096, x ffn 11008 (input 2 x 11008), RoPE
 [4096, 1, 32, 128]; `e2e` bench_e2e.py's per-rank shapes at TP2 + SP, seq 2048, micro-batch 1
 (hidden 512, ffn 1408 -> 704 per rank, 8 heads / 2 groups -> 4 q heads and 1 k head per
@@ -108,12 +111,16 @@ def main(argv=None) -> None:
     from megatron.core.fusions.fused_bias_swiglu import bias_swiglu_impl
     from megatron.core.models.common.embeddings import rope_utils
 
+    from npuspeed.features.chooser_setup import on_accelerator
     from npuspeed.ops import _dispatch, fused_choice
     from npuspeed.ops.rms_norm import fused_rms_norm, rms_norm
     from npuspeed.ops.rope import fused_rotary_pos_emb, rotary_pos_emb
     from npuspeed.ops.swiglu import fused_swiglu, swiglu, swiglu_reference
 
     peers = args.peers.split(",")
+    # the features do this in a run (chooser_setup.configure); without it the 2026-11-27 H100
+    # bench's chooser had no synchronize and no device events, and timed kernel launches
+    on_accelerator(fused_choice.CHOOSER, bench.acc)
     device = bench.acc.name
     dev = bench.device  # tensors on the accelerator npuspeed picked
     if "cpp" in peers and dev.type == "cpu":

@@ -15,6 +15,13 @@ synchronizations, median of `repeat`:
   torch.compile of that, Triton q and k in one launch.
 - MoE permute + unpermute [tokens, hidden], E experts top-k: Megatron's unfused
   `moe_utils.permute/unpermute`, Triton.
+A case that fails (a kernel that disagrees, a Megatron release whose call differs) is printed
+with its error and the others go on (the 2026-11-27 report lost the whole table to its MoE
+case: megatron-core 0.19's argsort permute asserts on a missing routed-token count); the
+failures land in <results-dir>/failures.json. What the flags choose for RMSNorm, SwiGLU and
+RoPE, with torch.compile and Liger-Kernel among the candidates, is bench_fused_choice.py's
+table: the flags' own measurement at a model's shapes (the device report shows that one; this
+script's own timing of those three is a kernel microbenchmark, not the flags' rule).
 Each peer vs Triton is one harness row (baseline = the peer, feature = Triton; speedup > 1
 means Triton is faster) in benchmarks/results/<device>.csv. On a CPU it refuses: the kernels
 target GPUs/NPUs and the interpreter's times mean nothing; `--smoke` runs tiny shapes under
@@ -121,6 +128,14 @@ def rms_norm_cases(bench, dev, dtype, name, args):
                  "triton": lambda: trms.rms_norm(x, w, 1e-5)}
         run_case(bench, f"rmsnorm {n}x{h}", name, impls, "triton", (x, w), (torch.randn_like(x),), args)
 
+
+def add_rms_norm_cases(bench, dev, dtype, name, args):
+    from npuspeed.ops.triton import rms_norm as trms
+
+    for n, h in args.rms_shapes:
+        norm = torch.nn.RMSNorm(h, eps=1e-5, device=dev, dtype=dtype)
+        x = torch.randn(n, h, device=dev, dtype=dtype, requires_grad=True)
+        w = norm.weight
         r = torch.randn(n, h, device=dev, dtype=dtype, requires_grad=True)
         check("rms_norm_residual", trms.rms_norm_residual(x, r, w, 1e-5),
               trms.rms_norm_residual_reference(x, r, w, 1e-5), dtype)
@@ -241,7 +256,7 @@ def main(argv=None) -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--iters", type=int, default=20, help="fwd+bwd steps per timed sample")
     parser.add_argument("--dtypes", default="bf16,fp32")
-    parser.add_argument("--ops", default="rmsnorm,swiglu,rope,moe")
+    parser.add_argument("--ops", default="rmsnorm,add_rmsnorm,swiglu,rope,moe")
     parser.add_argument("--rms-shapes", default="4096x2048,8192x4096", help="tokens x hidden")
     parser.add_argument("--swiglu-shapes", default="4096x5632,8192x11264", help="tokens x F (input is 2F wide)")
     parser.add_argument("--rope-shapes", default="4096x16x16x128,8192x32x8x128", help="s x hq x hk x head_dim")
@@ -278,15 +293,34 @@ def main(argv=None) -> None:
     bench = Bench("triton_ops", warmup=args.warmup, repeat=args.repeat, results_dir=args.results_dir)
     dev = acc.device()
     torch.manual_seed(0)
-    cases = {"rmsnorm": rms_norm_cases, "swiglu": swiglu_cases, "rope": rope_cases, "moe": moe_cases}
+    cases = {"rmsnorm": rms_norm_cases, "add_rmsnorm": add_rms_norm_cases, "swiglu": swiglu_cases,
+             "rope": rope_cases, "moe": moe_cases}
+    unknown = set(args.ops.split(",")) - set(cases)
+    if unknown:
+        raise SystemExit(f"bench_triton_ops: --ops {','.join(sorted(unknown))}: use some of {','.join(cases)}")
+    failures = []
     for dtype_name in args.dtypes.split(","):
         for op in args.ops.split(","):
-            cases[op](bench, dev, DTYPES[dtype_name], dtype_name, args)
+            try:
+                cases[op](bench, dev, DTYPES[dtype_name], dtype_name, args)
+            except (Exception, SystemExit) as exc:  # noqa: BLE001 - one case's failure is reported, the rest go on
+                if args.smoke:
+                    raise
+                why = f"{type(exc).__name__}: {str(exc).strip()[:300]}"
+                failures.append({"op": op, "dtype": dtype_name, "error": why})
+                print(f"[triton_ops] {op} {dtype_name}: FAILED, {why}", flush=True)
     if args.smoke:
         print(bench.table())
         print("smoke run: every path ran; times under the interpreter mean nothing, nothing written")
         return
     bench.finish()
+    if failures:  # the device report shows them beside the rows that were measured
+        import json
+        from pathlib import Path
+
+        folder = Path(bench.results_dir)
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "failures.json").write_text(json.dumps(failures, indent=1))
 
 
 if __name__ == "__main__":

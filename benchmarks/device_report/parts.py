@@ -144,20 +144,54 @@ def _bench(name: str, args: list[str], budget: Budget, out: Path, cap: float) ->
     return {"rows": [r for p in results.glob("*.csv") for r in _rows(p)]}
 
 
+def model_dims(smoke: bool) -> list[str]:
+    """bench_fused_choice.py's model arguments from the training runs' own model (models.py):
+    the kernel table times the shapes those runs hand the fused ops."""
+    from models import LLAMA, SMOKE
+
+    args = SMOKE if smoke else LLAMA
+
+    def value(flag: str, default: str | None = None) -> str:
+        return args[args.index(flag) + 1] if flag in args else default
+
+    heads = value("--num-attention-heads")
+    groups = value("--num-query-groups", heads) if "--group-query-attention" in args else heads
+    return ["--hidden", value("--hidden-size"), "--ffn", value("--ffn-hidden-size"), "--heads", heads,
+            "--groups", groups, "--seq", value("--seq-length"), "--micro-batch", value("--micro-batch-size", "1")]
+
+
 def fused_ops(budget: Budget, out: Path, smoke: bool) -> dict:
-    """bench_fused_ops.py: RMSNorm / SwiGLU / RoPE fwd+bwd, npuspeed's chosen path and
-    torch.compile against Megatron's default (torch's native op where it has one); bf16, the
-    training dtype on a device (the budget has no room for fp32's compiles)."""
-    args = ["--peers", "chosen" if smoke else "chosen,compile", "--dtypes", "bf16"] + (["--quick"] if smoke else [])
-    return _bench("bench_fused_ops", args, budget, out, cap=180)
+    """bench_fused_choice.py: the fused ops' kernel table at the training runs' per-rank shapes,
+    bf16 (their dtype): every candidate the flags choose among (Megatron's path, npuspeed's
+    Triton or C++ kernel, torch.compile, Liger-Kernel where installed, ...) timed by the flags'
+    own chooser, with its pick; the same measurement the flags make in the runs, so the table
+    and the flags' choice cannot disagree."""
+    result = out / "fused_ops.json"
+    result.unlink(missing_ok=True)
+    proc = _python(["benchmarks/bench_fused_choice.py", *model_dims(smoke), "--dtypes", "bf16", "--json", str(result)],
+                   budget, cap=240)
+    (out / "bench_fused_choice.log").write_text(proc.stdout + proc.stderr)
+    if proc.returncode or not result.is_file():
+        return {"error": (proc.stdout + proc.stderr)[-1500:]}
+    return {"table": json.loads(result.read_text())}
+
+
+#: bench_triton_ops.py's cases that no flag's chooser times (those are in fused_ops' table)
+TRITON_ONLY = "add_rmsnorm,moe"
 
 
 def triton_ops(budget: Budget, out: Path, smoke: bool) -> dict:
-    """bench_triton_ops.py: each Triton kernel (checked against its reference first) against
-    Megatron's default and torch.compile; MoE permute/unpermute too. Accelerators only."""
+    """bench_triton_ops.py on the kernels the fused-op table does not time: the residual-add
+    RMSNorm (no flag runs it yet) and MoE permute/unpermute, each against Megatron's default.
+    A case that fails is reported with its error and the others go on. Accelerators only."""
     if smoke:
         return {"skipped": "the Triton kernels are timed on an accelerator only"}
-    return _bench("bench_triton_ops", ["--repeat", "5", "--iters", "10", "--dtypes", "bf16"], budget, out, cap=150)
+    section = _bench("bench_triton_ops", ["--repeat", "5", "--iters", "10", "--dtypes", "bf16", "--ops", TRITON_ONLY],
+                     budget, out, cap=150)
+    failures = out / "bench_triton_ops" / "failures.json"
+    if failures.is_file():
+        section["failures"] = json.loads(failures.read_text())
+    return section
 
 
 KEEP = ("losses", "tokens_per_s", "median_step_ms", "mean_step_ms", "peak_mem_bytes", "forward_backward_peak_bytes",

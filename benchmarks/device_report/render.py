@@ -85,6 +85,39 @@ def _fused_rows(section: dict) -> list[str]:
     return lines
 
 
+def _choice_rows(table: dict) -> list[str]:
+    """The fused ops' kernel table (bench_fused_choice.py): one row per candidate per op and
+    shape, the flags' own measurement, the pick marked; dropped candidates with their reason."""
+    model = table.get("model") or {}
+    lines = [f"Shapes of the training runs' model (hidden {model.get('hidden')}, ffn {model.get('ffn')}, "
+             f"heads {model.get('heads')}/{model.get('groups')}, S {model.get('seq')}, micro-batch "
+             f"{model.get('micro_batch')}); each op's candidates timed by the flags' own chooser (fwd+bwd, "
+             "minimum of interleaved rounds; a first call's compile or JIT is not counted: its own column)."]
+    if table.get("megatron_stand_ins"):
+        lines.append(f"megatron-core did not import: npuspeed's references stood in for {', '.join(table['megatron_stand_ins'])}.")
+    failure = (table.get("compile") or {}).get("failure")
+    if failure:
+        lines.append(f"torch.compile was dropped: {failure}.")
+    lines += ["", "| op, shape | candidate | fwd+bwd ms | x Megatron | first call s | pick |", "|---|---|---|---|---|---|"]
+    for c in table.get("choices") or []:
+        ms, first, base = c.get("ms") or {}, c.get("first_ms") or {}, c.get("baseline", "megatron")
+        base_ms = ms.get("megatron")
+        for name, t in sorted(ms.items(), key=lambda kv: kv[1]):
+            ratio = f"{base_ms / t:.2f}x" if base_ms and t else "-"
+            lines.append(f"| {c['op']} {c['shape']} | {name} | {t:.3f} | {ratio} | "
+                         f"{_f(first.get(name) and first[name] / 1e3, '{:.2f}')} | {'**picked**' if name == c['impl'] else ''} |")
+        for name, why in (c.get("dropped") or {}).items():
+            lines.append(f"| {c['op']} {c['shape']} | {name} | dropped: {why[:100]} | | | |")
+        if not ms:
+            lines.append(f"| {c['op']} {c['shape']} | {c['impl']} | not measured: {c['why'][:100]} | | | **picked** |")
+    return lines
+
+
+def _triton_failures(section: dict) -> list[str]:
+    return [f"- {f['op']} {f['dtype']}: failed, {f['error'][:200]} (the bench's log in the report's folder)"
+            for f in section.get("failures") or []]
+
+
 def markdown(report: dict, derived: dict) -> str:
     m = report["meta"]
     out = [f"Device report of {m['date']}: {m['device_name']} ({m['device']}), torch {m['torch']}, triton "
@@ -127,9 +160,14 @@ def markdown(report: dict, derived: dict) -> str:
                    f"{s['share']:.1%} of the flash-attn step, {s['gb_per_s']:.0f} GB/s")
     for key, title in (("fused_ops", "Fused ops"), ("triton_ops", "Triton kernels")):
         section = report.get(key) or {}
+        if section.get("table"):  # the flags' own measurement (bench_fused_choice.py)
+            out += ["", f"**{title}** (what --use-fused-rmsnorm, -swiglu and -rotary-pos-emb choose among):", ""]
+            out += _choice_rows(section["table"])
+            continue
         out += ["", f"**{title}** (fwd+bwd; speedup = Megatron's default or the named peer over the other column):", ""]
         out += _fused_rows(section) if section.get("rows") else [_last_line(section.get("error")) or section.get("skipped")
                                                                    or "not run"]
+        out += _triton_failures(section)
     return "\n".join(out) + "\n"
 
 

@@ -3,8 +3,11 @@
 `--use-fused-rmsnorm`, `--use-fused-swiglu`, `--use-fused-rotary-pos-emb` (and the MoE ops)
 each hand `Chooser.pick` their candidates for one call: the device's native op (`npu`:
 torch_npu's fused kernel; `native`: torch's own where it differs from Megatron's), npuspeed's
-kernel (`cpp` on CPU, `triton` on CUDA/NPU when importable) and `megatron`, the path that runs
-with the flag off. Per key (op, device type, dtype, shapes, options) every candidate runs
+kernel (`cpp` on CPU, `triton` on CUDA/NPU when importable), `compile` (torch.compile of the
+same function Megatron runs: `compiled`, on accelerators unless NPUSPEED_FUSED_OP_COMPILE says
+otherwise), `liger` (Liger-Kernel's kernel where `liger_kernel` imports: `liger`) and
+`megatron`, the path that runs with the flag off. A first call's compile or JIT is never a
+timing sample (npuspeed.ops.choose.measure keeps it apart as `first_ms`). Per key (op, device type, dtype, shapes, options) every candidate runs
 forward + backward on detached copies of the call's inputs: one warm-up round (which also
 checks its output against Megatron's and drops a candidate that disagrees or raises), then
 `repeats` interleaved timed rounds; the fastest minimum wins, ties go to `megatron`, so a flag
@@ -29,6 +32,8 @@ call, else Megatron's path, on every rank and in every run (a resume re-runs the
 """
 from __future__ import annotations
 
+import logging
+import os
 from typing import Callable
 
 import torch
@@ -40,10 +45,15 @@ from npuspeed.ops.choose.record import MEGATRON, Choice
 from npuspeed.ops.choose.trial import AGREE, ForcedKernelDisagrees, Guard
 
 __all__ = ["AGREE", "CHOOSER", "Choice", "Chooser", "ForcedKernelDisagrees", "Guard", "MEGATRON", "choices",
-           "forced", "key_of", "label", "run_chosen", "triton_kernel"]
+           "compiled", "forced", "key_of", "label", "liger", "run_chosen", "triton_kernel"]
+
+log = logging.getLogger("npuspeed")
 
 FORCE_ENV = "NPUSPEED_FUSED_OP_PATH"
-FORCEABLE = ("auto", "cpp", "triton", "npu", "native", "megatron", "npuspeed")
+FORCEABLE = ("auto", "cpp", "triton", "npu", "native", "compile", "liger", "megatron", "npuspeed")
+#: whether torch.compile of Megatron's function is a candidate: auto (on accelerators only: on a
+#: CPU each shape's compile takes seconds to a minute of the run's first step), 1, 0
+COMPILE_ENV = "NPUSPEED_FUSED_OP_COMPILE"
 #: what "npuspeed" (forced, or --deterministic-mode) takes, first present wins: the C++ kernel on
 #: CPU, torch_npu's fused op on an NPU (the flags' NPU path), the Triton kernel on CUDA (or on an
 #: NPU whose torch_npu lacks the op), torch's grouped matmul (--moe-grouped-gemm's kernel)
@@ -126,15 +136,129 @@ def triton_kernel(module: str, name: str, *tensors: torch.Tensor, check: str = "
     return getattr(module_, name, None)
 
 
+def choose(op: str, candidates: dict[str, Callable], inputs: tuple, extra=(), text_extra: str = "",
+           rows: bool = False, chooser: _Chooser | None = None) -> Choice:
+    """The (cached) choice for this call: what `run_chosen` runs, and what the kernel table
+    (npuspeed.ops.fused_table) shows; `chooser`: another chooser than the process's (a table's
+    own, measuring the same way from a clean cache)."""
+    chooser = CHOOSER if chooser is None else chooser
+    key = key_of(op, inputs, extra) + (chooser.forced(),)  # a forced choice never hides a measured one
+    choice = chooser.choices.get(key)
+    if choice is None:
+        choice = chooser.pick(op, key, label(*inputs, extra=text_extra, rows=rows), candidates, inputs)
+    return choice
+
+
 def run_chosen(op: str, candidates: dict[str, Callable], inputs: tuple, extra=(), text_extra: str = "",
                rows: bool = False):
     """Pick (cached) and run the chosen candidate on `inputs`, counting `ops.<op>.<impl>`."""
-    key = key_of(op, inputs, extra) + (forced(),)  # a forced choice never hides a measured one
-    choice = CHOOSER.choices.get(key)
-    if choice is None:
-        choice = CHOOSER.pick(op, key, label(*inputs, extra=text_extra, rows=rows), candidates, inputs)
+    choice = choose(op, candidates, inputs, extra, text_extra, rows)
     if choice.impl not in candidates:  # e.g. a cached choice of a kernel this call cannot take
         choice = Choice(op, choice.label, MEGATRON, "not a candidate for this call")
     _dispatch.record(op, choice.impl)
     with _dispatch.quiet():  # the front ends count themselves; the choice is counted above
         return candidates[choice.impl](*inputs)
+
+
+def compile_wanted(*tensors: torch.Tensor) -> bool:
+    """Whether torch.compile is a candidate for these tensors (NPUSPEED_FUSED_OP_COMPILE)."""
+    value = os.environ.get(COMPILE_ENV, "auto").strip().lower() or "auto"
+    if value not in ("auto", "1", "0"):
+        raise ValueError(f"{COMPILE_ENV}={value!r}: use auto (torch.compile is a fused-op candidate on "
+                         f"accelerators only), 1 (everywhere, CPU included) or 0 (nowhere)")
+    if value == "auto":
+        return bool(tensors) and not _dispatch.on_host(*tensors)
+    return value == "1"
+
+
+#: the compiled function per eager function (one torch.compile object each: dynamo caches the
+#: graphs per shape on it), and why torch.compile stopped being a candidate (first failure)
+_COMPILED: dict = {}
+_COMPILE_FAILED: list[str] = []
+
+
+def _compile_failed(op: str, exc: BaseException) -> None:
+    if not _COMPILE_FAILED:
+        _COMPILE_FAILED.append(f"{op}: {type(exc).__name__}: {str(exc).strip().splitlines()[0][:160] if str(exc).strip() else ''}")
+        log.warning("npuspeed: torch.compile failed on fused %s (%s); it is no fused-op candidate from now on "
+                    "(set %s=0 to skip it)", op, _COMPILE_FAILED[0], COMPILE_ENV)
+
+
+def compile_failure() -> str | None:
+    """Why torch.compile is no longer a candidate in this process, or None."""
+    return _COMPILE_FAILED[0] if _COMPILE_FAILED else None
+
+
+def compiled(op: str, fn: Callable, *tensors: torch.Tensor) -> Callable | None:
+    """torch.compile(fn) as a candidate for a call on `tensors`, or None (not wanted here, a
+    traced or meta call, or torch.compile failed once in this process: said once in the log).
+    `fn` must be the same function every call (a module-level one), so dynamo compiles once
+    per shape. The compile happens in the chooser's warm-up (its first-call time, reported
+    apart); a failure there raises so the chooser drops the candidate (said once); a failure
+    outside a trial (a later recompile) runs `fn` eagerly, the same maths."""
+    if _COMPILE_FAILED or not compile_wanted(*tensors) or any(t.is_meta for t in tensors) \
+            or torch.compiler.is_compiling():
+        return None
+    compiled_fn = _COMPILED.get(fn)
+    if compiled_fn is None:
+        try:
+            compiled_fn = _COMPILED[fn] = torch.compile(fn, dynamic=False)
+        except Exception as exc:  # noqa: BLE001 - e.g. a Python torch.compile does not support
+            _compile_failed(op, exc)
+            return None
+
+    def run(*args):
+        from npuspeed.ops.choose import trial
+
+        try:
+            return compiled_fn(*args)
+        except Exception as exc:  # noqa: BLE001 - inductor's toolchain, a dynamo limit, ...
+            _compile_failed(op, exc)
+            if trial.in_trial():
+                raise
+            return fn(*args)
+
+    return run
+
+
+#: Liger-Kernel's autograd functions this module offers, by npuspeed's name: (module, class)
+LIGER = {"rms_norm": ("liger_kernel.ops.rms_norm", "LigerRMSNormFunction"),
+         "swiglu": ("liger_kernel.ops.swiglu", "LigerSiLUMulFunction"),
+         "rope": ("liger_kernel.ops.rope", "LigerRopeFunction")}
+_LIGER: dict = {}
+
+
+def _liger_import(name: str):
+    """Liger's function class `name` (LIGER), or None where liger_kernel does not import. The
+    package first (`liger_kernel.ops` swaps in a device's own implementation, e.g. an NPU's),
+    then its submodule. Imported on first use only: it imports triton and probes the device."""
+    if name not in _LIGER:
+        import importlib
+
+        module, cls = LIGER[name]
+        found = None
+        for where in ("liger_kernel.ops", module):
+            try:
+                found = getattr(importlib.import_module(where), cls, None)
+            except Exception:  # noqa: BLE001 - not installed, or no device it supports
+                found = None
+            if found is not None:
+                break
+        _LIGER[name] = found
+    return _LIGER[name]
+
+
+def liger(name: str, *tensors: torch.Tensor):
+    """Liger-Kernel's autograd function `name` (rms_norm, swiglu, rope) for these tensors, or
+    None: Liger's kernels are Triton's, so only where npuspeed's Triton kernels may take the
+    tensors (an accelerator triton targets) and `liger_kernel` imports (an optional extra)."""
+    if not triton_takes(*tensors):
+        return None
+    try:
+        from npuspeed.ops.triton import _runtime
+    except ImportError:
+        return None
+    if not _runtime.runs_on(*tensors):
+        return None
+    return _liger_import(name)
+

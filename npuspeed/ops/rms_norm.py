@@ -9,6 +9,7 @@ torch.nn.RMSNorm does.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from npuspeed.ops import _dispatch, fused_choice
 from npuspeed.ops.npu import elementwise as npu_kernels
@@ -73,12 +74,26 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 1e-5) ->
     return _KERNELS.get(impl, rms_norm_reference)(x, weight, eps)
 
 
+def megatron_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """What torch.nn.RMSNorm's forward runs (Megatron's norm with the flag off), as one
+    module-level function: the `compile` candidate is torch.compile of it."""
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+def _liger(fn, eps):
+    # Liger's "gemma" casting computes in fp32 and rounds once, as torch's F.rms_norm does;
+    # offset 0 (plain weight); in_place=False: its backward must not write into the incoming grad
+    return lambda x, w: fn.apply(x, w, eps, 0.0, "gemma", False)
+
+
 def candidates(x: torch.Tensor, weight: torch.Tensor, eps: float, megatron) -> dict:
     """The implementations --use-fused-rmsnorm chooses among for this call, as fn(x, weight).
 
     `megatron(x, weight)` is what runs with the flag off (torch.nn.RMSNorm, i.e. torch's
     `F.rms_norm`: on CUDA and CPU that is also the device's native op, so it is not listed
-    twice); npuspeed's C++ kernel on CPU, Triton on CUDA/NPU, torch_npu's kernel on an NPU."""
+    twice); npuspeed's C++ kernel on CPU, Triton on CUDA/NPU, torch_npu's kernel on an NPU;
+    `compile`: torch.compile of the same F.rms_norm (fused_choice.compiled: accelerators by
+    default); `liger`: Liger-Kernel's LigerRMSNormFunction where it is installed."""
     found = {"megatron": megatron}
     impl = _dispatch.implementation(OP, x, weight)
     kernel = _KERNELS.get(impl)
@@ -87,10 +102,22 @@ def candidates(x: torch.Tensor, weight: torch.Tensor, eps: float, megatron) -> d
     triton = fused_choice.triton_kernel("rms_norm", "rms_norm", x, weight)
     if triton is not None:
         found["triton"] = lambda x, w: triton(x, w, eps)
+    compiled = fused_choice.compiled(OP, megatron_rms_norm, x, weight)
+    if compiled is not None:
+        found["compile"] = lambda x, w: compiled(x, w, eps)
+    liger = fused_choice.liger("rms_norm", x, weight) if x.dtype == weight.dtype else None
+    if liger is not None:
+        found["liger"] = _liger(liger, eps)
     return found
+
+
+def call(x: torch.Tensor, weight: torch.Tensor, eps: float, megatron) -> dict:
+    """The chooser's arguments for this call: what `fused_rms_norm` runs and the kernel table
+    (npuspeed.ops.fused_table) times, one definition for both."""
+    return dict(op=OP, candidates=candidates(x, weight, eps, megatron), inputs=(x, weight), extra=(float(eps),),
+                rows=True)
 
 
 def fused_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, megatron) -> torch.Tensor:
     """--use-fused-rmsnorm's call: the fastest of `candidates`, measured once per shape."""
-    return fused_choice.run_chosen(OP, candidates(x, weight, eps, megatron), (x, weight),
-                                   extra=(float(eps),), rows=True)
+    return fused_choice.run_chosen(**call(x, weight, eps, megatron))

@@ -147,7 +147,10 @@ def _npu(t, freqs, interleaved, mscale):
 def candidates(t: torch.Tensor, freqs: torch.Tensor, interleaved: bool, mscale: float, megatron) -> dict:
     """The implementations --use-fused-rotary-pos-emb chooses among, as fn(t). `megatron(t)` is
     Megatron's `_apply_rotary_pos_emb_bshd` (the flag off); torch has no native RoPE; C++ on
-    CPU, torch_npu's `npu_rotary_mul` on an NPU (rotate-half only), Triton on CUDA/NPU."""
+    CPU, torch_npu's `npu_rotary_mul` on an NPU (rotate-half only), Triton on CUDA/NPU;
+    `compile`: torch.compile of `rotary_pos_emb_reference` (Megatron's maths, op for op:
+    fused_choice.compiled, accelerators by default). Liger's RoPE takes q and k together, so it
+    is a candidate of the q+k op only (`qk_candidates`)."""
     found = {"megatron": megatron}
     if not (supported(t, freqs) and freqs.device == t.device):
         return found
@@ -158,16 +161,50 @@ def candidates(t: torch.Tensor, freqs: torch.Tensor, interleaved: bool, mscale: 
     triton = fused_choice.triton_kernel("rope", "rotary_pos_emb", t, freqs)
     if triton is not None:
         found["triton"] = lambda t: triton(t, freqs, interleaved, mscale)
+    compiled = fused_choice.compiled(OP, rotary_pos_emb_reference, t, freqs)
+    if compiled is not None:
+        found["compile"] = lambda t: compiled(t, freqs, interleaved, mscale)
     return found
+
+
+def liger_fits(q: torch.Tensor, k: torch.Tensor, freqs: torch.Tensor, interleaved: bool) -> bool:
+    """What Liger's LigerRopeFunction takes: the rotate-half form over the whole head
+    (rot == d), one angle row per position shared by the batch (freqs [s, 1, 1, d]), q and k of
+    one dtype, sequence and batch."""
+    return (not interleaved and freqs.dim() == 4 and freqs.shape[1] == freqs.shape[2] == 1
+            and q.dim() == k.dim() == 4 and freqs.shape[0] == q.shape[0] == k.shape[0]
+            and q.shape[1] == k.shape[1] and freqs.shape[-1] == q.shape[-1] == k.shape[-1]
+            and q.dtype == k.dtype)
+
+
+def _liger_qk(fn, q, k, freqs, mscale):
+    """Liger's LigerRopeFunction (HF's layout [b, h, s, d], cos/sin [1, s, d]) on Megatron's
+    [s, b, h, d] q and k. Its kernel rotates in place in the storage it is given and its
+    backward in the incoming gradients' storage, so q and k go in as copies where its
+    `.contiguous()` would not copy (batch 1: [s, 1, h, d] already is its layout)."""
+    cos, sin = cached_cos_sin(q, freqs, mscale, q.dtype)  # Megatron's: cos(freqs) * mscale, in q's dtype
+    cos, sin = cos[:, 0, 0, :].unsqueeze(0), sin[:, 0, 0, :].unsqueeze(0)
+
+    def hf(t):
+        t = t.permute(1, 2, 0, 3)  # [s, b, h, d] -> [b, h, s, d]
+        return t.clone() if t.transpose(1, 2).is_contiguous() else t
+
+    q_out, k_out = fn.apply(hf(q), hf(k), cos, sin)
+    return q_out.permute(2, 0, 1, 3).contiguous(), k_out.permute(2, 0, 1, 3).contiguous()
+
+
+def call(t: torch.Tensor, freqs: torch.Tensor, interleaved: bool, mscale: float, megatron) -> dict:
+    """The chooser's arguments for this call: what `fused_rotary_pos_emb` runs and the kernel
+    table (npuspeed.ops.fused_table) times, one definition for both."""
+    return dict(op=OP, candidates=candidates(t, freqs, interleaved, mscale, megatron), inputs=(t,),
+                extra=(tuple(freqs.shape), freqs.dtype, bool(interleaved), float(mscale)),
+                text_extra=f"rot {freqs.shape[-1]}{' interleaved' if interleaved else ''}")
 
 
 def fused_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, interleaved: bool, mscale: float,
                          megatron) -> torch.Tensor:
     """--use-fused-rotary-pos-emb's call: the fastest of `candidates`, measured once per shape."""
-    return fused_choice.run_chosen(
-        OP, candidates(t, freqs, interleaved, mscale, megatron), (t,),
-        extra=(tuple(freqs.shape), freqs.dtype, bool(interleaved), float(mscale)),
-        text_extra=f"rot {freqs.shape[-1]}{' interleaved' if interleaved else ''}")
+    return fused_choice.run_chosen(**call(t, freqs, interleaved, mscale, megatron))
 
 
 QK_OP = "rotary_pos_emb_qk"
@@ -179,7 +216,9 @@ def qk_candidates(q: torch.Tensor, k: torch.Tensor, freqs: torch.Tensor, interle
     where npuspeed's one-launch Triton kernel cannot take the pair (then each tensor goes through
     `fused_rotary_pos_emb` on its own). `triton`: q and k in one launch each way; `megatron`:
     Megatron's `_apply_rotary_pos_emb_bshd` on q then k (`megatron(t)`); every single-tensor
-    candidate (`triton_each`: the one-tensor Triton kernel; `npu`: torch_npu's op) on q then k."""
+    candidate (`triton_each`: the one-tensor Triton kernel; `npu`: torch_npu's op; `compile`:
+    torch.compile of the reference) on q then k; `liger`: Liger-Kernel's LigerRopeFunction (q and
+    k in one launch, like npuspeed's) where it is installed and takes the call (`liger_fits`)."""
     triton_qk = fused_choice.triton_kernel("rope", "rotary_pos_emb_qk", q, k, freqs, check="supports_qk")
     if triton_qk is None:
         return {}
@@ -190,6 +229,9 @@ def qk_candidates(q: torch.Tensor, k: torch.Tensor, freqs: torch.Tensor, interle
         found["triton_each" if name == "triton" else name] = (
             lambda q, k, fq=singles_q[name], fk=singles_k[name]: (fq(q), fk(k)))
     found["triton"] = lambda q, k: triton_qk(q, k, freqs, interleaved, mscale)
+    liger = fused_choice.liger("rope", q, k, freqs) if liger_fits(q, k, freqs, interleaved) else None
+    if liger is not None:
+        found["liger"] = lambda q, k: _liger_qk(liger, q, k, freqs, mscale)
     return found
 
 
@@ -197,9 +239,17 @@ def fused_rotary_pos_emb_qk(q: torch.Tensor, k: torch.Tensor, freqs: torch.Tenso
                             mscale: float, megatron):
     """--use-fused-rotary-pos-emb on an attention's q and k: the fastest of `qk_candidates`,
     measured once per shape, as (q', k'); None where the pair kernel cannot take them."""
+    found = qk_call(q, k, freqs, interleaved, mscale, megatron)
+    return None if found is None else fused_choice.run_chosen(**found)
+
+
+def qk_call(q: torch.Tensor, k: torch.Tensor, freqs: torch.Tensor, interleaved: bool, mscale: float,
+            megatron) -> dict | None:
+    """The chooser's arguments for the q+k call (None where the pair kernel cannot take it):
+    what `fused_rotary_pos_emb_qk` runs and the kernel table times."""
     found = qk_candidates(q, k, freqs, interleaved, mscale, megatron)
     if not found:
         return None
-    return fused_choice.run_chosen(
-        QK_OP, found, (q, k), extra=(tuple(freqs.shape), freqs.dtype, bool(interleaved), float(mscale)),
-        text_extra=f"k heads {k.shape[2]}, rot {freqs.shape[-1]}{' interleaved' if interleaved else ''}")
+    return dict(op=QK_OP, candidates=found, inputs=(q, k),
+                extra=(tuple(freqs.shape), freqs.dtype, bool(interleaved), float(mscale)),
+                text_extra=f"k heads {k.shape[2]}, rot {freqs.shape[-1]}{' interleaved' if interleaved else ''}")

@@ -66,7 +66,9 @@ def candidates(x: torch.Tensor, megatron: dict) -> dict:
     """The implementations --use-fused-swiglu chooses among, as fn(x). `megatron` holds what
     runs with the flag off, by name: `megatron` (the MLP's eager silu(a) * b) and, where the
     config fused it, `megatron_fused` (Megatron's bias_swiglu_impl). torch has no native
-    SwiGLU; torch_npu's `npu_swiglu` on an NPU, C++ on CPU, Triton on CUDA/NPU."""
+    SwiGLU; torch_npu's `npu_swiglu` on an NPU, C++ on CPU, Triton on CUDA/NPU; `compile`:
+    torch.compile of the same silu(a) * b (fused_choice.compiled: accelerators by default);
+    `liger`: Liger-Kernel's LigerSiLUMulFunction where it is installed."""
     found = dict(megatron)
     if x.dim() == 0 or x.shape[-1] % 2:
         return found
@@ -76,10 +78,30 @@ def candidates(x: torch.Tensor, megatron: dict) -> dict:
     triton = fused_choice.triton_kernel("swiglu", "swiglu", x)
     if triton is not None:
         found["triton"] = triton
+    compiled = fused_choice.compiled(OP, swiglu_reference, x)
+    if compiled is not None:
+        found["compile"] = compiled
+    liger = fused_choice.liger("swiglu", x)
+    if liger is not None:
+        found["liger"] = lambda x: _liger(liger, x)
     return found
+
+
+def _liger(fn, x: torch.Tensor) -> torch.Tensor:
+    """Liger's LigerSiLUMulFunction(a, b) on Megatron's [gate | linear] halves. Its kernels
+    address rows by one stride and its backward overwrites a and b with their gradients, so
+    each half goes in as a contiguous copy of its own (never a view of the caller's tensor)."""
+    a, b = torch.chunk(x, 2, dim=-1)
+    return fn.apply(a.clone(memory_format=torch.contiguous_format), b.clone(memory_format=torch.contiguous_format))
+
+
+def call(x: torch.Tensor, megatron: dict) -> dict:
+    """The chooser's arguments for this call: what `fused_swiglu` runs and the kernel table
+    (npuspeed.ops.fused_table) times, one definition for both."""
+    return dict(op=OP, candidates=candidates(x, megatron), inputs=(x,), extra=tuple(sorted(megatron)), rows=True)
 
 
 def fused_swiglu(x: torch.Tensor, megatron: dict) -> torch.Tensor:
     """--use-fused-swiglu's call: the fastest of `candidates`, measured once per shape."""
-    return fused_choice.run_chosen(OP, candidates(x, megatron), (x,), extra=tuple(sorted(megatron)), rows=True)
+    return fused_choice.run_chosen(**call(x, megatron))
 

@@ -54,6 +54,34 @@ def test_markdown_derives_the_figures_and_lists_failures():
     assert "| rms_norm 4096x4096 | bf16 | chosen | 0.500 | 0.250 | 2.00x | triton |" in md
 
 
+def test_the_fused_op_table_shows_each_candidate_and_the_pick_and_triton_failures():
+    """The kernel table is the chooser's records (bench_fused_choice.py): every candidate's time,
+    its first call apart, the dropped ones with their reason, the pick; a Triton case that failed
+    is listed beside the rows that were measured."""
+    report = _report()
+    report["fused_ops"] = {"table": {
+        "model": {"hidden": 2048, "ffn": 5632, "heads": 16, "groups": 4, "seq": 4096, "micro_batch": 1},
+        "compile": {"wanted": True, "failure": None}, "megatron_stand_ins": [],
+        "choices": [{"op": "swiglu", "shape": "4096x11264 bf16 cuda", "impl": "compile", "baseline": "megatron",
+                     "why": "...", "ms": {"megatron": 0.4, "triton": 0.35, "compile": 0.3},
+                     "first_ms": {"megatron": 1.0, "triton": 900.0, "compile": 12000.0},
+                     "dropped": {"liger": "raised RuntimeError: x"}}]}}
+    report["triton_ops"] = {"rows": [], "failures": [{"op": "moe", "dtype": "bf16", "error": "AssertionError: boom"}]}
+    md = render.markdown(report, render.derive(report))
+    assert "| swiglu 4096x11264 bf16 cuda | compile | 0.300 | 1.33x | 12.00 | **picked** |" in md
+    assert "| swiglu 4096x11264 bf16 cuda | triton | 0.350 | 1.14x | 0.90 |  |" in md
+    assert "| swiglu 4096x11264 bf16 cuda | liger | dropped: raised RuntimeError: x |" in md
+    assert "- moe bf16: failed, AssertionError: boom" in md
+
+
+def test_the_report_times_the_training_runs_model():
+    import parts  # the fused-op table's shapes are the training runs' model's (models.py)
+
+    dims = parts.model_dims(smoke=False)
+    assert dims == ["--hidden", "2048", "--ffn", "5632", "--heads", "16", "--groups", "4", "--seq", "4096",
+                    "--micro-batch", "1"]
+
+
 def test_step_spread_marks_a_ratio_that_is_not_a_measured_effect():
     report = _report()
     runs = report["training"]["runs"]
@@ -121,7 +149,7 @@ def test_smoke_report_on_cpu(tmp_path):
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["tier"]["counts"]["passed"] == 0 and report["tier"]["counts"]["failed"] == 0
     assert all("error" not in run for run in report["training"]["runs"].values()), report["training"]["runs"]
-    assert report["codec"]["timings"] and report["fused_ops"]["rows"]
+    assert report["codec"]["timings"] and report["fused_ops"]["table"]["choices"]
     assert (tmp_path / "report.md").read_text().count("| all off |") == 1
 
 

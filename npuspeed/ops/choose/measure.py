@@ -48,6 +48,7 @@ def _scope(chooser, grads):
     stack = contextlib.ExitStack()
     stack.enter_context(chooser.guard())
     stack.enter_context(_dispatch.quiet())
+    stack.enter_context(trials.trial_scope())
     if grads:
         stack.enter_context(torch.enable_grad())
     return stack
@@ -74,18 +75,15 @@ def untimed(chooser, op, text, candidates, inputs, grads, declared, why) -> Choi
 
 def timed(chooser, op, text, candidates, inputs, grads, declared) -> Choice:
     """Warm-up, then at least `repeats` interleaved timed rounds (up to 4x while cheap); the
-    criterion decides on the minimum per candidate."""
+    criterion decides on the minimum per candidate. The warm-up's times are never a sample:
+    a first call holds one-off costs (Triton's JIT, torch.compile's compile, a library's
+    first launch), which are kept apart as each candidate's first-call time (`first_ms`)."""
     reads_bytes = getattr(chooser.criterion, "reads_bytes", False)
     with _scope(chooser, grads):
         runs, first, nbytes, dropped = _warm_up(chooser, candidates, inputs, grads, reads_bytes and not declared)
         nbytes = dict(declared) if declared else nbytes
         best = {name: float("inf") for name in runs}
         spent, rounds = 0.0, 0
-        if chooser.adaptive and chooser.real_clock and sum(first[n] for n in runs) > chooser.budget_s:
-            # an expensive op (seconds per fwd+bwd on a slow backend): the warm-up is the sample;
-            # repeating it would cost more than any difference it can find
-            best = {name: first[name] for name in runs}
-            spent, rounds = sum(best.values()), chooser.repeats
         extra = 4 * chooser.repeats if chooser.adaptive else chooser.repeats
         while rounds < chooser.repeats or (rounds < extra and spent < chooser.budget_s):
             for name, run in runs.items():
@@ -93,6 +91,10 @@ def timed(chooser, op, text, candidates, inputs, grads, declared) -> Choice:
                 best[name] = min(best[name], seconds)
                 spent += seconds
             rounds += 1
+            if rounds == 1 and chooser.adaptive and chooser.real_clock and spent > chooser.budget_s:
+                # an expensive op (seconds per fwd+bwd on a slow backend): one timed round is
+                # the sample; repeating it would cost more than any difference it can find
+                break
     if chooser.agree is not None:  # every candidate in one order on every rank; inf = dropped here
         names = sorted(candidates)
         agreed = chooser.agree(op, names, [best.get(n, float("inf")) for n in names])
@@ -104,11 +106,17 @@ def timed(chooser, op, text, candidates, inputs, grads, declared) -> Choice:
             raise RuntimeError(f"fused {op}: Megatron's path did not run on every rank")
     ms = {name: s * 1e3 for name, s in best.items()}
     impl = chooser.criterion.decide(list(ms), ms, nbytes, chooser.baseline, chooser.ordered(candidates))
-    return Choice(op, text, impl, _why(chooser, impl, ms, nbytes, grads, dropped, inputs), ms, dropped, nbytes,
-                  chooser.baseline)
+    first_ms = {name: first[name] * 1e3 for name in ms if name in first}
+    return Choice(op, text, impl, _why(chooser, impl, ms, nbytes, grads, dropped, inputs, first_ms), ms, dropped,
+                  nbytes, chooser.baseline, first_ms=first_ms, offered=list(candidates))
 
 
-def _why(chooser, impl, ms, nbytes, grads, dropped, inputs) -> str:
+#: a first call this much longer than the candidate's timed minimum (and over FIRST_FLOOR_MS)
+#: held a one-off cost (a compile, a JIT): `why` names it
+FIRST_FACTOR, FIRST_FLOOR_MS = 10.0, 10.0
+
+
+def _why(chooser, impl, ms, nbytes, grads, dropped, inputs, first_ms=None) -> str:
     base = chooser.baseline
     others = ", ".join(f"{n} {v:.3f}" for n, v in sorted(ms.items(), key=lambda kv: kv[1]))
     pass_ = "fwd+bwd" if grads else "fwd"
@@ -120,6 +128,11 @@ def _why(chooser, impl, ms, nbytes, grads, dropped, inputs) -> str:
         why = f"{ms[base] / ms[impl]:.2f}x megatron: {others} ms {pass_}"
     if nbytes:
         why += f"; {chooser.criterion.describe()}: {_bytes_text(nbytes)}"
+    slow_first = {n: f for n, f in (first_ms or {}).items()
+                  if f > FIRST_FLOOR_MS and f > FIRST_FACTOR * ms.get(n, float("inf"))}
+    if slow_first:
+        why += ("; first call (compile/JIT, not counted) "
+                + ", ".join(f"{n} {f / 1e3:.2f} s" for n, f in sorted(slow_first.items())))
     if dropped:
         why += "; dropped " + ", ".join(f"{n} ({r})" for n, r in dropped.items())
     return why

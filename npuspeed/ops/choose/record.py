@@ -19,6 +19,11 @@ class Choice:
     dropped: dict[str, str] = field(default_factory=dict)
     bytes: dict[str, int] = field(default_factory=dict)
     baseline: str = MEGATRON
+    #: each timed candidate's first call (warm-up) in ms: one-off costs (compile, JIT) are here,
+    #: never in `ms`
+    first_ms: dict[str, float] = field(default_factory=dict)
+    #: every candidate offered for this key, measured or dropped (empty where not measured)
+    offered: list[str] = field(default_factory=list)
 
     @property
     def speedup(self) -> float | None:
@@ -35,6 +40,10 @@ class Choice:
                "ms": {k: round(v, 4) for k, v in self.ms.items()}, "dropped": dict(self.dropped)}
         if self.bytes:
             out["bytes"] = dict(self.bytes)
+        if self.first_ms:
+            out["first_ms"] = {k: round(v, 4) for k, v in self.first_ms.items()}
+        if self.offered:
+            out["candidates"] = list(self.offered)
         return out
 
     def flat(self, **extra) -> dict:

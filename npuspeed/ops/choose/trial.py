@@ -47,6 +47,34 @@ class Guard:
         return start, lambda base: memory_tracker.peak() - base
 
 
+def device_sync() -> None:
+    """torch's own synchronize of the current accelerator (none on a CPU-only host): the clock's
+    default, so a chooser no feature configured (a benchmark's, a bare op call's) still times
+    the device's work on accelerator tensors, not the host's kernel launches (the H100 report
+    of 2026-11-27 timed launches: see docs/fused_op_rule.md)."""
+    acc = getattr(torch, "accelerator", None)
+    if acc is not None and acc.is_available():
+        acc.synchronize()
+
+
+#: > 0 while a chooser's trial runs (measure._scope): a candidate that fails there must raise
+#: (the chooser drops it), where outside a trial it may fall back to the same maths run eagerly
+_IN_TRIAL = [0]
+
+
+def in_trial() -> bool:
+    return _IN_TRIAL[0] > 0
+
+
+@contextlib.contextmanager
+def trial_scope():
+    _IN_TRIAL[0] += 1
+    try:
+        yield
+    finally:
+        _IN_TRIAL[0] -= 1
+
+
 class Clock:
     """The clock policy, one for every chooser: the process's CPU time when every input is on the
     host (a busy host's preemption is not counted, so the order of the candidates does not
@@ -54,7 +82,7 @@ class Clock:
     class, set by the features), else wall time between synchronizes."""
 
     def __init__(self, sync: Callable[[], None] | None = None, events: Callable | None = None):
-        self.sync = sync or (lambda: None)
+        self.sync = sync or device_sync
         self.events = events
 
     def cpu(self, inputs) -> bool:
