@@ -46,7 +46,7 @@ def _grouped_counts():
     return {k.rsplit(".", 1)[1]: v for k, v in telemetry.snapshot("moe.grouped_gemm.").items()}
 
 
-@pytest.mark.parametrize("loop_s, torch_s, expected", [(1.0, 2.0, "loop"), (2.0, 1.0, "torch"), (1.0, 1.0, "loop")])
+@pytest.mark.parametrize("loop_s, torch_s, expected", [(1.0, 2.0, "linear"), (2.0, 1.0, "torch"), (1.0, 1.0, "linear")])
 def test_grouped_mm_takes_the_faster_backend(chooser, loop_s, torch_s, expected):
     if grouped_gemm.backend_for(torch.empty(0)) != "torch":
         pytest.skip("torch grouped mm does not run here: only the loop exists")
@@ -58,7 +58,7 @@ def test_grouped_mm_takes_the_faster_backend(chooser, loop_s, torch_s, expected)
     assert _grouped_counts() == {expected: 2}  # trials count nothing
     (choice,) = fused_choice.choices()
     assert choice.op == "grouped_mm" and choice.label == "3 experts, ~16x16x8 fp32 cpu"
-    assert choice.impl == ("megatron" if expected == "loop" else "torch")
+    assert choice.impl == ("megatron" if expected == "linear" else "torch")
     ref = torch.cat([x[:5] @ w[0], x[5:] @ w[2]])
     torch.testing.assert_close(out, ref)
 
@@ -75,7 +75,7 @@ def test_bf16_grouped_mm_on_cpu_measures_the_fp32_loop(chooser, winner):
     x, w, counts = _gmm_inputs(torch.bfloat16)
     out = grouped_gemm.grouped_mm(x, w, counts)
     out.float().sum().backward()
-    assert _grouped_counts() == {("loop" if winner == "megatron" else "loop_fp32"): 1}
+    assert _grouped_counts() == {("linear" if winner == "megatron" else "loop_fp32"): 1}
     assert set(chooser.trial.calls) == set(times)
     ref = torch.cat([x[:5] @ w[0], x[5:] @ w[2]])
     torch.testing.assert_close(out, ref, atol=5e-2, rtol=2e-2)
@@ -90,7 +90,7 @@ def test_grouped_mm_forced(chooser, monkeypatch):
     grouped_gemm.grouped_mm(x, w, counts)
     monkeypatch.setenv(fused_choice.FORCE_ENV, "npuspeed")
     grouped_gemm.grouped_mm(x, w, counts)
-    assert _grouped_counts() == {"loop": 1, "torch": 1} and chooser.trial.calls == []
+    assert _grouped_counts() == {"linear": 1, "torch": 1} and chooser.trial.calls == []
 
 
 def test_grouped_mm_under_deterministic_mode_runs_the_grouped_kernel(chooser):
