@@ -195,3 +195,31 @@ def test_grouped_mm_rows_around_a_power_of_two_share_one_choice(chooser):
         grouped_gemm.grouped_mm(torch.randn(rows, 8, requires_grad=True), w, [rows // 2, rows - rows // 2])
     assert len(fused_choice.choices()) == 1
     assert [grouped_gemm.row_bucket(n) for n in (2897, 4096, 5792, 5793)] == [4096, 4096, 4096, 8192]
+
+
+def test_grouped_mm_choice_is_per_shape_recorded_and_runs(chooser):
+    """Two weight shapes, two trials: where Megatron's per-expert GEMMs (`linear`) measured
+    faster they run, where the fp32 loop did it runs; each decision is a record of the fused-op
+    chooser in `npuspeed report`'s path_choices, and the counters show the chosen backend ran.
+    (Checked to fail with the comparison in criteria.Fastest flipped to max.)"""
+    from npuspeed import reporting
+
+    shapes = {16: dict(megatron=1.0, torch=3.0, loop_fp32=2.0),  # K 16: Megatron's GEMMs win
+              24: dict(megatron=3.0, torch=4.0, loop_fp32=1.0)}  # K 24: the fp32 loop wins
+    gen = torch.Generator().manual_seed(4)
+    ran = {}
+    for k, times in shapes.items():
+        chooser.trial = FakeTimes(**times)
+        x = torch.randn(12, k, generator=gen).to(torch.bfloat16).requires_grad_()
+        w = torch.randn(3, k, 8, generator=gen).to(torch.bfloat16).requires_grad_()
+        telemetry.reset("moe.grouped_gemm.")
+        trials = []
+        for _ in range(2):  # the second call takes the recorded choice: no new trial
+            grouped_gemm.grouped_mm(x, w, [5, 0, 7]).float().sum().backward()
+            trials.append(len(chooser.trial.calls))
+        assert trials[0] > 0 and trials[1] == trials[0] and set(chooser.trial.calls) == set(times)
+        ran[k] = _grouped_counts()
+    assert ran == {16: {"linear": 2}, 24: {"loop_fp32": 2}}
+    records = [c for c in reporting._path_choices() if c["op"] == "grouped_mm" and c["chooser"] == "fused ops"]
+    assert {r["shape"]: r["impl"] for r in records} == {"3 experts, ~16x16x8 bf16 cpu": "megatron",
+                                                        "3 experts, ~16x24x8 bf16 cpu": "loop_fp32"}
