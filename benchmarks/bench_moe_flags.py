@@ -143,7 +143,7 @@ def main() -> None:
             started_utc=started.isoformat(timespec="seconds"),
             finished_utc=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             host=dict(cpu=_cpu_model(), cores=os.cpu_count(), note="shared with other jobs"),
-            megatron_core=megatron_version(), model_args=base, variants={n: VARIANTS[n] for n in names},
+            megatron_core=str(megatron_version()), model_args=base, variants={n: VARIANTS[n] for n in names},
             concurrent=opts.concurrent, runs=raw, ratios_vs_off=ratios), indent=1) + "\n")
         print(f"wrote {opts.json}")
 
