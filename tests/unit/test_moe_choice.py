@@ -46,7 +46,7 @@ def _grouped_counts():
     return {k.rsplit(".", 1)[1]: v for k, v in telemetry.snapshot("moe.grouped_gemm.").items()}
 
 
-@pytest.mark.parametrize("loop_s, torch_s, expected", [(1.0, 2.0, "loop"), (2.0, 1.0, "torch"), (1.0, 1.0, "loop")])
+@pytest.mark.parametrize("loop_s, torch_s, expected", [(1.0, 2.0, "linear"), (2.0, 1.0, "torch"), (1.0, 1.0, "linear")])
 def test_grouped_mm_takes_the_faster_backend(chooser, loop_s, torch_s, expected):
     if grouped_gemm.backend_for(torch.empty(0)) != "torch":
         pytest.skip("torch grouped mm does not run here: only the loop exists")
@@ -58,7 +58,7 @@ def test_grouped_mm_takes_the_faster_backend(chooser, loop_s, torch_s, expected)
     assert _grouped_counts() == {expected: 2}  # trials count nothing
     (choice,) = fused_choice.choices()
     assert choice.op == "grouped_mm" and choice.label == "3 experts, ~16x16x8 fp32 cpu"
-    assert choice.impl == ("megatron" if expected == "loop" else "torch")
+    assert choice.impl == ("megatron" if expected == "linear" else "torch")
     ref = torch.cat([x[:5] @ w[0], x[5:] @ w[2]])
     torch.testing.assert_close(out, ref)
 
@@ -75,7 +75,7 @@ def test_bf16_grouped_mm_on_cpu_measures_the_fp32_loop(chooser, winner):
     x, w, counts = _gmm_inputs(torch.bfloat16)
     out = grouped_gemm.grouped_mm(x, w, counts)
     out.float().sum().backward()
-    assert _grouped_counts() == {("loop" if winner == "megatron" else "loop_fp32"): 1}
+    assert _grouped_counts() == {("linear" if winner == "megatron" else "loop_fp32"): 1}
     assert set(chooser.trial.calls) == set(times)
     ref = torch.cat([x[:5] @ w[0], x[5:] @ w[2]])
     torch.testing.assert_close(out, ref, atol=5e-2, rtol=2e-2)
@@ -90,7 +90,7 @@ def test_grouped_mm_forced(chooser, monkeypatch):
     grouped_gemm.grouped_mm(x, w, counts)
     monkeypatch.setenv(fused_choice.FORCE_ENV, "npuspeed")
     grouped_gemm.grouped_mm(x, w, counts)
-    assert _grouped_counts() == {"loop": 1, "torch": 1} and chooser.trial.calls == []
+    assert _grouped_counts() == {"linear": 1, "torch": 1} and chooser.trial.calls == []
 
 
 def test_grouped_mm_under_deterministic_mode_runs_the_grouped_kernel(chooser):
@@ -197,3 +197,31 @@ def test_grouped_mm_rows_around_a_power_of_two_share_one_choice(chooser):
         grouped_gemm.grouped_mm(torch.randn(rows, 8, requires_grad=True), w, [rows // 2, rows - rows // 2])
     assert len(fused_choice.choices()) == 1
     assert [grouped_gemm.row_bucket(n) for n in (2897, 4096, 5792, 5793)] == [4096, 4096, 4096, 8192]
+
+
+def test_grouped_mm_choice_is_per_shape_recorded_and_runs(chooser):
+    """Two weight shapes, two trials: where Megatron's per-expert GEMMs (`linear`) measured
+    faster they run, where the fp32 loop did it runs; each decision is a record of the fused-op
+    chooser in `npuspeed report`'s path_choices, and the counters show the chosen backend ran.
+    (Checked to fail with the comparison in criteria.Fastest flipped to max.)"""
+    from npuspeed import reporting
+
+    shapes = {16: dict(megatron=1.0, torch=3.0, loop_fp32=2.0),  # K 16: Megatron's GEMMs win
+              24: dict(megatron=3.0, torch=4.0, loop_fp32=1.0)}  # K 24: the fp32 loop wins
+    gen = torch.Generator().manual_seed(4)
+    ran = {}
+    for k, times in shapes.items():
+        chooser.trial = FakeTimes(**times)
+        x = torch.randn(12, k, generator=gen).to(torch.bfloat16).requires_grad_()
+        w = torch.randn(3, k, 8, generator=gen).to(torch.bfloat16).requires_grad_()
+        telemetry.reset("moe.grouped_gemm.")
+        trials = []
+        for _ in range(2):  # the second call takes the recorded choice: no new trial
+            grouped_gemm.grouped_mm(x, w, [5, 0, 7]).float().sum().backward()
+            trials.append(len(chooser.trial.calls))
+        assert trials[0] > 0 and trials[1] == trials[0] and set(chooser.trial.calls) == set(times)
+        ran[k] = _grouped_counts()
+    assert ran == {16: {"linear": 2}, 24: {"loop_fp32": 2}}
+    records = [c for c in reporting._path_choices() if c["op"] == "grouped_mm" and c["chooser"] == "fused ops"]
+    assert {r["shape"]: r["impl"] for r in records} == {"3 experts, ~16x16x8 bf16 cpu": "megatron",
+                                                        "3 experts, ~16x24x8 bf16 cpu": "loop_fp32"}

@@ -19,7 +19,7 @@ def _per_expert(x, w, counts):
     return torch.cat([a @ b for a, b in zip(x.split(counts), w)]) if x.shape[0] else x.new_zeros(0, w.shape[2])
 
 
-@pytest.mark.parametrize("backend", ["torch", "loop", "loop_fp32"])
+@pytest.mark.parametrize("backend", ["torch", "loop", "loop_fp32", "linear"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("counts", [[5, 0, 17, 10], [0, 0, 0, 0], [3, 1, 0, 0]])
 def test_grouped_mm_forward_backward(backend, dtype, counts):
@@ -141,7 +141,7 @@ def test_grouped_mlp_with_no_tokens_keeps_gradients(megatron_mp, with_features):
     assert torch.count_nonzero(w1_grad) == 0
 
 
-@pytest.mark.parametrize("backend", ["torch", "loop", "loop_fp32"])
+@pytest.mark.parametrize("backend", ["torch", "loop", "loop_fp32", "linear"])
 def test_calls_sharing_a_grad_sink_hand_autograd_one_summed_gradient(backend):
     """Three chunks of one weight (one with no rows): the gradient autograd gets is the sum,
     handed over once, equal to that of the unchunked call."""
@@ -170,3 +170,24 @@ def test_fp32_loop_rounds_once_like_a_bf16_gemm():
     y = grouped_mm(x, w, [4, 5], backend="loop_fp32")
     ref = torch.cat([x[:4].float() @ w[0].float(), x[4:].float() @ w[1].float()]).to(torch.bfloat16)
     assert y.dtype == torch.bfloat16 and torch.equal(y, ref)
+
+
+def test_linear_backend_runs_megatrons_gemms_bitwise():
+    """`linear` (the `megatron` candidate) is SequentialMLP's arithmetic: per expert x @ W.t(),
+    grad @ W and grad.t() @ x on the [N, K] weight, Megatron's linear layer's calls exactly
+    (bf16: any other order or layout of the GEMMs would round differently)."""
+    gen = torch.Generator().manual_seed(2)
+    counts = [7, 0, 12]
+    x = torch.randn(19, 32, generator=gen).to(torch.bfloat16).requires_grad_()
+    w = torch.randn(3, 32, 48, generator=gen).to(torch.bfloat16).requires_grad_()
+    g = torch.randn(19, 48, generator=gen).to(torch.bfloat16)
+    y = grouped_mm(x, w, counts, backend="linear")
+    y.backward(g)
+    ys, dxs, dws = [], [], []
+    for xs, gs, wg in zip(x.detach().split(counts), g.split(counts), w.detach()):
+        weight = wg.t().contiguous()  # the expert's Megatron linear weight [N, K]
+        ys.append(torch.matmul(xs, weight.t()))
+        dxs.append(gs.matmul(weight))
+        dws.append(gs.t().matmul(xs).t())
+    assert torch.equal(y, torch.cat(ys)) and torch.equal(x.grad, torch.cat(dxs))
+    assert torch.equal(w.grad, torch.stack(dws))

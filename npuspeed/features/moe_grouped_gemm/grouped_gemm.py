@@ -11,6 +11,12 @@ w [G, K, N] one weight per group. Backends, chosen once per (device type, dtype)
   runs: the CPU build of torch 2.13 has it for fp32 and bf16, CUDA for bf16 on recent GPUs.
 - `loop`: one `torch.mm` per group written into its rows of a preallocated output, forward
   and backward (benchmarks/bench_moe.py measures it against the others).
+- `linear`: Megatron's SequentialMLP matmuls exactly: per group `F.linear` on the weight in
+  Megatron's [N, K] layout (one contiguous transposed copy of w per call), the input gradient
+  `grad @ W` and the weight gradient `grad.t() @ x` as Megatron's linear layer computes them,
+  copied back into w's [K, N] layout. The same products, layouts and roundings as the flag off;
+  on a CPU the layout alone changes a bf16 GEMM's speed several-fold, so this (not `loop`) is
+  the `megatron` candidate of the per-shape choice below.
 - `loop_fp32` (bf16/fp16 on CPU): the same loop on fp32 copies of each group's rows and
   weight, rounded once to the input dtype: what a bf16 GEMM computes (fp32 accumulation,
   one rounding), but on fp32 units. A CPU without bf16 GEMM units (AVX2 only) runs a bf16
@@ -18,12 +24,13 @@ w [G, K, N] one weight per group. Backends, chosen once per (device type, dtype)
   where it is a candidate the per-shape measurement below decides.
 
 `--moe-grouped-gemm` does not take the grouped backend blindly: per (device, dtype, group
-count, weight shape, rows to the nearest power of two) the grouped backend and the
-per-expert loop (Megatron's per-expert matmuls, though in GroupedMLP's [K, N] weight layout,
-not SequentialMLP's [N, K]: on a CPU without bf16 units the two differ several-fold, hence
-loop_fp32) are timed once, forward + backward, by npuspeed.ops.fused_choice, and the faster
-one runs (`choose_backend`); NPUSPEED_FUSED_OP_PATH=megatron forces the loop, any other forced
-value the grouped kernel (loop_fp32 where the device has none).
+count, weight shape, rows to the nearest power of two) Megatron's per-expert matmuls
+(`linear`, the `megatron` candidate), the device's grouped backend (or `loop` where it has
+none) and, for bf16/fp16 on a CPU, `loop_fp32` are timed once, forward + backward, by
+npuspeed.ops.fused_choice, and the fastest runs (`choose_backend`; ties go to `linear`), so
+the flag never runs slower GEMMs than SequentialMLP's by more than the measurement's noise.
+NPUSPEED_FUSED_OP_PATH=megatron forces `linear`, any other forced value the grouped kernel
+(loop_fp32 where the device has none).
 Each call is counted (`moe.grouped_gemm.<backend>`) so tests prove which one ran.
 
 A weight used by several calls in one step (the chunks of the overlapped all-to-all) can
@@ -43,8 +50,9 @@ from npuspeed.features.moe_common.grad_sink import GradSink
 from npuspeed.ops import _dispatch
 from npuspeed.ops.npu import moe as npu_moe
 
-BACKENDS = (_dispatch.NPU_IMPL, "torch", "loop", "loop_fp32")
+BACKENDS = (_dispatch.NPU_IMPL, "torch", "loop", "loop_fp32", "linear")
 UPCAST = "loop_fp32"
+LINEAR = "linear"  # Megatron's per-expert F.linear: the `megatron` candidate
 _CHOSEN: dict[tuple[str, torch.dtype], str] = {}
 
 
@@ -93,11 +101,11 @@ def choose_backend(x: torch.Tensor, w: torch.Tensor, counts: list[int]) -> str:
 
     capable = backend_for(x)
     upcast = upcast_is_candidate(x)
-    if capable == "loop" and not upcast:
-        return "loop"
     force = fused_choice.forced()
     if force is not None:
-        return "loop" if force == fused_choice.MEGATRON else (capable if capable != "loop" else UPCAST)
+        if force == fused_choice.MEGATRON:
+            return LINEAR
+        return capable if capable != "loop" or not upcast else UPCAST
     rows = row_bucket(x.shape[0])
     grads = x.requires_grad or w.requires_grad  # not grad mode: a recompute reruns with the same choice
     key = ("grouped_mm", x.device.type, x.dtype, tuple(w.shape), rows, grads)
@@ -105,13 +113,12 @@ def choose_backend(x: torch.Tensor, w: torch.Tensor, counts: list[int]) -> str:
     if choice is None:
         dtype = str(x.dtype).replace("torch.", "").replace("bfloat16", "bf16").replace("float", "fp")
         label = f"{w.shape[0]} experts, ~{rows}x{w.shape[1]}x{w.shape[2]} {dtype} {x.device.type}"
-        candidates = {fused_choice.MEGATRON: lambda x, w: grouped_mm(x, w, counts, backend="loop")}
-        if capable != "loop":
-            candidates[capable] = lambda x, w: grouped_mm(x, w, counts, backend=capable)
+        candidates = {fused_choice.MEGATRON: lambda x, w: grouped_mm(x, w, counts, backend=LINEAR),
+                      capable: lambda x, w: grouped_mm(x, w, counts, backend=capable)}
         if upcast:
             candidates[UPCAST] = lambda x, w: grouped_mm(x, w, counts, backend=UPCAST)
         choice = fused_choice.CHOOSER.pick("grouped_mm", key, label, candidates, (x, w))
-    return "loop" if choice.impl == fused_choice.MEGATRON else choice.impl
+    return LINEAR if choice.impl == fused_choice.MEGATRON else choice.impl
 
 
 def row_bucket(rows: int) -> int:
@@ -180,6 +187,45 @@ class _LoopGMM(torch.autograd.Function):
                     _mm_into(ds, gs, wg.t(), ctx.upcast)
         dw = _dw(ctx, x, grad, w, lambda: _weight_grads(x, grad, ctx.counts, w, upcast=ctx.upcast))
         return dx, dw, None, None, None, None
+
+
+class _LinearGMM(torch.autograd.Function):
+    """Megatron's SequentialMLP GEMMs per group (the `linear` backend, see the module docstring):
+    forward `x @ W.t()`, input gradient `grad @ W`, weight gradient `grad.t() @ x`, with W the
+    group's weight in Megatron's [N, K] layout (a contiguous copy of w[g].t())."""
+
+    @staticmethod
+    def forward(ctx, x, w, counts, sink, later=None):
+        ctx.counts, ctx.sink, ctx.later = counts, sink, later
+        wt = w.detach().transpose(1, 2).contiguous()  # [G, N, K]: each expert's linear weight
+        ctx.save_for_backward(x, w, wt)
+        out = x.new_empty(x.shape[0], w.shape[2])
+        for xs, wg, os_ in zip(x.split(counts), wt, out.split(counts)):
+            if xs.shape[0]:
+                torch.mm(xs, wg.t(), out=os_)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w, wt = ctx.saved_tensors
+        grad = grad.contiguous()
+        dx = None
+        if ctx.needs_input_grad[0]:
+            dx = grad.new_empty(x.shape)
+            for gs, wg, ds in zip(grad.split(ctx.counts), wt, dx.split(ctx.counts)):
+                if gs.shape[0]:
+                    torch.mm(gs, wg, out=ds)
+        dw = _dw(ctx, x, grad, w, lambda: _linear_weight_grads(x, grad, ctx.counts, w))
+        return dx, dw, None, None, None
+
+
+def _linear_weight_grads(x, grad, counts, w):
+    """Megatron's weight gradient per group (grad.t() @ x, [N, K]) laid into w's [G, K, N]."""
+    dw = torch.zeros_like(w)
+    for g, (xs, gs) in enumerate(zip(x.split(counts), grad.split(counts))):
+        if xs.shape[0]:
+            dw[g].copy_(torch.mm(gs.t(), xs).t())
+    return dw
 
 
 def _weight_grads(x, grad, counts, w, upcast: bool = False):
@@ -251,4 +297,6 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts, backend: str | None = N
         return _TorchGMM.apply(x, w, offs, counts, sink, later)
     if backend == _dispatch.NPU_IMPL:
         return _NpuGMM.apply(x, w, counts, sink, later)
+    if backend == LINEAR:
+        return _LinearGMM.apply(x, w, counts, sink, later)
     return _LoopGMM.apply(x, w, counts, sink, backend == UPCAST, later)
