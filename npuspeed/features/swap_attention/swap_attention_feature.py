@@ -3,7 +3,10 @@
 The activations autograd saves inside the chosen modules of every layer (default: the
 attention block) are copied to pinned host memory on a side stream during forward, their
 device storage freed, and fetched back in backward one layer ahead, overlapped with compute
-(swap.py; which modules: modules.py). A norm output that `--recompute-norm` frees and
+(swap.py; which modules: modules.py). `--swap-attention-mode hidden` (default) swaps only the
+layers whose copies the measured host link hides behind their measured compute, decided after
+the first passes; `whole` swaps all and states the cost (sizer.py, npuspeed/offload/sizing.py).
+A norm output that `--recompute-norm` frees and
 recomputes (linear_qkv saves the input norm's) is left to it, not copied as well. On the CPU backend the host is the device: the
 mechanics run (and are tested), nothing is saved, and the log and report say so.
 """

@@ -4,7 +4,10 @@ Adam's states and the fp32 masters are 12 of the 16 bytes a mixed-precision para
 the device. With this flag they live in pinned host memory between optimizer steps; the step
 streams them in and out by chunks on a side stream, overlapped with the update of the previous
 chunk (swapper.py), through Megatron's own optimizers (patches.py): losses are bitwise those of
-the run without the flag. Where `--reuse-fp32-param` already keeps the masters as a residual
+the run without the flag. `--swap-optimizer-mode hidden` (default) moves only the chunks whose
+copies the measured host link hides behind the measured updates (the others stay resident),
+decided after the first steps; `whole` moves all and states the cost (sizer.py,
+npuspeed/offload/sizing.py). Where `--reuse-fp32-param` already keeps the masters as a residual
 inside the bf16 parameters only the states move.
 
 Megatron-Core's own `--optimizer-cpu-offload [--optimizer-offload-fraction F]` (a hybrid
