@@ -358,7 +358,8 @@ def test_sizing_keeps_what_would_not_hide_resident_bitwise(megatron_mp, with_fea
     steps = sizer.SKIP + sizer.MEASURE + 2
     want_losses, want_params = _plain(True, False, steps)
     decisions.reset()
-    with host_link.fake(1e15), with_features(["--swap-optimizer", *CHUNK, "--swap-optimizer-mode", mode]):
+    with host_link.fake(1e9), with_features(  # a 4 KiB chunk: ~4 us each way, under an update here
+        ["--swap-optimizer", *CHUNK, "--swap-optimizer-mode", mode]):
         model, optimizer = _build(True, False)
         (swap,) = _swaps(optimizer)
         got = _train(model, optimizer, steps)

@@ -116,3 +116,19 @@ def test_link_fake_env_and_measured_on_the_cpu(monkeypatch):
     monkeypatch.delenv(host_link.ENV)
     measured = host_link.measure(acc, nbytes=MB, repeats=2)
     assert measured.to_device > 0 and not measured.overlaps and "memcpy" in measured.source
+
+
+def test_a_decision_reaches_the_report_with_its_measured_wait():
+    from npuspeed import reporting
+    from npuspeed.offload import decisions
+
+    decisions.reset()
+    d = sizing.size_layers("--swap-attention", "hidden", _layers(), _link(100))
+    decisions.record(d)
+    (row,) = reporting._swap_sizing()
+    assert row["exposed_ms_measured"] is None and row["moved"] == ["layer1", "layer2", "layer3"]
+    decisions.checked(d, 0.5 * d.transfer_s, 1)
+    (row,) = reporting._swap_sizing()
+    assert row["hidden_share_measured"] == pytest.approx(0.5) and row["hidden_share_estimated"] == 1.0
+    assert {"bytes_moved", "transfer_ms", "exposed_ms_estimated", "kept", "link", "line"} <= set(row)
+    decisions.reset()
