@@ -32,6 +32,8 @@ def _feature():
     ([MODS, "mlp"], f"{MODS} mlp is given without {FLAG}"),
     ([FLAG, MODS, "attn"], f"{MODS} 'attn': unknown module attn"),
     ([FLAG, MODS, "mlp", "--recompute-activation-function"], "drop one of them"),
+    (["--swap-attention-mode", "whole"], "--swap-attention-mode whole is given without --swap-attention"),
+    ([FLAG, "--swap-attention-mode", "all"], "--swap-attention-mode 'all': give hidden .* or whole"),
 ])
 def test_bad_flags_are_clear_errors(npuspeed_runtime, argv, message):
     from feature_ctx import ctx_for

@@ -125,6 +125,21 @@ def test_on_the_cpu_backend_the_states_stay_in_place_by_default(megatron_mp, wit
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--swap-optimizer-mode", "whole"], "--swap-optimizer-mode is given without --swap-optimizer"),
+    (["--swap-optimizer", "--swap-optimizer-mode", "full"], "--swap-optimizer-mode 'full': give hidden .* or whole"),
+])
+def test_a_bad_sizing_mode_is_one_clear_error(npuspeed_runtime, argv, message):
+    from feature_ctx import ctx_for
+    from npuspeed.features.base import FeatureError
+    from npuspeed.features.swap_optimizer import SwapOptimizerFeature
+
+    ctx = ctx_for(argv)
+    assert SwapOptimizerFeature().enabled(ctx.args)
+    with pytest.raises(FeatureError, match=message):
+        SwapOptimizerFeature().validate(ctx)
+
+
 def test_a_bad_mode_value_is_refused(monkeypatch):
     from npuspeed.features.base import FeatureError
     from npuspeed.features.swap_optimizer import moves

@@ -50,8 +50,9 @@ class SwapAttentionFeature(Feature):
 
         config = self.config(ctx.args)
         if not config.swap_attention:
-            given = MODS if config.swap_modules is not None else MODE
-            raise FeatureError(f"{given} is given without {MAIN}; add {MAIN} (or drop {given})")
+            given = (f"{MODS} {config.swap_modules}" if config.swap_modules is not None
+                     else f"{MODE} {config.swap_attention_mode}")
+            raise FeatureError(f"{given} is given without {MAIN}; add {MAIN} (or drop {given.split()[0]})")
         names = parse_modules(config.swap_modules)
         parse_mode(config.swap_attention_mode)
         if "mlp" in names and Recompute.from_args(ctx.args).recompute_activation_function:
