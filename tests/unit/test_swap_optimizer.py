@@ -407,6 +407,7 @@ def test_on_the_cpu_the_hidden_sizing_keeps_every_chunk_resident(megatron_mp, wi
         model, optimizer = _build(True, False)
         (swap,) = _swaps(optimizer)
         assert _train(model, optimizer, steps) == want_losses
-        assert swap.resident == set(range(len(swap.chunks()))) and swap.host_bytes() == 0
+        n = len(swap.chunks())  # (named first: an assertion's repr of freed tensors would crash)
+        assert swap.resident == set(range(n)) and swap.host_bytes() == 0
     (made,) = decisions.all_dicts()
     assert made["moved"] == [] and all("in order" in why for why in made["kept"].values())

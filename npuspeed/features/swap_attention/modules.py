@@ -50,6 +50,8 @@ def _wrap(module, manager, name: str, layer: int) -> None:
         if not torch.is_grad_enabled() or _in_backward():
             return forward(*args, **kwargs)
         group = manager.group(f"layer{layer}.{name}", layer)
+        if not group.hooked:
+            return forward(*args, **kwargs)
         with group.hooks():
             return forward(*args, **kwargs)
 

@@ -84,6 +84,12 @@ class SwapGroup:
     def __init__(self, manager: SwapManager, name: str, layer: int, prev, swaps: bool = True, rec=None):
         self.m, self.name, self.layer, self.prev = manager, name, layer, prev
         self.swaps, self.rec = swaps, rec
+        #: whether the call needs the saved-tensor hooks: it copies, or the group below it does
+        #: (its backward starts that fetch), or the sizer times this pass; otherwise the module
+        #: runs as it is (a hook per saved tensor costs time a kept layer need not pay)
+        sizer = manager.sizer
+        self.hooked = swaps or (prev is not None and prev.swaps) or (
+            sizer is not None and rec is not None and sizer.timed(rec))
         self.storages: dict[tuple, _Swapped] = {}
         self.alive: dict[int, weakref.ref] = {}  # address -> the storage copied from it
         self.keys: dict[int, tuple] = {}
