@@ -228,6 +228,11 @@ class OptimizerSwap:
                 self.keep_resident(decided, chunks)
         acc = self.acc
         moved = [k for k in range(len(chunks)) if k not in self.resident]
+        if not moved:  # the sizing keeps everything on the device: the plain step, in one call
+            self.copied = False  # Megatron's own main->model copy runs after it
+            if sizer is not None:
+                sizer.end_step(len(chunks))
+            return self._orig_step(closure)
         following = dict(zip(moved, moved[1:]))  # a moved chunk -> the next moved one
         events = {moved[0]: self.bring_in(chunks[moved[0]], moved[0], after_out=True)} if moved else {}
         loss = None
