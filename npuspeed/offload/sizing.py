@@ -84,11 +84,11 @@ class Decision:
         if self.mode == "whole":
             return (head + f"; cost: about {self.exposed_s * 1e3:.2f} ms a {self.per} not hidden behind "
                     f"{self.compute_s * 1e3:.2f} ms of compute ({self.hidden_share:.0%} hidden)")
-        tail = f"; estimated {self.hidden_share:.0%} hidden"
+        tail = f"; estimated {self.hidden_share:.0%} hidden" if self.moved else "; the run is the plain one"
         if self.kept:
-            tail += (f"; keeps {len(self.kept)} on the device whose copies would not hide "
-                     f"(first: {next(iter(self.kept.items()))[0]}: {next(iter(self.kept.values()))}); "
-                     f"the whole saving: mode whole")
+            name, why = next(iter(self.kept.items()))
+            tail += (f"; keeps {len(self.kept)} on the device whose copies would not hide (first: {name}: {why}); "
+                     f"the whole saving whatever it costs: {self.feature}-mode whole")
         return head + tail
 
     def as_dict(self) -> dict:
