@@ -56,6 +56,11 @@ def collect(measure_peak: bool = False) -> dict:
         # the table's bf16 dense peak for this device (None: not in the table, e.g. CPU) and,
         # with --measure-peak, a large GEMM's measured TFLOP/s (for --device-peak-tflops)
         "device_peak_tflops": peak_tflops(acc.device_name()),
+        # --swap-attention / --swap-optimizer: each sizing decision this process made (what moves,
+        # bytes, estimated and measured wait, hidden share, what stays and why; [] before one)
+        "swap_sizing": _swap_sizing(),
+        # the host<->device links this process measured, by backend ({} before a swap asked)
+        "host_link": _host_link(),
         **_measured_peak(acc, measure_peak),
     }
 
@@ -68,6 +73,18 @@ def _measured_peak(acc, measure: bool) -> dict:
     dtype = torch.bfloat16 if acc.is_bf16_supported() else torch.float32
     found = measure_gemm_tflops(acc.device(), acc.synchronize, dtype=dtype)
     return {"measured_peak_tflops": found["tflops"], "measured_peak": found}
+
+
+def _swap_sizing() -> list[dict]:
+    from npuspeed.offload import decisions
+
+    return decisions.all_dicts()
+
+
+def _host_link() -> dict:
+    from npuspeed.accelerator import host_link
+
+    return host_link.reported()
 
 
 def _torch_npu(acc) -> dict | None:
@@ -144,6 +161,14 @@ def render(data: dict, patches: bool = False) -> str:
     if others:
         out += ["", "other path choices (chooser: op [key]: path (why)):"]
         out += [f"  - {c['chooser']}: {c['line']}" for c in others]
+    sized = data.get("swap_sizing") or []
+    if sized:
+        out += ["", "swap sizing (per decision; measured wait after it):"]
+        out += [f"  - {d['line']}; measured wait "
+                + ("not yet" if d["exposed_ms_measured"] is None else
+                   f"{d['exposed_ms_measured']:.2f} ms ({d['hidden_share_measured']:.0%} hidden)") for d in sized]
+    for name, link in (data.get("host_link") or {}).items():
+        out += [f"host link ({name}): {link['line']}"]
     out += ["", *_torch_npu_lines(data)]
     out += ["", _peak_line(data)]
     if data["notes"]:

@@ -242,6 +242,12 @@ def _bubbles() -> list[dict] | None:
     return [dict(b, rank=r) for r, b in enumerate(every) if b] or None
 
 
+def _swap_sizing() -> list[dict]:
+    from npuspeed.offload import decisions
+
+    return decisions.all_dicts()
+
+
 def _max_over_ranks(value: float) -> float:
     t = torch.tensor([value], dtype=torch.float64, device=_collective_device())
     torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
@@ -434,6 +440,9 @@ def _train(args, progress) -> dict:
         # for each kernel (--use-flash-attn)
         "npuspeed_counters": telemetry.snapshot(),
         "attention_calls": attention_calls(),
+        # rank 0's swap sizing decisions (--swap-attention, --swap-optimizer): what moves, bytes,
+        # estimated and measured wait, hidden share, what stays on the device and why ([]: none)
+        "swap_sizing": _swap_sizing(),
         # rank 0's expert all-to-alls after the first iteration: the share of their time in flight
         # the compute did not wait for, overall and per phase (warm_up / steady / cool_down with
         # --moe-fb-overlap, layer with --moe-alltoall-overlap-comm); None without expert all-to-alls

@@ -15,7 +15,12 @@ recompute_cost.py's roofline of the planner's op graph (matmul FLOPs, bytes move
 calls at the backend's nominal rates: a FLOPs count alone priced Megatron's memory-bound
 selective core-attention recompute at under half a layer's recompute where it costs about
 two thirds on this CPU host); a swap adds its copies' time not hidden behind the layer's
-compute. The choice is returned as explicit flags, so the run, `npuspeed plan` and `npuspeed
+compute, replayed by the swap's own sizing rule (npuspeed/offload/sizing.py, the schedule the
+run's --swap-attention sizing decides with measured figures) over the host link this process
+knows (a figure NPUSPEED_HOST_LINK_GBS gives every rank alike, else the backend's nominal one:
+the policy is chosen at import, before a device is set, and ranks must choose alike); a chosen
+swap runs in --swap-attention-mode whole (the budget needs all of it), whose log line states
+the measured cost. The choice is returned as explicit flags, so the run, `npuspeed plan` and `npuspeed
 report` all see the same configuration.
 """
 from __future__ import annotations
@@ -66,8 +71,8 @@ class Policy:
                     str(self.full + self.activation)]
         if self.norm:
             out += ["--recompute-norm", "--recompute-norm-num-layers", str(self.full + self.norm)]
-        if self.swap:
-            out += ["--swap-attention", SWAP_MARK]
+        if self.swap:  # the budget needs the whole saving: its cost is what the policy priced
+            out += ["--swap-attention", "--swap-attention-mode", "whole", SWAP_MARK]
         return out
 
     def describe(self) -> str:
@@ -151,7 +156,7 @@ def choose(argv: list[str], world: int | None = None) -> Policy:
     n = spec.layers_per_chunk() * spec.layout.chunks
     timed = first.speed is not None
     from npuspeed.plan.context import device
-    from npuspeed.plan.recompute_cost import layer_costs, swap_seconds, swap_unavailable
+    from npuspeed.plan.recompute_cost import layer_costs, swap_stage_seconds, swap_unavailable
 
     costs = layer_costs(first.run, device(base))
     mbs = spec.batch.num_microbatches(spec.layout.dp)
@@ -178,7 +183,7 @@ def choose(argv: list[str], world: int | None = None) -> Policy:
                         per_layer = max(rank.swapped_per_layer for rank in p.ranks)
                         if not per_layer:
                             continue
-                        extra = (n - f) * swap_seconds(costs, per_layer)
+                        extra = swap_stage_seconds(costs, per_layer, n - f)
                     cand.cost = p.speed.step_ms + extra * mbs * 1e3 if timed else _work(costs, n, f, a, r, sel) + extra
                     if smallest is None or cand.peak < smallest.peak:
                         smallest = cand

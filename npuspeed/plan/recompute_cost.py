@@ -157,6 +157,23 @@ def swap_unavailable(costs: LayerCosts) -> str:
     return ""
 
 
+def swap_stage_seconds(costs: LayerCosts, swapped_bytes: float, layers: int) -> float:
+    """Exposed seconds a micro-batch of swapping `swapped_bytes` in each of `layers` layers, by
+    the swap's own sizing rule (npuspeed/offload/sizing.py: the schedule the run's
+    --swap-attention sizing replays with measured figures), here with the layer's roofline
+    forward (backward twice it) and the host link this process knows (host_link.known: a
+    measured or NPUSPEED_HOST_LINK_GBS figure) or the backend's nominal one; inf where the host
+    is the device."""
+    if costs.host_is_device or layers <= 0:
+        return float("inf") if costs.host_is_device else 0.0
+    from npuspeed.accelerator.host_link import LinkFigures, known
+    from npuspeed.offload.sizing import LayerUnit, layers_wait
+
+    link = known(costs.backend) or LinkFigures(costs.host_link, costs.host_link, True, "nominal")
+    units = [LayerUnit(f"layer{i}", int(swapped_bytes), costs.forward, 2 * costs.forward) for i in range(layers)]
+    return layers_wait(units, set(range(layers)), link) + 2 * layers * rates_for(costs.backend).per_op
+
+
 def swap_seconds(costs: LayerCosts, swapped_bytes: float) -> float:
     """Exposed seconds of swapping `swapped_bytes` of one layer: the device-to-host copy hidden
     behind the next layer's forward, the host-to-device fetch behind the layer above's backward

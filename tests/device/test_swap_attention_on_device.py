@@ -12,10 +12,12 @@ from device_checks import assert_deterministic, assert_on_device, counters, laye
 from device_runs import DETERMINISTIC, ITERS, LAYERS, MICRO_BATCHES, MODEL, NO_DROPOUT, device_only, train
 
 pytestmark = pytest.mark.device
-COVERS = ("--swap-attention", "--swap-modules")
+COVERS = ("--swap-attention", "--swap-modules", "--swap-attention-mode")
 
 ARGS = MODEL + NO_DROPOUT + DETERMINISTIC + ["--use-flash-attn"]
-FLAG = ["--swap-attention"]
+#: the whole saving: every layer swaps (the default sizing swaps what the link hides, which
+#: depends on the device; the mechanics and the peak drop are checked with all of it)
+FLAG = ["--swap-attention", "--swap-attention-mode", "whole"]
 
 
 def _swapped(run: dict, modules: int) -> dict:

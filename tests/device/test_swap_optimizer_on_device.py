@@ -15,10 +15,11 @@ from device_checks import assert_deterministic, assert_on_device, counters
 from device_runs import DETERMINISTIC, ITERS, MODEL, NO_DROPOUT, ON_HOST, device_only, refused, train
 
 pytestmark = pytest.mark.device
-COVERS = ("--swap-optimizer", "--swap-optimizer-chunk-mb", "--optimizer-cpu-offload", "--optimizer-offload-fraction")
+COVERS = ("--swap-optimizer", "--swap-optimizer-chunk-mb", "--swap-optimizer-mode", "--optimizer-cpu-offload", "--optimizer-offload-fraction")
 
 ARGS = MODEL + NO_DROPOUT + DETERMINISTIC
-FLAG = ["--swap-optimizer"]
+#: the whole saving: every chunk moves (the default sizing keeps resident what would not hide)
+FLAG = ["--swap-optimizer", "--swap-optimizer-mode", "whole"]
 #: small enough for several chunks a step (the tier's model: about 550 MiB of states and masters)
 CHUNK_MB = 0.25 if ON_HOST else 16
 

@@ -11,7 +11,9 @@ import pytest
 from launch import TINY, run_example
 
 ITERS = 8
-FLAG = ["--swap-optimizer", "--swap-optimizer-chunk-mb", "0.01"]
+#: whole: every chunk moves every step (the default sizing keeps them resident on the CPU after
+#: the measured step: copies there run in order with compute)
+FLAG = ["--swap-optimizer", "--swap-optimizer-chunk-mb", "0.01", "--swap-optimizer-mode", "whole"]
 #: on the CPU backend the states stay in place unless the mechanics are asked for
 RUN = {"NPUSPEED_SWAP_OPTIMIZER": "run"}
 LAYOUTS = {

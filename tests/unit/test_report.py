@@ -28,9 +28,11 @@ def test_report_json_contract(report_json):
     from npuspeed.patching.versions import megatron_version
 
     for key in ("device", "dist_backend", "torch_version", "megatron_core_version", "features",
-                "patches", "ops", "notes", "npuspeed_version", "accelerator", "a2a_hidden_fraction"):
+                "patches", "ops", "notes", "npuspeed_version", "accelerator", "a2a_hidden_fraction",
+                "swap_sizing", "host_link"):
         assert key in data, key
     assert data["a2a_hidden_fraction"] is None  # no expert all-to-all ran in `npuspeed report`
+    assert data["swap_sizing"] == [] and data["host_link"] == {}  # no swap sized or measured a link
     assert data["torch_version"] == torch.__version__
     assert data["megatron_core_version"] == str(megatron_version())
     assert (data["device"], data["dist_backend"]) == ("cpu", "gloo")

@@ -32,6 +32,8 @@ def _feature():
     ([MODS, "mlp"], f"{MODS} mlp is given without {FLAG}"),
     ([FLAG, MODS, "attn"], f"{MODS} 'attn': unknown module attn"),
     ([FLAG, MODS, "mlp", "--recompute-activation-function"], "drop one of them"),
+    (["--swap-attention-mode", "whole"], "--swap-attention-mode whole is given without --swap-attention"),
+    ([FLAG, "--swap-attention-mode", "all"], "--swap-attention-mode 'all': give hidden .* or whole"),
 ])
 def test_bad_flags_are_clear_errors(npuspeed_runtime, argv, message):
     from feature_ctx import ctx_for
@@ -193,3 +195,82 @@ def test_with_recompute_norm_the_norm_output_is_left_to_the_recompute(megatron_m
     assert skipped == {1: 0, 2: LAYERS} and freed == 2 * LAYERS
     norm_output = SEQ * BATCH * HIDDEN * 4  # fp32 [s, b, h] per layer
     assert out_bytes[1] - out_bytes[2] == LAYERS * norm_output, out_bytes
+
+
+def _sized_run(with_features, argv, baseline, steps):
+    """`steps` forward-backward passes with `argv`; (per pass: loss, grads, counter deltas), the manager."""
+    from npuspeed.features.swap_attention import swap
+
+    out = []
+    with with_features(argv):
+        model = _gpt()
+        model.load_state_dict(baseline.state_dict())
+        manager = swap.current()
+        for _ in range(steps):
+            before = _stats() | {"groups_kept": _kept()}
+            loss, grads = _step(model)
+            out.append((loss, grads, {k: v - before[k] for k, v in (_stats() | {"groups_kept": _kept()}).items()}))
+    return out, manager
+
+
+def _kept():
+    from npuspeed import telemetry
+
+    return telemetry.get("swap.groups_kept")
+
+
+@pytest.mark.parametrize("mode", ["hidden", "whole"])
+def test_sizing_partial_swap_is_bitwise_and_whole_moves_all(megatron_mp, with_features, mode):
+    """A fast fake link (10 GB/s) that overlaps compute: after the measured passes the hidden sizing swaps
+    layers 1-2 and keeps the top one (nothing above it starts its fetch), and every pass's loss
+    and gradients are bit for bit those of the run without the flag; whole swaps every layer and
+    states its cost. The decision's measured wait is filled in after the next pass."""
+    from megatron.core import tensor_parallel
+
+    from npuspeed.accelerator import host_link
+    from npuspeed.features.swap_attention import sizer
+    from npuspeed.offload import decisions
+
+    decisions.reset()
+    tensor_parallel.model_parallel_cuda_manual_seed(7)
+    baseline = _gpt()
+    base_loss, base_grads = _step(baseline)
+    steps = sizer.SKIP + sizer.MEASURE + 2
+    with host_link.fake(1e10):  # a layer's ~0.2 MB: ~20 us each way, far under its compute here
+        runs, manager = _sized_run(with_features, [FLAG, "--swap-attention-mode", mode], baseline, steps)
+    for loss, grads, _ in runs:
+        assert torch.equal(loss, base_loss)
+        assert all(torch.equal(grads[n], g) for n, g in base_grads.items())
+    names = [f"layer{i}.self_attention" for i in range(1, LAYERS + 1)]
+    assert all(delta["groups"] == LAYERS for _, _, delta in runs[:sizer.SKIP + sizer.MEASURE])  # measuring: all
+    after = runs[-1][2]
+    if mode == "hidden":
+        assert manager.sizer.moved == set(names[:-1])
+        assert after["groups"] == LAYERS - 1 and after["groups_kept"] == 1
+        assert after["out_bytes"] == after["in_bytes"] > 0 and after["prefetched"] == LAYERS - 1
+    else:
+        assert manager.sizer.moved == set(names) and after["groups"] == LAYERS and after["groups_kept"] == 0
+    (made,) = decisions.all_dicts()
+    assert made["mode"] == mode and made["bytes_moved"] == after["out_bytes"]
+    assert made["exposed_ms_measured"] is not None and made["measured_samples"] == 1
+    assert ("cost: about" in made["line"]) == (mode == "whole")
+
+
+def test_on_the_cpu_the_hidden_sizing_moves_nothing_and_says_why(megatron_mp, with_features):
+    """The real CPU link: copies run in order with compute, none can hide, so after the measured
+    passes no layer swaps (the run is then the plain one) and each kept layer says why."""
+    from megatron.core import tensor_parallel
+
+    from npuspeed.features.swap_attention import sizer
+    from npuspeed.offload import decisions
+
+    decisions.reset()
+    tensor_parallel.model_parallel_cuda_manual_seed(7)
+    baseline = _gpt()
+    base_loss, _ = _step(baseline)
+    runs, manager = _sized_run(with_features, [FLAG], baseline, sizer.SKIP + sizer.MEASURE + 1)
+    assert all(torch.equal(loss, base_loss) for loss, _, _ in runs)
+    assert manager.sizer.moved == set() and runs[-1][2]["groups"] == 0 and runs[-1][2]["groups_kept"] == LAYERS
+    (made,) = decisions.all_dicts()
+    assert made["moved"] == [] and all("in order" in why for why in made["kept"].values())
+    assert made["link"]["overlaps"] is False

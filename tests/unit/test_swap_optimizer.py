@@ -125,6 +125,21 @@ def test_on_the_cpu_backend_the_states_stay_in_place_by_default(megatron_mp, wit
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--swap-optimizer-mode", "whole"], "--swap-optimizer-mode is given without --swap-optimizer"),
+    (["--swap-optimizer", "--swap-optimizer-mode", "full"], "--swap-optimizer-mode 'full': give hidden .* or whole"),
+])
+def test_a_bad_sizing_mode_is_one_clear_error(npuspeed_runtime, argv, message):
+    from feature_ctx import ctx_for
+    from npuspeed.features.base import FeatureError
+    from npuspeed.features.swap_optimizer import SwapOptimizerFeature
+
+    ctx = ctx_for(argv)
+    assert SwapOptimizerFeature().enabled(ctx.args)
+    with pytest.raises(FeatureError, match=message):
+        SwapOptimizerFeature().validate(ctx)
+
+
 def test_a_bad_mode_value_is_refused(monkeypatch):
     from npuspeed.features.base import FeatureError
     from npuspeed.features.swap_optimizer import moves
@@ -342,3 +357,57 @@ def test_optimizer_configs_set_in_code_that_cannot_compose_are_refused(config, n
     with pytest.raises(FeatureError, match=needle):
         patches._check(SimpleNamespace(config=SimpleNamespace(**config)))
     patches._check(SimpleNamespace(config=SimpleNamespace()))
+
+
+@pytest.mark.parametrize("mode", ["hidden", "whole"])
+def test_sizing_keeps_what_would_not_hide_resident_bitwise(megatron_mp, with_features, mode):
+    """A fast fake link that overlaps compute: after the measured step the hidden sizing keeps
+    the first chunk resident (nothing before it to hide its copy in behind) and moves the
+    others; whole moves every chunk and states its cost. Losses and parameters stay bitwise
+    those of the plain optimizer, and after each sized step only the resident chunk holds
+    device bytes."""
+    from npuspeed.accelerator import host_link
+    from npuspeed.features.swap_optimizer import sizer
+    from npuspeed.offload import decisions
+
+    steps = sizer.SKIP + sizer.MEASURE + 2
+    want_losses, want_params = _plain(True, False, steps)
+    decisions.reset()
+    with host_link.fake(1e9), with_features(  # a 4 KiB chunk: ~4 us each way, under an update here
+        ["--swap-optimizer", *CHUNK, "--swap-optimizer-mode", mode]):
+        model, optimizer = _build(True, False)
+        (swap,) = _swaps(optimizer)
+        got = _train(model, optimizer, steps)
+        chunks = swap.chunks()
+        on_device = [sum(t.untyped_storage().nbytes() for p in c for _, t in swap.tensors(p)) for c in chunks]
+    assert got == want_losses
+    for a, b in zip(_bits(model), want_params):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    (made,) = decisions.all_dicts()
+    assert made["mode"] == mode and made["units"] == len(chunks) >= 4
+    if mode == "hidden":
+        assert swap.resident == {0} and list(made["kept"]) == ["chunk0"]
+        assert on_device[0] > 0 and not any(on_device[1:])
+        assert made["bytes_moved"] == made["bytes_total"] - swap.chunk_nbytes(chunks[0])
+    else:
+        assert swap.resident == set() and not any(on_device) and "cost: about" in made["line"]
+    assert made["exposed_ms_measured"] is not None
+
+
+def test_on_the_cpu_the_hidden_sizing_keeps_every_chunk_resident(megatron_mp, with_features):
+    """The real CPU link copies in order with compute: after the measured step nothing moves,
+    every chunk stays resident, the losses are the plain ones, and the decision says why."""
+    from npuspeed.features.swap_optimizer import sizer
+    from npuspeed.offload import decisions
+
+    steps = sizer.SKIP + sizer.MEASURE + 1
+    want_losses, _ = _plain(True, False, steps)
+    decisions.reset()
+    with with_features(["--swap-optimizer", *CHUNK]):
+        model, optimizer = _build(True, False)
+        (swap,) = _swaps(optimizer)
+        assert _train(model, optimizer, steps) == want_losses
+        n = len(swap.chunks())  # (named first: an assertion's repr of freed tensors would crash)
+        assert swap.resident == set(range(n)) and swap.host_bytes() == 0
+    (made,) = decisions.all_dicts()
+    assert made["moved"] == [] and all("in order" in why for why in made["kept"].values())

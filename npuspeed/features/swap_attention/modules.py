@@ -14,7 +14,7 @@ import torch
 from npuspeed.features.base import FeatureError, after_init
 
 #: the feature's flags (swap_attention_feature.py declares them; patches and plan name them)
-MAIN, MODS = "--swap-attention", "--swap-modules"
+MAIN, MODS, MODE = "--swap-attention", "--swap-modules", "--swap-attention-mode"
 
 TARGET = "megatron.core.transformer.transformer_block.TransformerBlock.__init__"
 #: --swap-modules names -> the module's path inside a TransformerLayer
@@ -50,6 +50,8 @@ def _wrap(module, manager, name: str, layer: int) -> None:
         if not torch.is_grad_enabled() or _in_backward():
             return forward(*args, **kwargs)
         group = manager.group(f"layer{layer}.{name}", layer)
+        if not group.hooked:
+            return forward(*args, **kwargs)
         with group.hooks():
             return forward(*args, **kwargs)
 
@@ -72,6 +74,18 @@ def select(block, names: list[str], manager, note) -> None:
 
 def selector(names: list[str], manager, note):
     return after_init(select, names, manager, note)
+
+
+def parse_mode(raw: str | None) -> str:
+    """--swap-attention-mode: hidden (default: only what the host link carries behind the
+    compute) or whole (every chosen module, whatever it costs; the cost is stated)."""
+    from npuspeed.offload.sizing import MODES
+
+    mode = (raw or "hidden").strip().lower()
+    if mode not in MODES:
+        raise FeatureError(f"{MODE} {raw!r}: give hidden (move only what the host link hides behind the layers' "
+                           "compute; the default) or whole (move everything, at the cost the log states)")
+    return mode
 
 
 def parse_modules(raw: str | None) -> list[str]:

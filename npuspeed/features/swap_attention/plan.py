@@ -14,4 +14,6 @@ def effect(model, config, accelerator):
     return PlanEffect(swap_modules=tuple(names),
                       summary=f"{MAIN}: saved activations of {', '.join(names)} kept in host memory between "
                               "forward and backward; on the device: the layer in backward and the one fetched "
-                              "ahead")
+                              "ahead" + ("" if config.swap_attention_mode == "whole" else
+                                         " (counted for every layer; mode hidden swaps only the layers whose copies "
+                                         "the measured link hides, decided in the run's first passes)"))

@@ -3,13 +3,15 @@
 A `SwapGroup` is one call of a chosen module (one layer's attention, one micro-batch). While
 it runs, `torch.autograd.graph.saved_tensors_hooks` hands it every tensor autograd saves: a
 parameter, a leaf or a tensor below `min_bytes` is kept as is; any other is copied, one copy
-per storage (q, k and v viewing one QKV output share it), into a pinned host buffer on a side
-stream, and autograd keeps only a handle, so the device storage goes once the forward drops
+per storage (q, k and v viewing one QKV output share it), into a pinned host buffer on the
+"out" side stream, and autograd keeps only a handle, so the device storage goes once the forward drops
 its last reference (the caching allocator is told the side stream still reads it). In
 backward the first unpack of a group fetches it (if the prefetch did not already) and starts
-the fetch of the group that ran before it in that forward pass: one layer ahead, on the side
-stream, overlapped with this layer's backward; the compute stream waits on the fetch's event
-before it reads. Views are rebuilt over the fetched storage with their own size, stride and
+the fetch of the group that ran before it in that forward pass: one layer ahead, on the "in"
+side stream (a second stream, so fetches never queue behind copies out), overlapped with this
+layer's backward; the compute stream waits on the fetch's event before it reads. With a sizer
+(sizer.py, --swap-attention-mode) only the groups it chose copy; the others keep their saves
+on the device but still start the fetch of the group below when their backward begins. Views are rebuilt over the fetched storage with their own size, stride and
 offset, so values and gradients are bit for bit those of the run without swap.
 
 All stream, event and pinned-memory calls go through the accelerator; on the CPU backend the
@@ -32,18 +34,22 @@ PREFIX = "swap."
 class SwapManager:
     """The groups of this process in forward order, the side stream, and an ordering log."""
 
-    def __init__(self, accelerator, min_bytes: int = 0, log_order: bool = False):
+    def __init__(self, accelerator, min_bytes: int = 0, log_order: bool = False, sizer=None):
         self.acc = accelerator
         self.min_bytes = min_bytes
-        self.stream = None
+        #: which groups copy (sizer.LayerSizer: measured, then decided); None: every group
+        self.sizer = sizer
+        self.streams = {}  # "out" and "in": the link's two directions run at once
         self.last: SwapGroup | None = None
         #: ("out" | "fetch" | "use", group name) in the order they happened (tests read it)
         self.order: list | None = [] if log_order else None
 
-    def side_stream(self):
-        if self.stream is None:
-            self.stream = self.acc.Stream()
-        return self.stream
+    def side_stream(self, direction: str = "out"):
+        """The stream copies of `direction` ("out": to host, "in": to the device) run on: two, so
+        a backward's fetches never queue behind the forward's copies out."""
+        if direction not in self.streams:
+            self.streams[direction] = self.acc.Stream()
+        return self.streams[direction]
 
     def note(self, what: str, group: "SwapGroup") -> None:
         if self.order is not None:
@@ -53,9 +59,10 @@ class SwapManager:
         """A new group for one call; its predecessor is the group of the previous layer in this
         forward pass (the last one made, when it belongs to a lower layer)."""
         prev = self.last if self.last is not None and self.last.layer < layer else None
-        g = SwapGroup(self, name, layer, prev)
+        rec, swaps = (None, True) if self.sizer is None else self.sizer.new_group(name, prev is None)
+        g = SwapGroup(self, name, layer, prev, swaps, rec)
         self.last = g
-        telemetry.count(PREFIX + "groups")
+        telemetry.count(PREFIX + ("groups" if swaps else "groups_kept"))
         return g
 
 
@@ -71,8 +78,18 @@ class _Swapped:
 
 
 class SwapGroup:
-    def __init__(self, manager: SwapManager, name: str, layer: int, prev):
+    """`swaps` False: a group the sizing keeps on the device; it still hooks, so that the start
+    of its backward fetches the group below it (and is timed) as a swapped one's does."""
+
+    def __init__(self, manager: SwapManager, name: str, layer: int, prev, swaps: bool = True, rec=None):
         self.m, self.name, self.layer, self.prev = manager, name, layer, prev
+        self.swaps, self.rec = swaps, rec
+        #: whether the call needs the saved-tensor hooks: it copies, or the group below it does
+        #: (its backward starts that fetch), or the sizer times this pass; otherwise the module
+        #: runs as it is (a hook per saved tensor costs time a kept layer need not pay)
+        sizer = manager.sizer
+        self.hooked = swaps or (prev is not None and prev.swaps) or (
+            sizer is not None and rec is not None and sizer.timed(rec))
         self.storages: dict[tuple, _Swapped] = {}
         self.alive: dict[int, weakref.ref] = {}  # address -> the storage copied from it
         self.keys: dict[int, tuple] = {}
@@ -84,6 +101,8 @@ class SwapGroup:
         return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
 
     def pack(self, t: torch.Tensor):
+        if not self.swaps:
+            return ("keep", t)
         nbytes = t.untyped_storage().nbytes()
         if isinstance(t, torch.nn.Parameter) or (t.grad_fn is None and t.requires_grad) or nbytes <= self.m.min_bytes \
                 or nbytes == 0:
@@ -118,17 +137,40 @@ class SwapGroup:
             s.event.record(side)
         acc.record_stream(src, side)  # its storage may go now: the allocator waits for the copy
         telemetry.count(PREFIX + "out_bytes", nbytes)
+        if self.rec is not None:
+            self.rec.out_bytes += nbytes
         self.m.note("out", self)
         return s
 
     # -- backward -----------------------------------------------------------------------------
+    def _begin_backward(self) -> None:
+        """The first unpack: fetch this group if the prefetch did not, start the fetch of the group
+        below, and wait for this group's copies (timed before and after the wait when sized)."""
+        self.used = True
+        sizer, rec = self.m.sizer, self.rec
+        if sizer is not None and rec is not None:
+            sizer.mark(rec, "pre")
+        if self.swaps:
+            telemetry.count(PREFIX + ("prefetched" if self.fetched else "on_demand"))
+            self.fetch()
+            self.m.note("use", self)
+        if self.m.last is self:
+            self.m.last = None  # nothing keeps a group once autograd is done with it
+        prev, self.prev = self.prev, None
+        if prev is not None:
+            prev.fetch()  # one layer ahead: overlapped with this layer's backward
+        if self.storages:  # fetched on one stream in order: the last copy's event covers them all
+            list(self.storages.values())[-1].event.wait(self.m.acc.current_stream())
+        if sizer is not None and rec is not None:
+            sizer.mark(rec, "post")
+
     def fetch(self) -> None:
         """Start copying every storage of this group back to the device (side stream)."""
-        if self.fetched:
+        if self.fetched or not self.swaps:
             return
         self.fetched = True
         acc = self.m.acc
-        side = self.m.side_stream()
+        side = self.m.side_stream("in")
         side.wait_stream(acc.current_stream())
         for s in self.storages.values():
             with acc.stream(side):
@@ -142,18 +184,10 @@ class SwapGroup:
         self.m.note("fetch", self)
 
     def unpack(self, handle):
+        if not self.used:
+            self._begin_backward()
         if handle[0] == "keep":
             return handle[1]
-        if not self.used:
-            self.used = True
-            telemetry.count(PREFIX + ("prefetched" if self.fetched else "on_demand"))
-            self.fetch()
-            self.m.note("use", self)
-            if self.m.last is self:
-                self.m.last = None  # nothing keeps a group once autograd is done with it
-            prev, self.prev = self.prev, None
-            if prev is not None:
-                prev.fetch()  # one layer ahead: overlapped with this layer's backward
         _, key, dtype, shape, stride, offset, _ = handle
         s = self.storages[key]
         acc = self.m.acc

@@ -3,7 +3,10 @@
 The activations autograd saves inside the chosen modules of every layer (default: the
 attention block) are copied to pinned host memory on a side stream during forward, their
 device storage freed, and fetched back in backward one layer ahead, overlapped with compute
-(swap.py; which modules: modules.py). A norm output that `--recompute-norm` frees and
+(swap.py; which modules: modules.py). `--swap-attention-mode hidden` (default) swaps only the
+layers whose copies the measured host link hides behind their measured compute, decided after
+the first passes; `whole` swaps all and states the cost (sizer.py, npuspeed/offload/sizing.py).
+A norm output that `--recompute-norm` frees and
 recomputes (linear_qkv saves the input norm's) is left to it, not copied as well. On the CPU backend the host is the device: the
 mechanics run (and are tested), nothing is saved, and the log and report say so.
 """
@@ -14,7 +17,7 @@ from dataclasses import dataclass
 from npuspeed.features.base import Feature, FeatureError
 from npuspeed.features.config import FeatureConfig, flag
 
-from npuspeed.features.swap_attention.modules import MAIN, MODS, parse_modules  # noqa: F401 (re-exported)
+from npuspeed.features.swap_attention.modules import MAIN, MODE, MODS, parse_mode, parse_modules  # noqa: F401
 
 
 @dataclass(frozen=True)
@@ -26,6 +29,10 @@ class Config(FeatureConfig):
     swap_modules: str | None = flag(MODS, None, type=str, metavar="LIST")
     """With --swap-attention: comma list of self_attention, core_attention, input_norm,
     post_attention_norm, mlp (default self_attention)."""
+    swap_attention_mode: str | None = flag(MODE, None, type=str, metavar="MODE")
+    """With --swap-attention: hidden (default) swaps only the layers whose copies the measured
+    host link carries behind the layers' measured compute (decided after the first passes);
+    whole swaps every layer, whatever it costs, and states the cost in one line."""
 
 
 class SwapAttentionFeature(Feature):
@@ -34,7 +41,7 @@ class SwapAttentionFeature(Feature):
 
     def enabled(self, args) -> bool:
         config = self.config(args)
-        return config.swap_attention or config.swap_modules is not None
+        return config.swap_attention or config.swap_modules is not None or config.swap_attention_mode is not None
 
     def validate(self, ctx) -> None:
         # the other features' flags this one cannot combine with, read through their own Config
@@ -43,8 +50,11 @@ class SwapAttentionFeature(Feature):
 
         config = self.config(ctx.args)
         if not config.swap_attention:
-            raise FeatureError(f"{MODS} {config.swap_modules} is given without {MAIN}; add {MAIN} (or drop {MODS})")
+            given = (f"{MODS} {config.swap_modules}" if config.swap_modules is not None
+                     else f"{MODE} {config.swap_attention_mode}")
+            raise FeatureError(f"{given} is given without {MAIN}; add {MAIN} (or drop {given.split()[0]})")
         names = parse_modules(config.swap_modules)
+        parse_mode(config.swap_attention_mode)
         if "mlp" in names and Recompute.from_args(ctx.args).recompute_activation_function:
             raise FeatureError(f"{MODS} mlp with --recompute-activation-function: the recompute frees the "
                                "activation the swap would copy; drop one of them")
@@ -78,6 +88,12 @@ class SwapAttentionFeature(Feature):
         where = ("host is the device (CPU backend): copies run, nothing is saved" if acc.host_is_device()
                  else f"pinned host memory, side stream on {acc.name}")
         counts = ", ".join(f"{k} {telemetry.get(PREFIX + k)}" for k in
-                           ("groups", "out_bytes", "in_bytes", "prefetched", "on_demand"))
+                           ("groups", "groups_kept", "out_bytes", "in_bytes", "prefetched", "on_demand"))
+        from npuspeed.features.swap_attention.sizer import FEATURE
+        from npuspeed.offload import decisions
+
+        sized = [d["line"] for d in decisions.all_dicts() if d["feature"] == FEATURE]
+        mode = parse_mode(config.swap_attention_mode)
         return (f"saved_tensors_hooks on {', '.join(parse_modules(config.swap_modules))}; {where}; modules wrapped "
-                f"in this process: {telemetry.get(SELECTED)}; {counts}")
+                f"in this process: {telemetry.get(SELECTED)}; {counts}; mode {mode}: "
+                + ("; ".join(sized) if sized else "every group swaps until the first passes are measured"))

@@ -82,7 +82,7 @@ def _check(opt) -> None:
         raise FeatureError(f"{FLAG} with Megatron FSDP: its buffers own the optimizer's masters; drop one of them")
 
 
-def attach(opt, accelerator, chunk_bytes: int, swap_masters: bool) -> OptimizerSwap | None:
+def attach(opt, accelerator, chunk_bytes: int, swap_masters: bool, sizer=None) -> OptimizerSwap | None:
     """Put `opt`'s (a Megatron optimizer's) states and masters on the host."""
     inner = getattr(opt, "optimizer", None)
     if inner is None or getattr(opt, "is_stub_optimizer", False) or getattr(opt, ATTR, None) is not None:
@@ -97,20 +97,22 @@ def attach(opt, accelerator, chunk_bytes: int, swap_masters: bool) -> OptimizerS
         with _restricted(opt, params):
             opt._copy_main_params_to_model_params()
 
-    swap = OptimizerSwap(accelerator, inner, masters, chunk_bytes, after_update if key is not None else None)
+    swap = OptimizerSwap(accelerator, inner, masters, chunk_bytes, after_update if key is not None else None,
+                         sizer=sizer() if sizer is not None else None)
     setattr(opt, ATTR, swap)
     swap.release()
     return swap
 
 
-def built(accelerator, chunk_bytes: int, swap_masters: bool):
-    """Wrapper for a Megatron optimizer's __init__: attach the swap once it is built."""
+def built(accelerator, chunk_bytes: int, swap_masters: bool, sizer=None):
+    """Wrapper for a Megatron optimizer's __init__: attach the swap once it is built (`sizer`:
+    makes each swap's sizer.ChunkSizer)."""
 
     def wrap(init):
         @functools.wraps(init)
         def __init__(self, *args, **kwargs):
             init(self, *args, **kwargs)
-            attach(self, accelerator, chunk_bytes, swap_masters)
+            attach(self, accelerator, chunk_bytes, swap_masters, sizer)
 
         return __init__
 
@@ -154,9 +156,13 @@ def copying(method):
 
 
 def register(registry, ctx, config, feature: str) -> None:
-    from npuspeed.features.swap_optimizer.policy import chunk_bytes, reuses_fp32_param
+    from npuspeed.accelerator import host_link
+    from npuspeed.features.swap_optimizer.policy import chunk_bytes, parse_mode, reuses_fp32_param
+    from npuspeed.features.swap_optimizer.sizer import ChunkSizer
 
-    init = built(ctx.accelerator, chunk_bytes(config), swap_masters=not reuses_fp32_param(ctx.args))
+    acc, mode = ctx.accelerator, parse_mode(config.swap_optimizer_mode)
+    init = built(acc, chunk_bytes(config), swap_masters=not reuses_fp32_param(ctx.args),
+                 sizer=lambda: ChunkSizer(acc, mode, lambda: host_link.link(acc), ctx.note))
     for cls in ("optimizer.Float16OptimizerWithFloat16Params", "optimizer.FP32Optimizer",
                 "distrib_optimizer.DistributedOptimizer"):
         registry.register(f"{_OPT}.{cls}.__init__", wrapper=init, feature=feature)

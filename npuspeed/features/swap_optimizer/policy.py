@@ -8,7 +8,7 @@ from npuspeed.accelerator.devices import for_device
 from npuspeed.features.base import FeatureError
 from npuspeed.patching.versions import importable
 
-FLAG, CHUNK = "--swap-optimizer", "--swap-optimizer-chunk-mb"
+FLAG, CHUNK, MODE = "--swap-optimizer", "--swap-optimizer-chunk-mb", "--swap-optimizer-mode"
 OFFLOAD, FRACTION = "--optimizer-cpu-offload", "--optimizer-offload-fraction"
 #: chunks the device holds at once in a step: one coming in, one updating, one going out
 WINDOW_CHUNKS = 3
@@ -40,6 +40,19 @@ def moves(acc) -> bool:
         raise FeatureError(f"{ENV}={value!r} is not understood: use 'run' (copy the states even where the host is "
                            f"the device) or leave it unset")
     return value == "run" or not host_is_device(acc)
+
+
+def parse_mode(raw: str | None) -> str:
+    """--swap-optimizer-mode: hidden (default: move only the chunks whose copies the host link
+    hides behind the update) or whole (every chunk, whatever it costs; the cost is stated)."""
+    from npuspeed.offload.sizing import MODES
+
+    mode = (raw or "hidden").strip().lower()
+    if mode not in MODES:
+        raise FeatureError(f"{MODE} {raw!r}: give hidden (move only the chunks whose copies the host link hides "
+                           "behind the optimizer step; the default) or whole (move every chunk, at the cost the log "
+                           "states)")
+    return mode
 
 
 def chunk_bytes(config) -> int:

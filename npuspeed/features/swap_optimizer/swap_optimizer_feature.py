@@ -4,7 +4,10 @@ Adam's states and the fp32 masters are 12 of the 16 bytes a mixed-precision para
 the device. With this flag they live in pinned host memory between optimizer steps; the step
 streams them in and out by chunks on a side stream, overlapped with the update of the previous
 chunk (swapper.py), through Megatron's own optimizers (patches.py): losses are bitwise those of
-the run without the flag. Where `--reuse-fp32-param` already keeps the masters as a residual
+the run without the flag. `--swap-optimizer-mode hidden` (default) moves only the chunks whose
+copies the measured host link hides behind the measured updates (the others stay resident),
+decided after the first steps; `whole` moves all and states the cost (sizer.py,
+npuspeed/offload/sizing.py). Where `--reuse-fp32-param` already keeps the masters as a residual
 inside the bf16 parameters only the states move.
 
 Megatron-Core's own `--optimizer-cpu-offload [--optimizer-offload-fraction F]` (a hybrid
@@ -22,8 +25,8 @@ from dataclasses import dataclass
 from npuspeed.features.base import Feature, FeatureError
 from npuspeed.features.config import FeatureConfig, flag
 from npuspeed.features.swap_optimizer.policy import (  # noqa: F401 (re-exported)
-    CHUNK, ENV, FLAG, FRACTION, OFFLOAD, WINDOW_CHUNKS, chunk_bytes, host_is_device, moves, reuses_fp32_param,
-    te_installed,
+    CHUNK, ENV, FLAG, FRACTION, MODE, OFFLOAD, WINDOW_CHUNKS, chunk_bytes, host_is_device, moves, parse_mode,
+    reuses_fp32_param, te_installed,
 )
 from npuspeed.patching.versions import megatron_version
 
@@ -37,6 +40,11 @@ class Config(FeatureConfig):
     swap_optimizer_chunk_mb: float = flag(CHUNK, 128.0, type=float, metavar="MB")
     """With --swap-optimizer: MiB of states and masters per chunk (default 128); the device holds
     about 3 chunks during the step."""
+    swap_optimizer_mode: str | None = flag(MODE, None, type=str, metavar="MODE")
+    """With --swap-optimizer: hidden (default) moves only the chunks whose copies the measured
+    host link carries behind the measured update (the rest stay on the device; decided after
+    the first steps); whole moves every chunk, whatever it costs, and states the cost in one
+    line."""
     optimizer_cpu_offload: bool | None = flag(OFFLOAD, None, action="store_true")
     """Megatron-Core's hybrid host/device optimizer (needs Transformer Engine; without it use
     --swap-optimizer)."""
@@ -52,7 +60,7 @@ class SwapOptimizerFeature(Feature):
     def enabled(self, args) -> bool:
         config = self.config(args)
         return bool(config.swap_optimizer or config.optimizer_cpu_offload
-                    or config.optimizer_offload_fraction is not None)
+                    or config.optimizer_offload_fraction is not None or config.swap_optimizer_mode is not None)
 
     def swapping(self, args) -> bool:
         return bool(self.config(args).swap_optimizer)
@@ -66,6 +74,9 @@ class SwapOptimizerFeature(Feature):
         if fraction is not None and not offload:
             raise FeatureError(f"{FRACTION} is a setting of {OFFLOAD}, which is not given; add {OFFLOAD} or drop "
                                f"{FRACTION} ({FLAG} moves all of the state)")
+        if config.swap_optimizer_mode is not None and not config.swap_optimizer:
+            raise FeatureError(f"{MODE} is given without {FLAG}; add {FLAG} (or drop {MODE})")
+        parse_mode(config.swap_optimizer_mode)
         if config.swap_optimizer and offload:
             raise FeatureError(f"{FLAG} with {OFFLOAD}: both move optimizer state to the host; pick one "
                                f"(drop {OFFLOAD} to keep {FLAG})")
@@ -144,4 +155,10 @@ class SwapOptimizerFeature(Feature):
                             " (masters stay with --reuse-fp32-param)")
         counts = ", ".join(f"{k} {telemetry.get(PREFIX + k)}" for k in
                            ("steps", "chunks_in", "chunks_out", "bytes_in", "bytes_out", "materialize"))
-        return f"{moved} by chunks of {config.swap_optimizer_chunk_mb:g} MiB; {where}; {counts}"
+        from npuspeed.features.swap_optimizer.sizer import FEATURE
+        from npuspeed.offload import decisions
+
+        sized = [d["line"] for d in decisions.all_dicts() if d["feature"] == FEATURE]
+        return (f"{moved} by chunks of {config.swap_optimizer_chunk_mb:g} MiB; {where}; {counts}; mode "
+                f"{parse_mode(config.swap_optimizer_mode)}: "
+                + ("; ".join(sized) if sized else "every chunk moves until the first steps are measured"))

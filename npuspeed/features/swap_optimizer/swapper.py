@@ -13,7 +13,10 @@ as without the swap (Adam's update is elementwise) and losses stay bitwise equal
 
 Outside a Megatron step (a checkpoint's state_dict, a load, Megatron's dummy step that creates
 states before a sharded load) everything is brought in first and stays in until the next step
-sends it out again. All stream, event and pinned-memory calls go through the accelerator; on
+sends it out again. With a sizer (sizer.py, --swap-optimizer-mode) the first steps move every
+chunk and are timed; from the decision on, the chunks whose copies would not hide behind the
+updates stay resident on the device (brought in once), and the moved ones are brought in while
+the previous moved chunk updates. All stream, event and pinned-memory calls go through the accelerator; on
 the CPU backend the streams are the in-order null stream and the "host" copy is ordinary memory.
 """
 from __future__ import annotations
@@ -43,8 +46,13 @@ class OptimizerSwap:
     (copies Megatron keeps beside the model weights) and so leave the device too; the others
     are model weights (fp32 runs, fp32 params of a bf16 model) and stay."""
 
-    def __init__(self, accelerator, inner, masters, chunk_bytes: int, after_update=None):
+    def __init__(self, accelerator, inner, masters, chunk_bytes: int, after_update=None, sizer=None):
         self.acc = accelerator
+        #: which chunks move (sizer.ChunkSizer: measured on the first steps, then decided); None:
+        #: every chunk, every step
+        self.sizer = sizer
+        #: chunks the sizing keeps on the device for good (their copies would not hide)
+        self.resident: set[int] = set()
         self.inner = inner
         self.masters = {id(p) for p in masters}
         self.chunk_bytes = max(int(chunk_bytes), 1)
@@ -140,6 +148,9 @@ class OptimizerSwap:
         self.order.append(("in", k))
         return event
 
+    def chunk_nbytes(self, chunk) -> int:
+        return sum(t.numel() * t.element_size() for p in chunk for _, t in self.tensors(p))
+
     def send_out(self, params, k: int = -1) -> None:
         """Copy `params`' tensors to their host buffers on the side stream, after the compute
         stream's work so far (the update), and free their device storage."""
@@ -172,6 +183,16 @@ class OptimizerSwap:
         """Everything to the host (after the optimizer is built)."""
         self.send_out(self.params())
 
+    def keep_resident(self, resident: set[int], chunks) -> None:
+        """From now on the chunks `resident` stay on the device: brought in once, never sent out."""
+        self.resident = set(resident)
+        params = [p for k in sorted(self.resident) for p in chunks[k]]
+        if params:
+            self.bring_in(params, after_out=True).wait(self.acc.current_stream())
+            for p in params:  # their host copies are not read again
+                for key, _ in self.tensors(p):
+                    self.host.pop((id(p), key), None)
+
     def resident_bytes(self) -> int:
         """Device bytes the swapped tensors hold now (0 at rest)."""
         return sum(t.untyped_storage().nbytes() for p in self.params() for _, t in self.tensors(p))
@@ -200,19 +221,42 @@ class OptimizerSwap:
         chunks = self.chunks()
         self.order, self.chunk_count = [], len(chunks)
         telemetry.count(PREFIX + "steps")
+        sizer = self.sizer
+        if sizer is not None:
+            decided = sizer.begin_step([self.chunk_nbytes(c) for c in chunks])
+            if decided is not None:
+                self.keep_resident(decided, chunks)
         acc = self.acc
-        events = {0: self.bring_in(chunks[0], 0, after_out=True)}
+        moved = [k for k in range(len(chunks)) if k not in self.resident]
+        if not moved:  # the sizing keeps everything on the device: the plain step, in one call
+            self.copied = False  # Megatron's own main->model copy runs after it
+            if sizer is not None:
+                sizer.end_step(len(chunks))
+            return self._orig_step(closure)
+        following = dict(zip(moved, moved[1:]))  # a moved chunk -> the next moved one
+        events = {moved[0]: self.bring_in(chunks[moved[0]], moved[0], after_out=True)} if moved else {}
         loss = None
         for k, chunk in enumerate(chunks):
-            if k + 1 < len(chunks):
-                events[k + 1] = self.bring_in(chunks[k + 1], k + 1)  # overlaps chunk k's update
-            events.pop(k).wait(acc.current_stream())
+            if k in following:
+                nxt = following[k]
+                events[nxt] = self.bring_in(chunks[nxt], nxt)  # overlaps chunk k's update
+            if sizer is not None:
+                sizer.mark("pre", k)
+            if k in events:
+                events.pop(k).wait(acc.current_stream())
+            if sizer is not None:
+                sizer.mark("post", k)
             self.order.append(("update", k))
             with self._only(chunk):
                 result = self._orig_step(closure)
             loss = result if result is not None else loss
             if self.after_update is not None:
                 self.after_update(chunk)
-            self.send_out(chunk, k)
+            if sizer is not None:
+                sizer.mark("done", k)
+            if k not in self.resident:
+                self.send_out(chunk, k)
+        if sizer is not None:
+            sizer.end_step(len(chunks))
         self.copied = self.after_update is not None
         return loss
