@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from npu_contract import standin
-from npuspeed.features.context_parallel.blocks import Block, CallSpec
-from npuspeed.features.context_parallel.kernels_cpu import AtenCPU, NpuspeedCPU
-from npuspeed.features.context_parallel.kernels_device import NpuFusion
-from npuspeed.features.context_parallel.ring import _merge
+from npuspeed.features.attention.blocks import Block, CallSpec
+from npuspeed.features.attention.kernels_cpu import AtenCPU, NpuspeedCPU
+from npuspeed.features.attention.kernels_device import NpuFusion
+from npuspeed.features.attention.ring import _merge
 from npuspeed.ops import flash_attention as cpu_flash
 
 
