@@ -146,10 +146,6 @@ KNOWN = {
     # redirect.py and module_proxy.py belong in a shared room (accelerator/ or a features/ room)
     ("npuspeed.features.megatron_lm.patches", "npuspeed.features.device.module_proxy"): "device mapping",
     ("npuspeed.features.megatron_lm.patches", "npuspeed.features.device.redirect"): "device mapping",
-    # --recompute-norm checkpoints with --recompute-activation-function's ActivationCheckpoint and
-    # layer selection: both belong in a recompute room beside first_layers.py
-    ("npuspeed.features.recompute_norm.norms", "npuspeed.features.recompute_activation.checkpoint"): "recompute",
-    ("npuspeed.features.recompute_norm.norms", "npuspeed.features.recompute_activation.layers"): "recompute",
     # the swap asks which storages the norm recompute frees, and reads two other features' flags
     # (adaptive memory's, activation recompute's, reuse-fp32-param's): a room for "who frees what"
     # and flag answers like pipeline/which.py
