@@ -12,7 +12,7 @@ take turns). The example's `pipeline_bubble` (every rank): the time blocked in p
 a step, after the first iteration, beside the formula from the same rank's lone forward and
 backward calls of one chunk and micro-batch (and its paired steps' time, F&B). Prints one row per
 rank: the raw wait, then the terms that make it the formula's quantity (npuspeed/features/
-moe_fb_overlap/bubble.py): less the transfers, plus the tail (waiting for the pipeline's last
+pipeline/bubble/): less the transfers, plus the tail (waiting for the pipeline's last
 op), less the stage imbalance; the waits by phase below. `--pin`: each rank on its own core.
 """
 from __future__ import annotations

@@ -68,7 +68,7 @@ def main() -> None:
     bench = Bench("recompute_activation", warmup=args.warmup, repeat=args.repeat)
     _init_megatron()
     from npuspeed import telemetry
-    from npuspeed.features.recompute_activation.checkpoint import PREFIX
+    from npuspeed.features.activation_checkpoint import PREFIX
     from npuspeed.features.recompute_activation.mlp import ATTR
 
     acc = bench.acc

@@ -27,7 +27,8 @@ from gpt_example.model import (
 from npuspeed import get_accelerator, telemetry
 from npuspeed.features.fused_attention.forward import attention_calls
 from npuspeed.features.moe_common import a2a_clock
-from npuspeed.features.moe_fb_overlap import bubble
+from npuspeed.features.pipeline.bubble import measure as bubble_measure
+from npuspeed.features.pipeline.bubble import summary as bubble_summary
 from npuspeed.memory import weight_bytes
 
 
@@ -233,8 +234,8 @@ def _collective_device() -> torch.device:
 
 
 def _bubbles() -> list[dict] | None:
-    """Every rank's pipeline bubble (bubble.summary), in rank order; None when no rank measured one."""
-    mine = bubble.summary()
+    """Every rank's pipeline bubble (bubble_summary.summary), in rank order; None when no rank measured one."""
+    mine = bubble_summary.summary()
     if not torch.distributed.is_initialized():
         return [mine] if mine else None
     every = [None] * torch.distributed.get_world_size()
@@ -370,7 +371,7 @@ def _train(args, progress) -> dict:
         losses.append(loss)
         if iteration == start_iteration + 1:
             a2a_clock.reset()  # the first iteration's transfers include the process group's set-up
-            bubble.reset()
+            bubble_measure.reset()
         step_times.append(step_ms)
         parts["forward_backward_ms"].append((t1 - t0) * 1000.0)
         parts["optimizer_step_ms"].append((t2 - t1) * 1000.0)
@@ -391,7 +392,7 @@ def _train(args, progress) -> dict:
         print(f"npuspeed: {a2a_clock.line(hidden)}", flush=True)
     bubbles = _bubbles()
     if rank0 and bubbles:
-        print(f"npuspeed: {bubble.line(bubbles[0])} (rank 0)", flush=True)
+        print(f"npuspeed: {bubble_summary.line(bubbles[0])} (rank 0)", flush=True)
     measured = step_times[1:] or step_times
     mean_ms = sum(measured) / max(len(measured), 1)
     summary = {

@@ -8,7 +8,7 @@ DualPipeV's under `--schedules-method dualpipev`).
   schedule table (groups of PP micro-batches, chunk by chunk; backwards walk the chunks in
   reverse), capped at M x chunks;
 - DualPipeV (schedule "dualpipev", two chunks in a V: placement.py): each rank runs the order of
-  npuspeed/features/dualpipev/order.py, the one the training run executes; a paired step waits
+  npuspeed/features/pipeline/v_order.py, the one the training run executes; a paired step waits
   for both its inputs and takes its forward's and its backward's time (run.py runs them back
   to back, or taking turns under --moe-fb-overlap, whose hidden all-to-alls fb_overlap.py prices).
 `events` lists ("F"|"B", chunk) for one rank and one step; memory.py stacks the replayed
@@ -16,7 +16,7 @@ micro-batches along it; `simulate` times a step from them.
 """
 from __future__ import annotations
 
-from npuspeed.features.dualpipev import order as v_order
+from npuspeed.features.pipeline import v_order
 
 V = "dualpipev"
 

@@ -161,8 +161,8 @@ def test_fused_attention_sbh_causal(npu):
 
 @pytest.mark.parametrize("documents", [False, True], ids=["dense", "documents-varlen"])
 def test_context_parallel_blocks(npu, documents):
-    from npuspeed.features.context_parallel.blocks import Block, CallSpec, tiled_backward, tiled_forward
-    from npuspeed.features.context_parallel.kernels_device import NpuFusion
+    from npuspeed.features.attention.blocks import Block, CallSpec, tiled_backward, tiled_forward
+    from npuspeed.features.attention.kernels_device import NpuFusion
 
     rel, module = npu
     gen = torch.Generator().manual_seed(6)

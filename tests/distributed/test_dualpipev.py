@@ -37,7 +37,7 @@ pytestmark = pytest.mark.skipif(not in_range(">=0.14,<0.20"), reason="DualPipeV'
 
 
 def paired_per_step(pp: int, rank: int, m: int) -> int:
-    """DualPipeV's paired steps on pipeline rank `rank` (order.py): 2 per steady repeat, 1 per
+    """DualPipeV's paired steps on pipeline rank `rank` (pipeline/v_order.py): 2 per steady repeat, 1 per
     cool-down repeat of backward-then-pair."""
     return 2 * (m - 2 * pp + rank + 1) + (pp - rank - 1)
 

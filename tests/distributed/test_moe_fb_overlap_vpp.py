@@ -86,7 +86,7 @@ def test_pp2_vpp2_ep2_matches_megatron(tmp_path_factory, flag):
         # gradient's all-to-all
         assert c.get("moe.wgrad.owed", 0) > 0 and c.get("moe.fb_overlap.wgrad.during_a2a") == c["moe.wgrad.owed"], c
     assert not any(k.startswith("moe.fb_overlap") for d in base["dumps"] for k in d["counters"])
-    # the bubble measure ran on every rank (bubble.py): pipeline waits timed in each step after the
+    # the bubble measure ran on every rank (pipeline/bubble/): pipeline waits timed in each step after the
     # first, lone forwards (warm-up) and backwards (cool-down) timed, the formula beside them
     bubbles = fb["pipeline_bubble"]
     assert [b["rank"] for b in bubbles] == list(range(NPROC)) and base.get("pipeline_bubble") is None

@@ -11,10 +11,11 @@ import torch
 
 from feature_ctx import ctx_for
 from npuspeed.features.base import FeatureError
-from npuspeed.features.context_parallel import ContextParallelFeature, documents
-from npuspeed.features.context_parallel.blocks import Block, CallSpec, tiled_backward, tiled_forward
-from npuspeed.features.context_parallel.kernels_cpu import AtenCPU, NpuspeedCPU
-from npuspeed.features.context_parallel.layout import CPLayout, inverse, ring_segments, ulysses_order
+from npuspeed.features.attention import documents
+from npuspeed.features.attention.blocks import Block, CallSpec, tiled_backward, tiled_forward
+from npuspeed.features.attention.kernels_cpu import AtenCPU, NpuspeedCPU
+from npuspeed.features.attention.layout import CPLayout, inverse, ring_segments, ulysses_order
+from npuspeed.features.context_parallel import ContextParallelFeature
 from npuspeed.ops import flash_attention as cpu_flash
 
 OK = ["--use-flash-attn", "--context-parallel-size", "2", "--seq-length", "64", "--num-attention-heads", "4"]

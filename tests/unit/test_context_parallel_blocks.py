@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from npu_contract import standin
-from npuspeed.features.context_parallel.blocks import Block, CallSpec
-from npuspeed.features.context_parallel.kernels_cpu import AtenCPU, NpuspeedCPU
-from npuspeed.features.context_parallel.kernels_device import NpuFusion
-from npuspeed.features.context_parallel.ring import _merge
+from npuspeed.features.attention.blocks import Block, CallSpec
+from npuspeed.features.attention.kernels_cpu import AtenCPU, NpuspeedCPU
+from npuspeed.features.attention.kernels_device import NpuFusion
+from npuspeed.features.attention.ring import _merge
 from npuspeed.ops import flash_attention as cpu_flash
 
 
@@ -59,7 +59,7 @@ def test_two_blocks_merge_to_full_causal_attention(name, kernel):
 
 def test_bf16_block_on_the_fp32_kernel_when_the_bf16_one_cannot(monkeypatch):
     """No AVX512-BF16 (faked): bf16 blocks run npuspeed's fp32 kernel on copies, not PyTorch's."""
-    from npuspeed.features.context_parallel import kernels_cpu
+    from npuspeed.features.attention import kernels_cpu
 
     if cpu_flash.fp32_reason():
         pytest.skip(cpu_flash.fp32_reason())

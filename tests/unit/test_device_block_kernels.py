@@ -16,8 +16,8 @@ import itertools
 import pytest
 import torch
 
-from npuspeed.features.context_parallel.blocks import Block, CallSpec, tiled_backward, tiled_forward
-from npuspeed.features.context_parallel.kernels_device import CudaAten
+from npuspeed.features.attention.blocks import Block, CallSpec, tiled_backward, tiled_forward
+from npuspeed.features.attention.kernels_device import CudaAten
 
 _SEEDS = itertools.count(100)
 
@@ -122,7 +122,7 @@ class _SeedCheckingNpu:
 
 @pytest.mark.parametrize("documents", [False, True], ids=["dense", "documents-varlen"])
 def test_npu_block_gives_each_call_its_dropout_state_back(documents):
-    from npuspeed.features.context_parallel.kernels_device import NpuFusion
+    from npuspeed.features.attention.kernels_device import NpuFusion
 
     gen = torch.Generator().manual_seed(1)
     s, b, hq, hk, d = 8, 2, 4, 2, 8

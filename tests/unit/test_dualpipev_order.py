@@ -1,4 +1,4 @@
-"""DualPipeV's per-rank order (npuspeed/features/dualpipev/order.py): every forward and
+"""DualPipeV's per-rank order (npuspeed/features/pipeline/v_order.py): every forward and
 backward of every chunk and micro-batch once, in micro-batch order per chunk, dependencies
 satisfiable across ranks (a replay with unit costs never deadlocks), the paired steps' count,
 and the V placement's stage numbers."""
@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from npuspeed.features.dualpipev import order
-from npuspeed.features.dualpipev.placement import stage_of
+from npuspeed.features.pipeline import v_order as order
+from npuspeed.features.pipeline.v_placement import stage_of
 
 
 def _replay(ranks: int, m: int) -> float:

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from npuspeed.features.moe_fb_overlap import choice, turns
+from npuspeed.features.pipeline import pair_choice as choice
+from npuspeed.features.pipeline import turns
 from npuspeed.ops.choose import step_trial
 from npuspeed.ops.choose.record import MEGATRON
 

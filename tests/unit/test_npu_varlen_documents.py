@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from npu_contract import emulate_attention as emu
-from npuspeed.features.context_parallel import documents
-from npuspeed.features.context_parallel.blocks import CallSpec, tiled_backward, tiled_forward
-from npuspeed.features.context_parallel.kernels_device import NpuFusion
-from npuspeed.features.context_parallel.ring import RingPlan, _merge
+from npuspeed.features.attention import documents
+from npuspeed.features.attention.blocks import CallSpec, tiled_backward, tiled_forward
+from npuspeed.features.attention.kernels_device import NpuFusion
+from npuspeed.features.attention.ring import RingPlan, _merge
 from npuspeed.ops.npu import varlen as npu_varlen
 from test_fused_attention import make_attention, make_inputs, run
 from test_fused_attention_npu import npu_patched

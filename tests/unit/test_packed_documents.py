@@ -36,8 +36,8 @@ def _packed_params(lengths, s):
 
 @pytest.mark.parametrize("kernel", ["npuspeed", "aten"])
 def test_documents_match_each_document_alone(megatron_mp, with_features, monkeypatch, kernel):
-    from npuspeed.features.context_parallel import attention as cp_attention
-    from npuspeed.features.context_parallel import kernels_cpu
+    from npuspeed.features.attention import cp_attention
+    from npuspeed.features.attention import kernels_cpu
     from npuspeed.ops import flash_attention as cpu_flash
 
     if kernel == "npuspeed" and cpu_flash.fp32_reason():

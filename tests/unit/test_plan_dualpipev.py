@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from npuspeed.features.dualpipev import order
 from npuspeed.features.moe_fb_overlap.plan import pairs_of
+from npuspeed.features.pipeline import v_order as order
 from npuspeed.plan import cli, schedule
 from npuspeed.plan.placement import Placement
 from npuspeed.plan.planner import plan

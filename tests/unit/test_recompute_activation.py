@@ -23,7 +23,7 @@ NUM = "--recompute-activation-function-num-layers"
 
 def _stats():
     from npuspeed import telemetry
-    from npuspeed.features.recompute_activation.checkpoint import PREFIX
+    from npuspeed.features.activation_checkpoint import PREFIX
 
     names = ("freed", "freed_bytes", "kept_shared", "recomputed", "inputs_released")
     return {name: telemetry.get(PREFIX + name) for name in names}
@@ -214,7 +214,7 @@ def test_recomputed_activation_is_one_live_copy_when_fc2_reads_it(megatron_mp, w
     second copy to release: releasing it there would free what fc2's backward reads (memory
     that the next allocations reuse, filled with NaN here)."""
     from npuspeed import telemetry
-    from npuspeed.features.recompute_activation.checkpoint import PREFIX
+    from npuspeed.features.activation_checkpoint import PREFIX
     from npuspeed.features.recompute_activation.mlp import ATTR
     from npuspeed.patching.versions import in_range
 

@@ -4,7 +4,7 @@ Megatron-Core's own CP runs only inside TE's attention. Here Megatron-Core's loc
 `DotProductAttention` (on fused attention's path, `--use-flash-attn`) runs MindSpeed's three
 algorithms, `--context-parallel-algo`: `megatron_cp_algo` (ring, the default),
 `ulysses_cp_algo` (all-to-all) and `hybrid_cp_algo` (Ulysses inside groups of
-`--ulysses-degree-in-cp` ranks, ring across them), on one block-attention interface (blocks.py)
+`--ulysses-degree-in-cp` ranks, ring across them), on one block-attention interface (features/attention/blocks.py)
 over npuspeed's CPU kernels, PyTorch's, or npu_fusion_attention. Megatron's data split
 (`get_batch_on_this_cp_rank`), RoPE per CP rank, loss and gradient reduction over DP x CP
 and the distributed optimizer are Megatron's own. Packed documents (PackedSeqParams, built
@@ -19,8 +19,8 @@ from npuspeed.accelerator.devices import for_device
 from npuspeed.features.base import Feature
 from npuspeed.features.config import FeatureConfig, flag
 from npuspeed.features.context_parallel import validate
-from npuspeed.features.context_parallel.attention import ATTR
-from npuspeed.features.context_parallel.layout import ALGOS, CPLayout
+from npuspeed.features.attention.cp_attention import ATTR
+from npuspeed.features.attention.layout import ALGOS, CPLayout
 from npuspeed.ops import flash_attention as cpu_flash
 
 

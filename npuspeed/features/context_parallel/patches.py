@@ -3,13 +3,13 @@
 - `DotProductAttention.__init__` asserts `context_parallel_size == 1` ("only supported by
   TEDotProductAttention"). The wrapper builds the layer from a copy of the config with
   CP 1 (nothing else in __init__ reads the CP size), then gives it back the real config and
-  marks it with its CP layout, which fused attention's forward hands to attention.py.
+  marks it with its CP layout, which fused attention's forward hands to features/attention/cp_attention.py.
   Heads and query groups per TP rank must divide by the Ulysses degree.
 - `rope_utils.get_pos_emb_on_this_cp_rank` (RoPE angles of this rank's two chunks) builds its
   index with `pin_memory=True` and `.cuda()`, which a CPU build refuses; the replacement
   selects the same chunks on the embedding's own device.
 - `parallel_state.initialize_model_parallel` learns the hybrid's Ulysses and ring groups:
-  `hierarchical_context_parallel_sizes=[U, R]` (Megatron's own groups, see groups.py).
+  `hierarchical_context_parallel_sizes=[U, R]` (Megatron's own groups, see features/attention/groups.py).
 """
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ import copy
 import functools
 
 from npuspeed.features.base import FeatureError
-from npuspeed.features.context_parallel.attention import ATTR
-from npuspeed.features.context_parallel.layout import CPLayout
+from npuspeed.features.attention.cp_attention import ATTR
+from npuspeed.features.attention.layout import CPLayout
 
 ATTENTION = "megatron.core.transformer.dot_product_attention.DotProductAttention.__init__"
 INIT_MP = "megatron.core.parallel_state.initialize_model_parallel"

@@ -10,7 +10,7 @@ from __future__ import annotations
 from npuspeed.accelerator.devices import for_device
 from npuspeed.features.base import FeatureError
 from npuspeed.features.context_parallel import patches
-from npuspeed.features.context_parallel.layout import CPLayout
+from npuspeed.features.attention.layout import CPLayout
 
 TE_COMM = {"p2p": "megatron_cp_algo", "a2a": "ulysses_cp_algo", "a2a+p2p": "hybrid_cp_algo"}
 

@@ -26,7 +26,7 @@ def register(registry, ctx, config, feature: str) -> None:
     megatron_compat.register(registry, feature)  # older releases' own bugs (0.12)
     gloo_collectives.register(registry, feature)  # MoE's uneven expert-TP gather on gloo
     gloo_p2p.register(registry, feature)  # PP 2 + VPP on gloo: activations and gradients told apart by tag
-    from npuspeed.features.moe_fb_overlap import bubble
+    from npuspeed.features.pipeline.bubble import patches as bubble
 
     bubble.register_for_megatron(registry, ctx, feature)  # NPUSPEED_MEASURE_BUBBLE=1: Megatron's schedules timed
     # DistributedOptimizer with torch's Adam (no apex/TE): checkpoint save/load bugs.

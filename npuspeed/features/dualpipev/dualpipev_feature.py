@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 from npuspeed.features.base import Feature, FeatureError
 from npuspeed.features.config import FeatureConfig, flag
-from npuspeed.features.dualpipev.placement import RANGE
-from npuspeed.features.moe_fb_overlap.moe_fb_overlap_feature import FbOverlapFeature, microbatches_per_step
+from npuspeed.features.pipeline.v_placement import RANGE
+from npuspeed.features.pipeline.which import microbatches_per_step, pairs_overlap, v_schedule
 from npuspeed.patching.versions import in_range, megatron_version
 
 FLAG = "--schedules-method dualpipev"
@@ -23,16 +23,6 @@ class Config(FeatureConfig):
     expert all-to-alls hide behind each other's compute). Needs megatron-core 0.14+,
     --num-layers-per-virtual-pipeline-stage = num-layers / (2 x PP), untied embeddings, and at
     least 2 x PP micro-batches a step."""
-
-
-def pairs_overlap(args) -> bool:
-    """Whether the forward/backward overlap's flag is on (it runs DualPipeV's pairs taking turns)."""
-    return FbOverlapFeature().enabled(args)
-
-
-def v_schedule(args) -> bool:
-    """Whether `--schedules-method dualpipev` is on (features whose patches step aside for it ask)."""
-    return DualPipeVFeature().enabled(args)
 
 
 def batch_message(microbatches: int, pp: int) -> str:
@@ -75,7 +65,7 @@ class DualPipeVFeature(Feature):
     Config = Config
 
     def enabled(self, args) -> bool:
-        return self.config(args).schedules_method == "dualpipev"
+        return v_schedule(args)  # the one answer, which the features that step aside for the V ask too
 
     def validate(self, ctx) -> None:
         m = ctx.megatron

@@ -42,17 +42,6 @@ def groups() -> tuple:
     return _GROUPS[key]
 
 
-def message_shape(config, seq_length: int, micro_batch_size: int) -> tuple[int, int, int]:
-    """One pipeline message, as Megatron's own sends shape it: [sequence, micro-batch, hidden],
-    the sequence split over context-parallel ranks and, with sequence parallelism, over TP."""
-    from megatron.core import parallel_state
-
-    seq = seq_length // parallel_state.get_context_parallel_world_size()
-    if config.sequence_parallel:
-        seq //= parallel_state.get_tensor_model_parallel_world_size()
-    return (seq, micro_batch_size, config.hidden_size)
-
-
 class Links:
     """This rank's neighbours on the way down (next) and up (previous), and the step's pending sends."""
 

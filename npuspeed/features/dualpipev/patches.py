@@ -1,4 +1,4 @@
-"""--schedules-method dualpipev's patches: the V placement (placement.py) and Megatron's
+"""--schedules-method dualpipev's patches: the V placement (pipeline/v_placement.py) and Megatron's
 interleaved schedule replaced by DualPipeV's (schedule.py) for training and evaluation calls."""
 from __future__ import annotations
 
@@ -6,9 +6,10 @@ SCHEDULES = "megatron.core.pipeline_parallel.schedules"
 
 
 def register(registry, ctx, config, feature: str) -> None:
-    from npuspeed.features.dualpipev import placement, schedule
-    from npuspeed.features.dualpipev.dualpipev_feature import pairs_overlap
-    from npuspeed.features.moe_fb_overlap import bubble
+    from npuspeed.features.dualpipev import schedule
+    from npuspeed.features.pipeline import v_placement as placement
+    from npuspeed.features.pipeline.bubble import patches as bubble
+    from npuspeed.features.pipeline.which import pairs_overlap
 
     measure = bubble.measuring(ctx)
     if measure and not pairs_overlap(ctx.args):  # the overlap's feature registers them otherwise

@@ -1,11 +1,11 @@
-"""One DualPipeV step: the per-rank order (order.py) run with Megatron's forward_step and
+"""One DualPipeV step: the per-rank order (pipeline/v_order.py) run with Megatron's forward_step and
 backward_step, npuspeed's sends and receives (links.py) and Megatron's gradient finalisation.
 
 Each chunk's forward takes its input from the previous stage (rank 0's chunk 0: the data) and
 sends its output to the next; rank P-1 hands chunk 0's output to its own chunk 1, and chunk 1's
 input gradient back to chunk 0, without a transfer. A paired step (a forward and a backward of
 different micro-batches) receives both inputs first, then runs the two computations, taking
-turns at each expert all-to-all when `--moe-fb-overlap` asked for it (moe_fb_overlap/turns.py)
+turns at each expert all-to-all when `--moe-fb-overlap` asked for it (pipeline/turns.py)
 and one after the other otherwise, then sends both results. Data-parallel gradient reduction
 waits until each chunk's last backward (Megatron's no_sync around the others), as in Megatron's
 interleaved schedule.
@@ -18,10 +18,12 @@ import time
 import torch
 
 from npuspeed import telemetry
-from npuspeed.features.dualpipev import order
-from npuspeed.features.dualpipev.links import Links, message_shape
+from npuspeed.features.dualpipev.links import Links
 from npuspeed.features.moe_common import a2a_clock
-from npuspeed.features.moe_fb_overlap import bubble
+from npuspeed.features.pipeline import v_order
+from npuspeed.features.pipeline.bubble import measure as bubble
+from npuspeed.features.pipeline.chunks import backward_chunk, forward_chunk
+from npuspeed.features.pipeline.message import message_shape
 
 
 def _no_sync(config, chunk: int):
@@ -43,7 +45,7 @@ class Step:
         self.config = config = get_model_config(self.model[0])
         self.m = call["num_microbatches"]
         dtype = config.pipeline_dtype or torch.float32
-        self.measure = measure  # the bubble measure (moe_fb_overlap/bubble.py): receive waits and paired steps
+        self.measure = measure  # the bubble measure (pipeline/bubble/): receive waits and paired steps
         self.links = Links(message_shape(config, call["seq_length"], call["micro_batch_size"]), dtype,
                            get_accelerator().device(), bubble.record_wait if measure else None)
         self.pair = pair  # run_pair(forward, backward) when the overlap is on
@@ -61,8 +63,6 @@ class Step:
         return links.recv(links.activation_from(chunk), links.activations, requires_grad=True)
 
     def _forward(self, chunk: int, micro: int, input_tensor):
-        from npuspeed.features.moe_fb_overlap.interleaved import forward_chunk
-
         call = self.call
         last = chunk == 1 and self.links.up is None
         first_val = call.get("first_val_step")
@@ -99,8 +99,6 @@ class Step:
         return links.recv(links.activation_to(chunk), links.gradients, requires_grad=False)
 
     def _backward(self, chunk: int, micro: int, grad):
-        from npuspeed.features.moe_fb_overlap.interleaved import backward_chunk
-
         key = (chunk, micro)
         tensors = (self.inputs.pop(key), self.outputs.pop(key), grad)
         last = micro == self.m - 1  # this chunk's gradients reduce from here on (as Megatron's schedule)
@@ -119,7 +117,7 @@ class Step:
             links.send(input_grad, links.activation_from(chunk), links.gradients)
 
     # -- the step --------------------------------------------------------------------------
-    def op(self, op: order.Op) -> None:
+    def op(self, op: v_order.Op) -> None:
         f_in = b_in = None
         if op.forward is not None:
             f_in = self._forward_input(op.forward, op.f_micro)
@@ -167,10 +165,10 @@ class Step:
         if self.call.get("forward_only"):
             for micro in range(self.m):
                 for chunk in (0, 1):
-                    self.op(order.Op(forward=chunk, f_micro=micro))
+                    self.op(v_order.Op(forward=chunk, f_micro=micro))
         else:
             telemetry.count("dualpipev.steps")
-            for _phase, op in order.schedule(ranks, rank, self.m):
+            for _phase, op in v_order.schedule(ranks, rank, self.m):
                 self.op(op)  # a2a_clock's phase follows the op: paired steady, lone forward/backward warm-up/cool-down
         self.links.finish()
         assert not self.inputs and not self.handoff_act and not self.handoff_grad, "DualPipeV left work undone"

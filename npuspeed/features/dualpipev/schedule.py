@@ -1,6 +1,6 @@
 """Megatron's interleaved schedule function, called by the training script with the two V
 chunks, runs DualPipeV's step instead (run.py); with the forward/backward overlap on, the step
-trial of moe_fb_overlap (choice.py) decides per step count whether its pairs take turns or run
+trial (pipeline/pair_choice.py, the one --moe-fb-overlap's schedules use) decides per step count whether its pairs take turns or run
 one after the other, as it does for the other schedules."""
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ def wrapper(note, overlap: bool, measure: bool):
 
             from npuspeed.features.dualpipev.dualpipev_feature import batch_message
             from npuspeed.features.dualpipev.run import Step
-            from npuspeed.features.moe_fb_overlap import bubble
+            from npuspeed.features.pipeline.bubble import measure as bubble
 
             bound = signature.bind(*args, **kwargs)
             bound.apply_defaults()
@@ -40,13 +40,13 @@ def wrapper(note, overlap: bool, measure: bool):
             run = (lambda: bubble.schedule_wrapper(step)(**call)) if measure else step
             if call["forward_only"] or not overlap:
                 return run()
-            from npuspeed.features.moe_fb_overlap import interleaved, turns
-            from npuspeed.features.moe_fb_overlap.schedule import trial_step
+            from npuspeed.features.pipeline import pairing, turns
+            from npuspeed.features.pipeline.pair_choice import trial_step
 
             @contextlib.contextmanager
             def paired(acc):
-                with interleaved.pairing_scope(acc):
-                    state["pair"] = lambda f, b: turns.run_pair(f, b, interleaved.worker_setup())
+                with pairing.pairing_scope(acc):
+                    state["pair"] = lambda f, b: turns.run_pair(f, b, pairing.worker_setup())
                     try:
                         yield
                     finally:

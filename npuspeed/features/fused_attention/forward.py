@@ -5,7 +5,7 @@ number under `apply_query_key_layer_scaling` and multiplied back by the softmax,
 product is what the kernel gets. Dropout is drawn as upstream draws it: inside the
 model-parallel RNG tracker's fork unless sequence parallelism is on (then the transformer
 block has already forked), so tensor-parallel ranks stay consistent and reproducible; the
-CPU kernels take a (seed, offset) drawn there (dropout.py) and regenerate the mask in backward.
+CPU kernels take a (seed, offset) drawn there (features/attention/dropout.py) and regenerate the mask in backward.
 
 Per call on CPU: npuspeed's kernel (bf16 or fp32) when the mask is per-row key ranges
 (causal, padding, bands, packed documents: kernel_rows.py), else the measured choice between
@@ -24,7 +24,7 @@ import torch
 from npuspeed import telemetry
 from npuspeed.accelerator.devices import for_device
 from npuspeed.features.base import FeatureError
-from npuspeed.features.context_parallel import attention as cp_attention
+from npuspeed.features.attention import cp_attention
 from npuspeed.features.fused_attention.fallback import UNFUSED, AttentionFallback
 from npuspeed.features.fused_attention.kernel_rows import cpu_flash_run, kernel_rows
 from npuspeed.features.fused_attention.npu import npu_attention

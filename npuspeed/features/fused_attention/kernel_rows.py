@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from npuspeed.features.fused_attention.dropout import draw_seed_offset, global_head0
+from npuspeed.features.attention.dropout import draw_seed_offset, global_head0
 from npuspeed.ops import attention_bounds
 from npuspeed.ops import flash_attention as cpu_flash
 

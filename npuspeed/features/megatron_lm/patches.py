@@ -20,10 +20,10 @@ def register(registry, ctx, config, feature: str) -> None:
         feature=feature, megatron=every)
     reg("megatron.core.datasets.utils.compile_helpers", build_helpers.compile_helpers, feature=feature,
         megatron=every)
-    from npuspeed.features.dualpipev.dualpipev_feature import v_schedule
+    from npuspeed.features.pipeline.which import v_schedule
 
     if v_schedule(ctx.args):  # the loss is on pipeline rank 0 under the V
-        from npuspeed.features.dualpipev.placement import reporting_rank_wrapper
+        from npuspeed.features.pipeline.v_placement import reporting_rank_wrapper
 
         for target, rng in targets.LAST_RANK.items():
             reg(f"{MLT}.{target}", wrapper=reporting_rank_wrapper, feature=feature, megatron=rng)

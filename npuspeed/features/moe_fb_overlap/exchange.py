@@ -11,7 +11,7 @@ with a wait each, the small probabilities' exchange would pay alone for whatever
 apart while the other micro-batch computed; sent with the tokens, the other micro-batch's compute
 hides it too.
 
-Each transfer uses `async_op=True`; the turn goes to the other micro-batch (turns.py) before the
+Each transfer uses `async_op=True`; the turn goes to the other micro-batch (pipeline/turns.py) before the
 wait, so its compute runs while the rows are on the wire. With no pair (a lone forward or
 backward, a serial step) it waits at once, as Megatron's does. Every transfer is on the clock
 (moe_common/a2a_clock.py).
@@ -23,7 +23,8 @@ import torch.distributed as dist
 
 from npuspeed import telemetry
 from npuspeed.features.moe_common import a2a_clock
-from npuspeed.features.moe_fb_overlap import turns, wgrad
+from npuspeed.features.moe_fb_overlap import wgrad
+from npuspeed.features.pipeline import turns
 
 
 def split_sizes(sizes):

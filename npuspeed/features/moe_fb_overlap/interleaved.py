@@ -9,7 +9,7 @@ schedule call only (`interleaving_wrapper`; elsewhere it stays off: takeover.py)
 that step (`paired_step`): Megatron's own pre/post-processing and pipeline send/receive hooks in
 the order Megatron's combined step issues them (forward's before backward's), and between them
 Megatron's `forward_step` on this thread beside its `backward_step` on a worker, taking turns at
-each token all-to-all (turns.py). A step with only a forward (warm-up) or only a backward
+each token all-to-all (pipeline/turns.py). A step with only a forward (warm-up) or only a backward
 (cool-down) runs alone. Without VPP Megatron has no such schedule: refused (`refuse_plain_1f1b`).
 """
 from __future__ import annotations
@@ -21,8 +21,11 @@ import inspect
 from npuspeed import telemetry
 from npuspeed.features.base import FeatureError
 from npuspeed.features.moe_common import a2a_clock
-from npuspeed.features.moe_fb_overlap import turns
-from npuspeed.features.moe_fb_overlap.schedule import _config_of, _worker_setup, training_call, trial_step
+from npuspeed.features.moe_fb_overlap.schedule import _config_of, training_call
+from npuspeed.features.pipeline import turns
+from npuspeed.features.pipeline.chunks import backward_chunk, forward_chunk
+from npuspeed.features.pipeline.pair_choice import trial_step
+from npuspeed.features.pipeline.pairing import pairing_scope, worker_setup
 
 RANGE = ">=0.14,<0.20"
 
@@ -74,30 +77,6 @@ def interleaving_wrapper(flag: str, note):
     return wrap
 
 
-_SETUP: list = []
-
-
-def pairing() -> bool:
-    """Inside a call of a pipelined schedule that pairs its steps (the interleaved one here, or
-    DualPipeV's), not a serial one."""
-    return bool(_SETUP)
-
-
-def worker_setup():
-    """What the backward's worker thread runs first, inside a pairing schedule call."""
-    return _SETUP[-1] if _SETUP else None
-
-
-@contextlib.contextmanager
-def pairing_scope(acc):
-    """A pipelined schedule call whose steps pair (the experts' dW split arms inside it)."""
-    _SETUP.append(_worker_setup(acc))
-    try:
-        yield
-    finally:
-        _SETUP.pop()
-
-
 def refuse_plain_1f1b(flag: str):
     def wrap(original):
         @functools.wraps(original)
@@ -111,36 +90,6 @@ def refuse_plain_1f1b(flag: str):
         return run
 
     return wrap
-
-
-def forward_chunk(config, forward_step_func, data_iterator, model, num_microbatches, forward_data_store, chunk,
-                  microbatch, input_tensor, is_first, collect_non_loss_data, last=None):
-    """Megatron's forward_step for one chunk and micro-batch, as its interleaved helper calls it
-    (`last`: whether this chunk computes the loss; by default Megatron's answer)."""
-    from megatron.core import parallel_state
-    from megatron.core.pipeline_parallel import schedules
-    from megatron.core.pipeline_parallel.utils import is_pp_last_stage, is_vp_last_stage
-
-    if last is None:
-        last = is_vp_last_stage(vp_stage=chunk, vp_size=config.virtual_pipeline_model_parallel_size) and \
-            is_pp_last_stage(parallel_state.get_pipeline_model_parallel_group())
-    return schedules.forward_step(
-        forward_step_func, data_iterator[chunk], model[chunk], num_microbatches, input_tensor, forward_data_store,
-        config, cp_group_size=parallel_state.get_context_parallel_world_size(),
-        collect_non_loss_data=collect_non_loss_data, checkpoint_activations_microbatch=None,
-        is_first_microbatch=is_first, current_microbatch=microbatch, vp_stage=chunk, is_last_stage=last)
-
-
-def backward_chunk(config, model, tensors):
-    """Megatron's backward_step (0.19 dropped its model_type argument)."""
-    from megatron.core.pipeline_parallel import schedules
-
-    extra = {}
-    if "model_type" in inspect.signature(schedules.backward_step).parameters:
-        from megatron.core.utils import get_model_type
-
-        extra["model_type"] = get_model_type(model[0])
-    return schedules.backward_step(*tensors, config=config, **extra)
 
 
 def paired_step(config, forward_step_func, data_iterator, model, num_microbatches, forward_data_store,

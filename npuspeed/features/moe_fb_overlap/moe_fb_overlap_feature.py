@@ -2,7 +2,6 @@
 layouts the paired schedule serves, refused one line each where it cannot compose."""
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 from npuspeed.accelerator.devices import for_device
@@ -10,6 +9,7 @@ from npuspeed.features.base import Feature, FeatureError
 from npuspeed.features.config import FeatureConfig, flag
 from npuspeed.features.moe_common.layout import built_all_to_all, needs_all_to_all
 from npuspeed.features.moe_fb_overlap import interleaved
+from npuspeed.features.pipeline.which import microbatches_per_step, pairs_overlap
 from npuspeed.patching.versions import in_range, megatron_version
 
 
@@ -44,25 +44,12 @@ def _pipeline(flag: str, pp: int, m) -> None:
         raise FeatureError(interleaved.batch_message(flag, microbatches, pp))
 
 
-def microbatches_per_step(m) -> int | None:
-    """Micro-batches a pipeline rank runs a step, from the command line and the launcher's
-    WORLD_SIZE (None where they do not say): what the pipelined schedules need enough of."""
-    world = int(os.environ.get("WORLD_SIZE", "0") or 0)
-    gbs, mbs = getattr(m, "global_batch_size", None), getattr(m, "micro_batch_size", None) or 1
-    tp, cp = getattr(m, "tensor_model_parallel_size", None) or 1, getattr(m, "context_parallel_size", None) or 1
-    pp = getattr(m, "pipeline_model_parallel_size", None) or 1
-    if not gbs or not world or world % (tp * pp * cp):
-        return None
-    return gbs // (mbs * (world // (tp * pp * cp)))
-
-
 class FbOverlapFeature(Feature):
     name = "moe_fb_overlap"
     Config = Config
 
     def enabled(self, args) -> bool:
-        config = self.config(args)
-        return bool(config.moe_fb_overlap or config.overlap_moe_expert_parallel_comm)
+        return pairs_overlap(args)  # the one answer, which DualPipeV and the bubble baseline ask too
 
     def validate(self, ctx) -> None:
         flag_ = self.config(ctx.args).flag_given

@@ -14,8 +14,9 @@ CONFIG = "megatron.core.transformer.transformer_config.TransformerConfig.__post_
 
 
 def register(registry, ctx, config, feature: str) -> None:
-    from npuspeed.features.moe_fb_overlap import (bubble, combine, exchange, interleaved, masking,
-                                                 schedule, takeover, wgrad)
+    from npuspeed.features.moe_fb_overlap import combine, exchange, interleaved, masking, schedule, takeover, wgrad
+    from npuspeed.features.pipeline.bubble import patches as bubble
+    from npuspeed.features.pipeline.which import v_schedule
 
     bubble.register(registry, ctx, feature)  # PP > 1: the bubble measured (first: innermost wrappers)
     registry.register(f"{SCHEDULES}.forward_backward_no_pipelining", wrapper=schedule.no_pipelining_wrapper(ctx.note),
@@ -34,8 +35,6 @@ def register(registry, ctx, config, feature: str) -> None:
     registry.register(f"{LAYERS}.linear_with_grad_accumulation_and_async_allreduce", wrapper=wgrad.linear_wrapper,
                       feature=feature, megatron=wgrad.RANGE)
     registry.register(CONFIG, wrapper=takeover.config_wrapper(ctx.note), feature=feature, megatron=takeover.RANGE)
-    from npuspeed.features.dualpipev.dualpipev_feature import v_schedule
-
     if v_schedule(ctx.args):
         return  # DualPipeV's schedule pairs its steps itself (npuspeed/features/dualpipev/)
     # PP > 1 (0.14+): Megatron's interleaved schedule, its extra warm-up micro-batch, each step paired

@@ -3,7 +3,7 @@
 Megatron's `forward_backward_no_pipelining` runs forward_step(i) then backward_step(i) for each
 micro-batch. While `session` is open, the backward of micro-batch i is held back (`backward_step`
 returns at once) and runs when forward_step(i+1) is called, on a worker thread, taking turns with
-that forward (turns.py): the two do not depend on each other, so each one's compute hides the
+that forward (pipeline/turns.py): the two do not depend on each other, so each one's compute hides the
 other's all-to-alls. The first forward runs alone (warm-up), as does the last backward (cool-down:
 outside Megatron's no_sync, so the gradient reduction it starts is Megatron's). A held-back
 backward runs inside the schedule's no_sync context, as it would have. Megatron's loop, its
@@ -17,9 +17,9 @@ import inspect
 
 from npuspeed import telemetry
 from npuspeed.features.moe_common import a2a_clock
-from npuspeed.features.moe_fb_overlap import turns
-from npuspeed.features.moe_fb_overlap.choice import SERIAL, StepTrial
-from npuspeed.ops.choose.step_trial import world_sum
+from npuspeed.features.pipeline import turns
+from npuspeed.features.pipeline.pair_choice import trial_step
+from npuspeed.features.pipeline.pairing import device_setup
 
 
 class Session:
@@ -35,7 +35,6 @@ class Session:
 
 
 _SESSION: list[Session] = []
-_TRIALS: dict = {}  # micro-batches -> its step trial
 
 
 def current() -> Session | None:
@@ -46,12 +45,6 @@ def _config_of(model):
     from megatron.core.utils import get_model_config
 
     return get_model_config(model[0] if isinstance(model, list) else model)
-
-
-def _worker_setup(acc):
-    """The worker thread starts on device 0: put it on this thread's device."""
-    index = acc.current_device()
-    return lambda: acc.set_device(index)
 
 
 def training_call(signature, args, kwargs) -> dict | None:
@@ -83,7 +76,7 @@ def no_pipelining_wrapper(note):
 
             @contextlib.contextmanager
             def session(acc):
-                _SESSION.append(Session(n, config.no_sync_func or contextlib.nullcontext, _worker_setup(acc)))
+                _SESSION.append(Session(n, config.no_sync_func or contextlib.nullcontext, device_setup(acc)))
                 try:
                     yield
                 finally:
@@ -94,24 +87,6 @@ def no_pipelining_wrapper(note):
         return run
 
     return wrap
-
-
-def trial_step(n: int, run, note, paired):
-    """One training step of `n` micro-batches as the step trial says (choice.py): Megatron's
-    schedule alone (on the clock as `serial`), or inside `paired(acc)`, the context that makes the
-    schedule pair its forwards and backwards."""
-    from npuspeed.accelerator import get_accelerator
-
-    acc = get_accelerator()
-    trial = _TRIALS.setdefault(n, StepTrial(n))
-    mode = trial.mode()
-    if mode == SERIAL:
-        telemetry.count("moe.fb_overlap.serial_steps")
-        with a2a_clock.phase("serial"):
-            return trial.timed(SERIAL, run, acc.synchronize, world_sum(acc), note)
-    telemetry.count("moe.fb_overlap.steps")
-    with paired(acc):
-        return trial.timed(mode, run, acc.synchronize, world_sum(acc), note)
 
 
 def forward_step_wrapper(original):

@@ -47,9 +47,10 @@ def split_on() -> bool:
 def arm() -> None:
     """After the token dispatch of a paired schedule's step (PP 1's, or the interleaved one's at
     PP > 1): the experts' matmuls owe their dW."""
-    from npuspeed.features.moe_fb_overlap import interleaved, schedule
+    from npuspeed.features.moe_fb_overlap import schedule
+    from npuspeed.features.pipeline import pairing
 
-    if (schedule.current() is not None or interleaved.pairing()) and split_on():
+    if (schedule.current() is not None or pairing.pairing()) and split_on():
         deferred_wgrad.arm(True)
 
 

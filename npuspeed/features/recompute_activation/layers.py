@@ -17,60 +17,14 @@ Skipped, and said once in the log and the report:
 """
 from __future__ import annotations
 
-import math
-
 from npuspeed import telemetry
-from npuspeed.features.base import FeatureError, after_init
+from npuspeed.features.base import after_init
+from npuspeed.features.first_layers import check_num_layers, fully_recomputed, vp_stage
 
 TARGET = "megatron.core.transformer.transformer_block.TransformerBlock.__init__"
 FLAG = "--recompute-activation-function-num-layers"
 #: counter: MLPs selected in this process (for the report and the tests)
 SELECTED = "recompute.selected"
-
-
-def layers_per_stage(config) -> int:
-    return math.ceil(config.num_layers / (config.pipeline_model_parallel_size or 1))
-
-
-def check_num_layers(num_layers: int | None, config, flag: str = FLAG, what: str = "the activation") -> None:
-    per_stage = layers_per_stage(config)
-    if num_layers is not None and num_layers > per_stage:
-        raise FeatureError(
-            f"{flag} {num_layers} is larger than the {per_stage} transformer layers per pipeline "
-            f"stage (num_layers={config.num_layers} / pipeline_model_parallel_size="
-            f"{config.pipeline_model_parallel_size or 1}); give at most {per_stage}, or drop it "
-            f"to recompute {what} of every layer"
-        )
-
-
-def in_first_layers(block, index: int, num_layers: int | None) -> bool:
-    """Whether layer `index` of this block is among the first `num_layers` of its pipeline
-    stage, counted in interleaved order across virtual chunks (None: every layer)."""
-    if num_layers is None:
-        return True
-    vpp = block.config.virtual_pipeline_model_parallel_size or 1
-    return index * vpp + _vp_stage(block) < num_layers
-
-
-def fully_recomputed(config, index: int) -> bool:
-    return _fully_recomputed(config, index)
-
-
-def _vp_stage(block) -> int:
-    stage = getattr(block, "vp_stage", None)
-    if stage is None:  # megatron-core 0.12 builds chunks under the global virtual rank
-        from megatron.core import parallel_state
-
-        stage = parallel_state.get_virtual_pipeline_model_parallel_rank()
-    return stage or 0
-
-
-def _fully_recomputed(config, index: int) -> bool:
-    if config.recompute_granularity != "full":
-        return False
-    if config.recompute_method == "block":
-        return index < (config.recompute_num_layers or 0)
-    return True
 
 
 def select(block, num_layers: int | None, note) -> None:
@@ -80,13 +34,13 @@ def select(block, num_layers: int | None, note) -> None:
     from npuspeed.features.recompute_activation.mlp import ATTR
 
     config = block.config
-    check_num_layers(num_layers, config)
+    check_num_layers(num_layers, config, FLAG, "the activation")
     if getattr(config, "cpu_offloading", False) or getattr(config, "fine_grained_activation_offloading", False):
         note("--recompute-activation-function: off where activations are offloaded to the host "
                      "(cpu_offloading / fine_grained_activation_offloading): the offload hooks read them")
         return
     vpp = config.virtual_pipeline_model_parallel_size or 1
-    stage = _vp_stage(block)
+    stage = vp_stage(block)
     for index, layer in enumerate(getattr(block, "layers", ())):
         mlp = getattr(layer, "mlp", None)
         if num_layers is not None and index * vpp + stage >= num_layers:
@@ -99,7 +53,7 @@ def select(block, num_layers: int | None, note) -> None:
                     "['moe_act'] recomputes expert activations"
                 )
             continue
-        if _fully_recomputed(config, index):
+        if fully_recomputed(config, index):
             note(
                 "--recompute-activation-function: --recompute-granularity full recomputes whole "
                 "layers; full recompute wins and those layers keep Megatron's behaviour"

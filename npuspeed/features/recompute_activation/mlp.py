@@ -50,7 +50,7 @@ def _activation(forward, mlp, x, bias):
 
 
 def recompute_activation(forward):
-    from npuspeed.features.recompute_activation.checkpoint import ActivationCheckpoint  # imports megatron
+    from npuspeed.features.activation_checkpoint import ActivationCheckpoint  # imports megatron
 
     @functools.wraps(forward)
     def mlp_forward(self, hidden_states, *args, **kwargs):

@@ -5,7 +5,7 @@ The MLP's activation output (tokens x ffn_hidden per layer) is kept only because
 backward reads it. Here it is computed without a graph, its storage released once fc2 has
 saved it, and recomputed into the same storage by a hook on fc2's output, just before fc2's
 backward runs: the activation memory of the selected layers goes for one extra activation
-per layer in backward. Built on Megatron-Core's own CheckpointWithoutOutput (checkpoint.py),
+per layer in backward. Built on Megatron-Core's own CheckpointWithoutOutput (features/activation_checkpoint.py),
 the MLP path (mlp.py) and the choice of layers (layers.py).
 """
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The layer side of norm recompute: which norms, and when their outputs are freed.
 
 A selected norm (a layer's `input_layernorm`, and `pre_mlp_layernorm` before a dense MLP) runs
-under the activation-recompute checkpoint (recompute_activation/checkpoint.py: Megatron-Core's
+under the activation-recompute checkpoint (features/activation_checkpoint.py: Megatron-Core's
 CheckpointWithoutOutput, fp8-safe): its output is computed without a graph and only its input
 is kept. The one consumer that saves the output is the next linear (`linear_qkv`, `linear_fc1`);
 a forward hook on that linear frees the output's storage as soon as it has run, and a gradient
@@ -61,7 +61,7 @@ def _norm_forward(norm, x, *args, **kwargs):
 
 
 def _checkpointed(norm):
-    from npuspeed.features.recompute_activation.checkpoint import ActivationCheckpoint  # imports megatron
+    from npuspeed.features.activation_checkpoint import ActivationCheckpoint  # imports megatron
 
     def forward(x, *args, **kwargs):
         if args or kwargs or not torch.is_grad_enabled() or not x.requires_grad:
@@ -111,18 +111,18 @@ def select(block, num_layers: int | None, note) -> None:
     """Install norm recompute in this block's selected layers; `note` says each skip once."""
     from megatron.core.transformer.mlp import MLP
 
-    from npuspeed.features.recompute_activation import layers
+    from npuspeed.features.first_layers import check_num_layers, fully_recomputed, in_first_layers
 
     config = block.config
-    layers.check_num_layers(num_layers, config, FLAG, "the norms")
+    check_num_layers(num_layers, config, FLAG, "the norms")
     if getattr(config, "cpu_offloading", False) or getattr(config, "fine_grained_activation_offloading", False):
         note("--recompute-norm: off where activations are offloaded to the host (cpu_offloading / "
              "fine_grained_activation_offloading): the offload hooks read the norm outputs")
         return
     for index, layer in enumerate(getattr(block, "layers", ())):
-        if not layers.in_first_layers(block, index, num_layers):
+        if not in_first_layers(block, index, num_layers):
             continue
-        if layers.fully_recomputed(config, index):
+        if fully_recomputed(config, index):
             note("--recompute-norm: --recompute-granularity full recomputes whole layers; full recompute "
                  "wins and those layers keep Megatron's behaviour")
             continue

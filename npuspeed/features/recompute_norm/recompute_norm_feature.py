@@ -5,7 +5,7 @@ only because the next linear's backward reads them. Here they are computed witho
 freed once that linear has run and recomputed into the same storage just before its backward
 (norms.py): two hidden-sized activations per layer, plus the norms' own saved statistics, go
 for one norm's recompute in backward. The mechanism is activation recompute's checkpoint
-(recompute_activation/checkpoint.py), reused with its own counters.
+(features/activation_checkpoint.py), reused with its own counters.
 """
 from __future__ import annotations
 

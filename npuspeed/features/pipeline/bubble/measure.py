@@ -1,29 +1,9 @@
-"""Each rank's pipeline bubble per step, measured, beside the schedule's formula for it.
-
-Idle: the time this rank spent blocked in Megatron's pipeline send/receive (`_communicate`,
-or, where `--overlap-p2p-comm` defers the waits, each wait on its requests) with the device
-drained first, so the time is the wait and not queued compute. F and B: the mean `forward_step` and
-`backward_step` of one model chunk and micro-batch, from the calls that ran alone (a paired
-forward and backward overlap, so neither half is one chunk's cost). The interleaved schedule's
-bubble is (PP-1)(F+B)/v in whole-stage units, (PP-1)(F+B) in the chunk units measured here, the
-same expression without VPP (v = 1). The example reports it as `pipeline_bubble`.
-
-The formula is the step's length beyond one stage's work, for stages of equal cost and free
-transfers; every rank of the pipeline idles it (one that ends early waits for the others at the
-gradient reduction). With NPUSPEED_MEASURE_BUBBLE=1 (ranks start each step together) the
-measure takes the same terms: each wait less one measured exchange of a pipeline message (a
-ring send/receive of its shape, timed once at the first step: what a receive costs when its data
-has already been sent); plus the rank's tail, from its last forward/backward to the pipeline's
-last; less its imbalance, how much less busy (its step less its waits) it was than the busiest
-rank (ends and busy times gathered, relative to the common start). That is the step's length
-beyond the busiest rank's work, less this rank's transfers: the median over the steps (a stall
-of a shared host in one step is not the schedule's) is `bubble_ms_per_step`. The raw mean wait
-stays `idle_ms_per_step`, by phase in `idle_ms_per_step_by_phase`.
-"""
+"""The measure itself: each pipeline wait (Megatron's send/receive, a deferred wait, a receive of
+DualPipeV's), each lone forward/backward chunk, each training step (aligned on the pipeline's ranks
+with NPUSPEED_MEASURE_BUBBLE=1), kept in this process's totals until `reset`."""
 from __future__ import annotations
 
 import functools
-import statistics
 import threading
 import time
 
@@ -39,6 +19,8 @@ _phase = {"forwards": 0, "backwards": 0, "total": 0}
 PHASES = ("warm_up", "steady", "cool_down")
 _phase_idle = dict.fromkeys(PHASES, 0.0)
 _layout = {"pp": 1, "vpp": 1, "schedule": "interleaved"}
+MEASURE_ENV = "NPUSPEED_MEASURE_BUBBLE"
+ALIGN_ENV = "NPUSPEED_BUBBLE_ALIGN"  # 0: no barrier at each step's start (the measure as on by default)
 
 
 def _sync() -> None:
@@ -221,7 +203,7 @@ def _exchange_seconds(kwargs, group, rounds: int = 8) -> float:
     from megatron.core.utils import get_model_config
 
     from npuspeed.accelerator import get_accelerator
-    from npuspeed.features.dualpipev.links import message_shape
+    from npuspeed.features.pipeline.message import message_shape
 
     model = kwargs.get("model")
     config = get_model_config(model[0] if isinstance(model, list) else model)
@@ -252,51 +234,6 @@ def reset() -> None:
             _phase_idle[key] = 0.0
 
 
-def summary() -> dict | None:
-    """{idle_ms_per_step, forward_ms, backward_ms, formula_ms, measured_over_formula, pp, vpp,
-    steps}; None before a pipelined training step ran."""
-    with _lock:
-        t = dict(_totals)
-    if not t["steps"] or _layout["pp"] < 2:
-        return None
-    f = t["forward"] / t["forwards"] if t["forwards"] else None
-    b = t["backward"] / t["backwards"] if t["backwards"] else None
-    idle = t["idle"] / t["steps"]
-    pair = t["paired"] / t["pairs"] if t["pairs"] else None
-    formula = _formula(_layout["schedule"], _layout["pp"], f, b, pair)
-    adjusted = {}
-    with _lock:
-        steps = list(_steps)
-    if steps:  # the median step: a host stall in one step (a shared CPU) is not the schedule's
-        bubble = statistics.median(steps)
-        adjusted = {"hop_ms": (_clock["hop"] or 0.0) * 1e3, "transfer_ms_per_step": t["transfer"] / t["steps"] * 1e3,
-                    "tail_ms_per_step": t["tail"] / t["tails"] * 1e3,
-                    "imbalance_ms_per_step": t["imbalance"] / t["imbalances"] * 1e3, "bubble_ms_per_step": bubble * 1e3,
-                    "bubble_over_formula": bubble / formula if formula else None}
-    with _lock:
-        adjusted["idle_ms_per_step_by_phase"] = {k: v / t["steps"] * 1e3 for k, v in _phase_idle.items()}
-    return adjusted | {"idle_ms_per_step": idle * 1e3, "forward_ms": f and f * 1e3, "backward_ms": b and b * 1e3,
-            "formula_ms": formula and formula * 1e3,
-            "measured_over_formula": idle / formula if formula else None,
-            "pp": _layout["pp"], "vpp": _layout["vpp"], "steps": t["steps"], "waits": t["waits"],
-            "schedule": _layout["schedule"], "pair_ms": pair and pair * 1e3, "formula": FORMULAS[_layout["schedule"]]}
-
-
-FORMULAS = {"interleaved": "(PP-1)(F+B)", "dualpipev": "(PP-1)(F&B+B-3W), W=0"}
-
-
-def _formula(schedule: str, pp: int, f, b, pair):
-    """The schedule's bubble in chunk units: the interleaved schedule's (PP-1)(F+B); DualPipeV's
-    (PP-1)(F&B + B - 3W) (DeepSeek's DualPipe README for PP ranks of a V), with F&B a paired
-    step's time (F + B where none was timed) and W = 0 (no dense weight-gradient split here): what
-    the V order, replayed with those costs, idles (tests/unit/test_plan_dualpipev.py)."""
-    if f is None or b is None:
-        return None
-    if schedule == "dualpipev":
-        return (pp - 1) * ((pair if pair is not None else f + b) + b)
-    return (pp - 1) * (f + b)
-
-
 def note_schedule(name: str) -> None:
     """Which schedule's formula applies (npuspeed's DualPipeV says so at each step)."""
     _layout["schedule"] = name
@@ -307,76 +244,14 @@ def record_pair(seconds: float) -> None:
     _add("paired", "pairs", seconds)
 
 
-def line(s: dict) -> str:
-    ratio = s["measured_over_formula"]
-    return (f"pipeline bubble: {s['idle_ms_per_step']:.1f} ms idle a step on this rank (PP {s['pp']}, VPP {s['vpp']}, "
-            f"{s['schedule']}); formula {s['formula']} = {s['formula_ms'] or float('nan'):.1f} ms from F "
-            f"{s['forward_ms'] or float('nan'):.1f} ms, "
-            f"B {s['backward_ms'] or float('nan'):.1f} ms a chunk"
-            + (f", F&B {s['pair_ms']:.1f} ms" if s.get("pair_ms") else "") + "; measured/formula "
-            + (f"{ratio:.2f}" if ratio is not None else "n/a") + _adjusted(s))
-
-
-def _adjusted(s: dict) -> str:
-    if "bubble_ms_per_step" not in s:
-        return ""
-    ratio = s["bubble_over_formula"]
-    return (f"; less {s['transfer_ms_per_step']:.1f} ms of transfers (one exchange {s['hop_ms']:.2f} ms), plus "
-            f"{s['tail_ms_per_step']:.1f} ms waiting for the pipeline's end, less {s['imbalance_ms_per_step']:.1f} ms "
-            f"of stage imbalance: {s['bubble_ms_per_step']:.1f} ms, bubble/formula "
-            + (f"{ratio:.2f}" if ratio is not None else "n/a"))
-
-
-P2P = "megatron.core.pipeline_parallel.p2p_communication"
-SCHEDULES = "megatron.core.pipeline_parallel.schedules"
-MEASURE_ENV = "NPUSPEED_MEASURE_BUBBLE"
-ALIGN_ENV = "NPUSPEED_BUBBLE_ALIGN"  # 0: no barrier at each step's start (the measure as on by default)
-
-
-def measuring(ctx) -> bool:
-    """At PP > 1: on CPU always (draining the host is free), on a device only with
-    NPUSPEED_MEASURE_BUBBLE=1 (draining it at every send/receive and chunk would cost time)."""
-    import os
-
-    if (ctx.megatron.pipeline_model_parallel_size or 1) < 2:
-        return False
-    from npuspeed.accelerator.devices import for_device
-
-    # a device with streams queues work the drains would wait for; the host runs it at once
-    return not for_device(ctx.accelerator.name).has_streams() or os.environ.get(MEASURE_ENV) == "1"
-
-
 def record_wait(seconds: float) -> None:
     """A pipeline receive of a schedule of npuspeed's own (DualPipeV's) blocked this long."""
     _waited(seconds)
 
 
-def register_chunk_timers(registry, feature: str) -> None:
-    """Registered first, so innermost: a pair's forward and backward are the timed calls."""
-    registry.register(f"{SCHEDULES}.forward_step", wrapper=forward_step_wrapper, feature=feature)
-    registry.register(f"{SCHEDULES}.backward_step", wrapper=backward_step_wrapper, feature=feature)
-
-
-def register_for_megatron(registry, ctx, feature: str) -> None:
-    """With NPUSPEED_MEASURE_BUBBLE=1 and neither --moe-fb-overlap nor DualPipeV on (they register
-    the measure themselves): Megatron's own pipelined schedules measured, the baseline of
-    benchmarks/bench_pipeline_bubble.py (registered by the device feature, always on)."""
-    import os
-
-    from npuspeed.features.dualpipev.dualpipev_feature import pairs_overlap, v_schedule
-
-    if os.environ.get(MEASURE_ENV) != "1" or pairs_overlap(ctx.args) or v_schedule(ctx.args):
-        return
-    register(registry, ctx, feature)
-
-
-def register(registry, ctx, feature: str) -> None:
-    """Megatron's pipelined schedules measured, where `measuring` says."""
-    if not measuring(ctx):
-        return
-    register_chunk_timers(registry, feature)
-    registry.register(f"{P2P}._communicate", wrapper=communicate_wrapper, feature=feature, megatron="<0.14")
-    registry.register(f"{P2P}.P2PCommunicator._communicate", wrapper=communicate_wrapper, feature=feature,
-                      megatron=">=0.14")
-    for name in ("forward_backward_pipelining_with_interleaving", "forward_backward_pipelining_without_interleaving"):
-        registry.register(f"{SCHEDULES}.{name}", wrapper=schedule_wrapper, feature=feature)
+def snapshot() -> dict:
+    """A copy of the totals, the aligned steps' bubbles, the exchange's seconds, the layout and the
+    waits by phase, taken at once (summary.py computes the figures from it)."""
+    with _lock:
+        return {"totals": dict(_totals), "steps": list(_steps), "hop": _clock["hop"], "layout": dict(_layout),
+                "phase_idle": dict(_phase_idle)}

@@ -23,7 +23,7 @@ import torch
 
 from npuspeed.accelerator import npu_ops
 from npuspeed.features.base import FeatureError
-from npuspeed.features.context_parallel.blocks import Block, BlockKernel, CallSpec, expand_kv, reduce_kv_grad
+from npuspeed.features.attention.blocks import Block, BlockKernel, CallSpec, expand_kv, reduce_kv_grad
 from npuspeed.ops.npu import attention as npu_attention
 from npuspeed.ops.npu import varlen as npu_varlen
 

@@ -1,4 +1,6 @@
-"""Megatron-Core's own `CheckpointWithoutOutput`, made safe to use on every version we support.
+"""Megatron-Core's own `CheckpointWithoutOutput`, made safe to use on every version we support:
+the checkpoint --recompute-activation-function (its mlp.py) and --recompute-norm (its norms.py)
+both run, so it sits beside the feature folders.
 
 It already does what the feature needs: run a function without saving its graph, release its
 output's storage (`untyped_storage().resize_(0)`) once the consumer has saved the tensor, and,

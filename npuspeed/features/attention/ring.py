@@ -17,10 +17,10 @@ from dataclasses import dataclass
 import torch
 
 from npuspeed import telemetry
-from npuspeed.features.context_parallel import documents as docs_mod
-from npuspeed.features.context_parallel.blocks import Block, BlockKernel, CallSpec, tiled_backward, tiled_forward
-from npuspeed.features.context_parallel.comm import Exchange, RingPeers
-from npuspeed.features.context_parallel.layout import Segment, ring_segments
+from npuspeed.features.attention import documents as docs_mod
+from npuspeed.features.attention.blocks import Block, BlockKernel, CallSpec, tiled_backward, tiled_forward
+from npuspeed.features.attention.comm import Exchange, RingPeers
+from npuspeed.features.attention.layout import Segment, ring_segments
 
 BLOCKS = "cp.blocks"  # block attention calls (forward), by kernel: cp.blocks.<kernel>
 

@@ -1,7 +1,7 @@
 """Core attention under context parallelism or over packed documents: the fused path's seam.
 
 Fused attention (`--use-flash-attn`) hands a call here when the layer was built under CP
-(the CP feature marked it, see patches.py) or Megatron passed `packed_seq_params`. One
+(the CP feature marked it, see context_parallel/patches.py) or Megatron passed `packed_seq_params`. One
 algorithm covers every case (layout.py): Ulysses all-to-all when U > 1, then ring attention
 over R positions (a ring of one at CP 1 or under pure Ulysses), then the all-to-all back.
 """
@@ -13,13 +13,13 @@ import torch
 
 from npuspeed.accelerator.devices import for_device
 from npuspeed.features.base import FeatureError
-from npuspeed.features.context_parallel import documents, groups
-from npuspeed.features.context_parallel.blocks import CallSpec
-from npuspeed.features.context_parallel.kernels_cpu import cpu_kernel
-from npuspeed.features.context_parallel.layout import CPLayout, ulysses_order
-from npuspeed.features.context_parallel.ring import RingAttention, RingPlan
-from npuspeed.features.context_parallel.ulysses import HeadToSeq, SeqToHead
-from npuspeed.features.fused_attention.dropout import draw_seed_offset, global_head0
+from npuspeed.features.attention import documents, groups
+from npuspeed.features.attention.blocks import CallSpec
+from npuspeed.features.attention.kernels_cpu import cpu_kernel
+from npuspeed.features.attention.layout import CPLayout, ulysses_order
+from npuspeed.features.attention.ring import RingAttention, RingPlan
+from npuspeed.features.attention.ulysses import HeadToSeq, SeqToHead
+from npuspeed.features.attention.dropout import draw_seed_offset, global_head0
 from npuspeed.ops import npu
 
 ATTR = "npuspeed_cp_layout"  # set on DotProductAttention by the CP feature's __init__ wrapper
@@ -33,11 +33,11 @@ def active(module, packed_seq_params=None) -> bool:
 def _kernel(query, key, dropout_p: float, accelerator):
     if accelerator is not None and for_device(accelerator.name).has_vendor_kernels() \
             and accelerator.has_fused_attention():
-        from npuspeed.features.context_parallel.kernels_device import NpuFusion
+        from npuspeed.features.attention.kernels_device import NpuFusion
 
         return NpuFusion(npu.of(accelerator)), "the NPU's fused kernel"
     if for_device(query).has_sdpa_kernels():
-        from npuspeed.features.context_parallel.kernels_device import CudaAten
+        from npuspeed.features.attention.kernels_device import CudaAten
 
         return CudaAten(query.dtype), "PyTorch's CUDA kernel"
     if not for_device(query).host_is_device():

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from npuspeed.features.context_parallel.blocks import Block, BlockKernel, CallSpec, expand_kv, reduce_kv_grad
+from npuspeed.features.attention.blocks import Block, BlockKernel, CallSpec, expand_kv, reduce_kv_grad
 from npuspeed.ops import flash_attention as cpu_flash
 
 NPUSPEED_BF16 = "npuspeed_flash_bf16"  # the same labels as fused attention's own calls

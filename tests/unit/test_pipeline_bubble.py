@@ -1,6 +1,6 @@
-"""The pipeline bubble clock: idle time blocked in pipeline send/receive per step, F and B from
-lone forward/backward calls only (a pair's overlapping halves are left out), the formula
-(PP-1)(F+B) beside it."""
+"""The pipeline bubble clock (npuspeed/features/pipeline/bubble/): idle time blocked in pipeline
+send/receive per step, F and B from lone forward/backward calls only (a pair's overlapping halves
+are left out), the formula (PP-1)(F+B) beside it."""
 from __future__ import annotations
 
 import threading
@@ -8,7 +8,8 @@ import time
 
 import pytest
 
-from npuspeed.features.moe_fb_overlap import bubble
+from npuspeed.features.pipeline.bubble import measure
+from npuspeed.features.pipeline.bubble.summary import line, summary
 
 
 @pytest.fixture(autouse=True)
@@ -16,9 +17,9 @@ def clean(monkeypatch):
     from megatron.core import parallel_state
 
     monkeypatch.setattr(parallel_state, "get_pipeline_model_parallel_world_size", lambda: 2)
-    bubble.reset()
+    measure.reset()
     yield
-    bubble.reset()
+    measure.reset()
 
 
 def _sleep(seconds):
@@ -28,24 +29,24 @@ def _sleep(seconds):
 
 
 def test_idle_forward_backward_and_the_formula():
-    schedule = bubble.schedule_wrapper(lambda *a, **k: None)
-    communicate = bubble.communicate_wrapper(_sleep(0.03))
-    forward = bubble.forward_step_wrapper(_sleep(0.02))
-    backward = bubble.backward_step_wrapper(_sleep(0.04))
-    assert bubble.summary() is None  # no step yet
+    schedule = measure.schedule_wrapper(lambda *a, **k: None)
+    communicate = measure.communicate_wrapper(_sleep(0.03))
+    forward = measure.forward_step_wrapper(_sleep(0.02))
+    backward = measure.backward_step_wrapper(_sleep(0.04))
+    assert summary() is None  # no step yet
     for _ in range(2):
         schedule(forward_step_func=None, data_iterator=None, model=[object(), object()], num_microbatches=4)
         communicate(wait_on_reqs=True)
         communicate(wait_on_reqs=False)  # --overlap-p2p-comm: the wait is elsewhere, not counted
         forward()
         backward()
-    s = bubble.summary()
+    s = summary()
     assert s["steps"] == 2 and s["pp"] == 2 and s["vpp"] == 2 and s["waits"] == 2
     assert 30 <= s["idle_ms_per_step"] < 45
     assert 20 <= s["forward_ms"] < 30 and 40 <= s["backward_ms"] < 55
     assert s["formula_ms"] == pytest.approx(s["forward_ms"] + s["backward_ms"])
     assert s["measured_over_formula"] == pytest.approx(s["idle_ms_per_step"] / s["formula_ms"])
-    assert "measured/formula" in bubble.line(s)
+    assert "measured/formula" in line(s)
 
 
 class _Work:
@@ -59,36 +60,36 @@ class _Work:
 
 def test_deferred_waits_of_overlap_p2p_comm_are_the_idle_time():
     """--overlap-p2p-comm: _communicate returns its requests unwaited; each later wait is timed."""
-    schedule = bubble.schedule_wrapper(lambda *a, **k: None)
-    communicate = bubble.communicate_wrapper(lambda **k: (None, None, {"recv_prev": _Work(0.03),
+    schedule = measure.schedule_wrapper(lambda *a, **k: None)
+    communicate = measure.communicate_wrapper(lambda **k: (None, None, {"recv_prev": _Work(0.03),
                                                                        "send_next": _Work(0.0)}))
     for _ in range(2):
         schedule(forward_step_func=None, data_iterator=None, model=[object(), object()], num_microbatches=4)
         _, _, reqs = communicate(wait_on_reqs=False)
-        assert bubble.summary() is None or bubble.summary()["waits"] % 2 == 0  # not counted until waited on
+        assert summary() is None or summary()["waits"] % 2 == 0  # not counted until waited on
         assert reqs["recv_prev"].wait() is True and reqs["send_next"].seconds == 0.0  # the request's own answers
         reqs["send_next"].wait()
-    s = bubble.summary()
+    s = summary()
     assert s["waits"] == 4 and 30 <= s["idle_ms_per_step"] < 45
 
 
 def test_a_pairs_halves_are_not_one_chunks_cost():
-    bubble.schedule_wrapper(lambda *a, **k: None)(None, None, model=[object()], num_microbatches=2)
-    forward = bubble.forward_step_wrapper(_sleep(0.05))
-    backward = bubble.backward_step_wrapper(_sleep(0.05))
+    measure.schedule_wrapper(lambda *a, **k: None)(None, None, model=[object()], num_microbatches=2)
+    forward = measure.forward_step_wrapper(_sleep(0.05))
+    backward = measure.backward_step_wrapper(_sleep(0.05))
     worker = threading.Thread(target=backward)
     worker.start()
     forward()  # runs while the backward does
     worker.join()
-    s = bubble.summary()
+    s = summary()
     assert s["forward_ms"] is None and s["backward_ms"] is None and s["formula_ms"] is None
     forward()  # alone: counted
-    assert bubble.summary()["forward_ms"] >= 50
+    assert summary()["forward_ms"] >= 50
 
 
 def test_forward_only_is_not_a_step():
-    bubble.schedule_wrapper(lambda *a, **k: None)(None, None, model=[object()], num_microbatches=2, forward_only=True)
-    assert bubble.summary() is None
+    measure.schedule_wrapper(lambda *a, **k: None)(None, None, model=[object()], num_microbatches=2, forward_only=True)
+    assert summary() is None
 
 
 def test_aligned_steps_drop_transfers_add_the_tail_and_take_the_median(monkeypatch):
@@ -98,7 +99,7 @@ def test_aligned_steps_drop_transfers_add_the_tail_and_take_the_median(monkeypat
     wait) does not move the median step."""
     import torch.distributed as dist
 
-    monkeypatch.setenv(bubble.MEASURE_ENV, "1")
+    monkeypatch.setenv(measure.MEASURE_ENV, "1")
     monkeypatch.setattr("megatron.core.parallel_state.get_pipeline_model_parallel_group", lambda: None)
     monkeypatch.setattr(dist, "barrier", lambda group=None: None)
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
@@ -106,21 +107,21 @@ def test_aligned_steps_drop_transfers_add_the_tail_and_take_the_median(monkeypat
     # the peer ends 10 ms later and was busy 4 ms longer
     monkeypatch.setattr(dist, "all_gather_object", lambda out, mine, group=None: out.__setitem__(
         slice(None), [mine, (mine[0] + 0.010, mine[1] + 0.004)]))
-    monkeypatch.setattr(bubble, "_exchange_seconds", lambda kwargs, group: 0.002)
-    monkeypatch.setitem(bubble._clock, "hop", None)
-    forward = bubble.forward_step_wrapper(_sleep(0.01))
-    backward = bubble.backward_step_wrapper(_sleep(0.01))
+    monkeypatch.setattr(measure, "_exchange_seconds", lambda kwargs, group: 0.002)
+    monkeypatch.setitem(measure._clock, "hop", None)
+    forward = measure.forward_step_wrapper(_sleep(0.01))
+    backward = measure.backward_step_wrapper(_sleep(0.01))
     for wait in (0.03, 0.2, 0.03):
         def step(*a, wait=wait, **k):
             forward()
-            bubble.communicate_wrapper(_sleep(wait))()
+            measure.communicate_wrapper(_sleep(wait))()
             backward()
-            bubble.communicate_wrapper(_sleep(0.001))()  # shorter than one exchange: all transfer
+            measure.communicate_wrapper(_sleep(0.001))()  # shorter than one exchange: all transfer
             forward()
-            bubble.communicate_wrapper(_sleep(0.005))()
+            measure.communicate_wrapper(_sleep(0.005))()
             backward()
-        bubble.schedule_wrapper(step)(model=[object()], num_microbatches=2)
-    s = bubble.summary()
+        measure.schedule_wrapper(step)(model=[object()], num_microbatches=2)
+    s = summary()
     assert s["hop_ms"] == pytest.approx(2.0) and s["steps"] == 3 and s["waits"] == 9
     assert s["tail_ms_per_step"] == pytest.approx(10.0, abs=0.5)
     assert s["imbalance_ms_per_step"] == pytest.approx(4.0, abs=0.5)
@@ -129,7 +130,7 @@ def test_aligned_steps_drop_transfers_add_the_tail_and_take_the_median(monkeypat
     assert 35 <= s["bubble_ms_per_step"] < 44, s
     assert s["idle_ms_per_step"] > 80  # the mean keeps the stall
     assert s["bubble_over_formula"] == pytest.approx(s["bubble_ms_per_step"] / s["formula_ms"])
-    assert "waiting for the pipeline's end" in bubble.line(s)
+    assert "waiting for the pipeline's end" in line(s)
     # before the first backward: warm-up; after it, with forwards to come: steady; after the last: cool-down
     phases = s["idle_ms_per_step_by_phase"]
     assert phases["warm_up"] == pytest.approx((30 + 200 + 30) / 3, rel=0.15)

@@ -4,7 +4,7 @@ Ring uses the context-parallel group as the ring; Ulysses uses it as the all-to-
 Hybrid needs both inside it: Megatron builds exactly those as its hierarchical context
 parallel groups, `hierarchical_context_parallel_sizes = [U, R]` (level 0: U consecutive CP
 ranks, the Ulysses group; level 1: R ranks strided by U, the ring), which the CP feature
-passes to `initialize_model_parallel` (patches.py). Groups are created when every rank
+passes to `initialize_model_parallel` (context_parallel/patches.py). Groups are created when every rank
 initialises model parallelism, never lazily at the first attention call (a collective
 `new_group` there would deadlock pipeline stages that are not in attention yet).
 """
@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from npuspeed.features.base import FeatureError
-from npuspeed.features.context_parallel.comm import RingPeers
-from npuspeed.features.context_parallel.layout import CPLayout
+from npuspeed.features.attention.comm import RingPeers
+from npuspeed.features.attention.layout import CPLayout
 
 _PEERS: dict = {}
 

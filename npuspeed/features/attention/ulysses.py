@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from npuspeed.features.context_parallel.comm import all_to_all
-from npuspeed.features.context_parallel.layout import inverse
+from npuspeed.features.attention.comm import all_to_all
+from npuspeed.features.attention.layout import inverse
 
 
 def seq_to_head(x: torch.Tensor, group, members: int, order: torch.Tensor, seq_dim: int = 0) -> torch.Tensor:
