@@ -12,11 +12,8 @@ from abc import ABC, abstractmethod
 import torch
 
 from npuspeed.accelerator.capabilities import Capabilities
+from npuspeed.accelerator.errors import AcceleratorError  # noqa: F401  (re-exported: its home before)
 from npuspeed.errors import UserError
-
-
-class AcceleratorError(UserError, RuntimeError):
-    """A device that was asked for cannot be had."""
 
 
 class NullStream:

@@ -74,7 +74,7 @@ def _from_env(overlaps: bool = True) -> LinkFigures | None:
         if len(parts) not in (1, 2) or min(parts) <= 0:
             raise ValueError
     except ValueError:
-        from npuspeed.accelerator.base import AcceleratorError
+        from npuspeed.accelerator.errors import AcceleratorError
 
         raise AcceleratorError(f"{ENV}={raw!r}: give a positive number of GB/s (both directions) or "
                                "TO_DEVICE,TO_HOST, e.g. 25 or 26,24; or unset it to measure the link") from None

@@ -16,7 +16,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "npuspeed"
 
 LAYERS = {
     0: {"patching", "ops", "telemetry", "arguments", "megatron_flags", "context", "memory", "_version", "errors",
-        "throughput", "plan_vocabulary"},
+        "throughput", "plan_vocabulary", "offload"},
     1: {"accelerator"},
     2: {"features"},
     3: {"runtime"},
