@@ -13,7 +13,6 @@ import torch
 
 from npuspeed.accelerator.capabilities import Capabilities
 from npuspeed.accelerator.errors import AcceleratorError  # noqa: F401  (re-exported: its home before)
-from npuspeed.errors import UserError
 
 
 class NullStream:
