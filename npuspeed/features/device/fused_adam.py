@@ -164,22 +164,21 @@ def _post_load(opt) -> None:
         _set_fused(opt, entry["fused"])
 
 
-def adopt(opt) -> dict | None:
-    """Make `opt` (a torch optimizer Megatron built) torch's fused Adam where it can take it;
-    returns the record, None for what is not torch's Adam/AdamW."""
+def adopt(opt, fuse: bool = True) -> dict | None:
+    """Make `opt` (a torch optimizer Megatron built) torch's fused Adam where it can take it
+    (`fuse=False`: only record it as built, --npuspeed-adam megatron); returns the record, None
+    for what is not torch's Adam/AdamW."""
     name = _torch_adam(opt)
-    if name is None or getattr(opt, ATTR, None) is not None:
-        return None
-    if not _params(opt):
+    if name is None or getattr(opt, ATTR, None) is not None or not _params(opt):
         return None
     already = all(g.get("fused") for g in opt.param_groups)
-    reason = None if already else why_not(opt, name)
+    reason = None if already else ("--npuspeed-adam megatron" if not fuse else why_not(opt, name))
     entry = _record(opt, name, reason is None, reason)
     setattr(opt, ATTR, entry)
     if reason is not None:
         telemetry.count(KEPT)
         if telemetry.once(("fused_adam", reason)):
-            log.warning(_fallback_line(name, entry["device"], reason))
+            (log.info if not fuse else log.warning)(_fallback_line(name, entry["device"], reason))
         return entry
     _set_fused(opt, True)
     telemetry.count(FUSED)
@@ -198,18 +197,24 @@ def _inner(result):
     return getattr(result, "optimizer", None)
 
 
-def fused_when_supported(build):
-    """Wrapper for `_get_megatron_optimizer_based_on_param_groups`."""
+def adopting(mode: str):
+    """Wrapper factory for `_get_megatron_optimizer_based_on_param_groups`: each torch Adam it
+    builds is adopted (auto) or only recorded as Megatron built it (megatron)."""
+    if mode not in MODES:  # argparse's choices keep this from happening from the command line
+        raise ValueError(f"--npuspeed-adam {mode!r}: one of {', '.join(MODES)}")
 
-    @functools.wraps(build)
-    def wrapped(*args, **kwargs):
-        result = build(*args, **kwargs)
-        inner = _inner(result)
-        if isinstance(inner, torch.optim.Optimizer):
-            adopt(inner)
-        return result
+    def wrap(build):
+        @functools.wraps(build)
+        def wrapped(*args, **kwargs):
+            result = build(*args, **kwargs)
+            inner = _inner(result)
+            if isinstance(inner, torch.optim.Optimizer):
+                adopt(inner, fuse=mode == "auto")
+            return result
 
-    return wrapped
+        return wrapped
+
+    return wrap
 
 
 def built() -> list[dict]:
@@ -226,17 +231,16 @@ def summary() -> str | None:
 def plan_line(mode: str, decoupled_weight_decay: bool = True, device_type: str | None = None) -> str:
     """What a run here will use, before any optimizer is built (the report's line)."""
     name = "AdamW" if decoupled_weight_decay else "Adam"
+    where = "where Megatron falls back to torch's Adam: "
     if mode == "megatron":
-        return f"Megatron's Adam as built (--npuspeed-adam megatron)"
+        return where + (describe(name, False, device_type) if device_type else f"torch {name} as Megatron builds it") \
+            + " (--npuspeed-adam megatron)"
     if device_type is None:
-        return f"torch {name} fused=True where Megatron falls back to torch's Adam"
+        return where + f"torch {name} fused=True where the device has the kernel"
     fused = for_device(device_type).has_fused_adam(decoupled_weight_decay)
-    return ("where Megatron falls back to torch's Adam: " + describe(name, fused, device_type)
-            + ("" if fused else f" (no fused kernel for {device_type})"))
+    return where + describe(name, fused, device_type) + ("" if fused else f" (no fused kernel for {device_type})")
 
 
 def register(registry, feature: str, mode: str) -> None:
-    if mode not in MODES:  # argparse's choices keep this from happening from the command line
-        raise ValueError(f"--npuspeed-adam {mode!r}: one of {', '.join(MODES)}")
-    if mode == "auto":
-        registry.register(TARGET, wrapper=fused_when_supported, feature=feature, megatron=">=0.12,<0.20")
+    """One wrapper in every release (the name and its two return shapes are the same in 0.12-0.19)."""
+    registry.register(TARGET, wrapper=adopting(mode), feature=feature, megatron=">=0.12,<0.20")
