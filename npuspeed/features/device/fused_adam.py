@@ -17,10 +17,12 @@ left as built and the reason is logged once. The patch wraps
 `_get_megatron_optimizer_based_on_param_groups` (one name in 0.12-0.19), after Megatron's mixed
 precision and distributed wrappers are built, so their param groups are the ones changed.
 
-Two things keep the choice for the whole run: a checkpoint's param groups replace the
-optimizer's on a load (so a checkpoint of an unfused run would switch it back), so a
-load_state_dict post hook sets it again and gives each `step` count the fused kernel's form
-(fp32 on the parameter's device, as torch's own load does for a fused group); and a step pre
+Three hooks on the optimizer keep the choice for the whole run and out of checkpoints: its
+state dict leaves `fused` unset in the param groups, as Megatron built them (a checkpoint loads
+in a run without npuspeed, or on a device without the kernel, as one of Megatron's own); a
+checkpoint's param groups replace the optimizer's on a load, so a load_state_dict post hook sets
+`fused` again and gives each `step` count the fused kernel's form (fp32 on the parameter's
+device, as torch's own load does for a fused group); and a step pre
 hook checks the gradients' layout (the kernel reads them as flat arrays too) and, should one not
 match its parameter, goes back to torch's unfused update for the rest of the run, saying so.
 """
@@ -157,6 +159,15 @@ def _post_step(opt, args, kwargs) -> None:
         telemetry.count(STEPS)
 
 
+def _post_state_dict(opt, state_dict):
+    """A checkpoint holds the param groups as Megatron built them (fused unset): a run without
+    npuspeed, or on a device without the kernel, loads it as one of its own."""
+    for group in state_dict.get("param_groups", []):
+        if "fused" in group:
+            group["fused"] = None
+    return state_dict
+
+
 def _post_load(opt) -> None:
     """A checkpoint's param groups replaced the optimizer's: the run's choice again."""
     entry = getattr(opt, ATTR, None)
@@ -184,6 +195,7 @@ def adopt(opt, fuse: bool = True) -> dict | None:
     telemetry.count(FUSED)
     opt.register_step_pre_hook(_pre_step)
     opt.register_step_post_hook(_post_step)
+    opt.register_state_dict_post_hook(_post_state_dict)
     opt.register_load_state_dict_post_hook(_post_load)
     return entry
 
