@@ -53,6 +53,9 @@ def collect(measure_peak: bool = False) -> dict:
         "a2a_hidden_fraction": _a2a_hidden(),
         # on an NPU: torch_npu's release and, per op npuspeed calls, whether it has it (None elsewhere)
         "torch_npu": _torch_npu(acc),
+        # the Adam megatron-core gets where it falls back to torch's (no TE/apex): what this device
+        # runs ("planned"), and every torch Adam/AdamW built in this process so far ("built")
+        "adam": _adam(ctx),
         # the table's bf16 dense peak for this device (None: not in the table, e.g. CPU) and,
         # with --measure-peak, a large GEMM's measured TFLOP/s (for --device-peak-tflops)
         "device_peak_tflops": peak_tflops(acc.device_name()),
@@ -106,6 +109,14 @@ def _path_choices() -> list[dict]:
 
     return [dict(c.as_dict(), chooser=chooser.name, line=c.line())
             for chooser in sorted(all_choosers(), key=lambda ch: ch.name) for c in chooser.choices.values()]
+
+
+def _adam(ctx) -> dict:
+    from npuspeed.features.device import DeviceFeature, fused_adam
+
+    mode = DeviceFeature().config(ctx.args).npuspeed_adam
+    return {"mode": mode, "planned": fused_adam.plan_line(mode, device_type=ctx.accelerator.device().type),
+            "built": fused_adam.built(), "implementation": fused_adam.summary()}
 
 
 def _a2a_hidden() -> dict | None:
@@ -169,6 +180,10 @@ def render(data: dict, patches: bool = False) -> str:
                    f"{d['exposed_ms_measured']:.2f} ms ({d['hidden_share_measured']:.0%} hidden)") for d in sized]
     for name, link in (data.get("host_link") or {}).items():
         out += [f"host link ({name}): {link['line']}"]
+    adam = data.get("adam")
+    if adam:
+        out += ["", f"adam: {adam['planned']}"
+                + (f"; built in this process: {adam['implementation']}" if adam["implementation"] else "")]
     out += ["", *_torch_npu_lines(data)]
     out += ["", _peak_line(data)]
     if data["notes"]:

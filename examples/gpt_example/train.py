@@ -25,6 +25,7 @@ from gpt_example.model import (
     _supported, build_model, initialize_by_global_name, padded_vocab_size, transformer_config,
 )
 from npuspeed import get_accelerator, telemetry
+from npuspeed.features.device import fused_adam
 from npuspeed.features.fused_attention.forward import attention_calls
 from npuspeed.features.moe_common import a2a_clock
 from npuspeed.features.pipeline.bubble import measure as bubble_measure
@@ -440,6 +441,9 @@ def _train(args, progress) -> dict:
         # rank 0's npuspeed counters (which kernels ran), and its attention calls with the reason
         # for each kernel (--use-flash-attn)
         "npuspeed_counters": telemetry.snapshot(),
+        # rank 0's Adam as it ran: "torch AdamW fused=True" where npuspeed built torch's fused kernel,
+        # "torch AdamW (Megatron's default: for-loop)" where it kept Megatron's (None: no torch Adam)
+        "adam_implementation": fused_adam.summary(),
         "attention_calls": attention_calls(),
         # rank 0's swap sizing decisions (--swap-attention, --swap-optimizer): what moves, bytes,
         # estimated and measured wait, hidden share, what stays on the device and why ([]: none)

@@ -51,6 +51,18 @@ class DeviceTraits:
         """torch's matmul with `out_dtype` (16-bit inputs into an fp32 result in one kernel) runs here."""
         return self.type == "cuda"
 
+    def has_fused_adam(self, decoupled_weight_decay: bool = True) -> bool:
+        """torch's fused Adam (`fused=True`: `_fused_adamw_`, or `_fused_adam_` without decoupled
+        weight decay) has a kernel for this device: torch's own for CPU (torch >= 2.4) and CUDA, the
+        vendor library's where it registers one (torch_npu 2.6 has `_fused_adamw_` only)."""
+        from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+
+        privateuse1 = torch._C._get_privateuse1_backend_name()
+        key = {"cpu": "CPU", "cuda": "CUDA", privateuse1: "PrivateUse1"}.get(self.type)
+        op = "aten::_fused_adamw_" if decoupled_weight_decay else "aten::_fused_adam_"
+        return (key is not None and self.type in _get_fused_kernels_supported_devices()
+                and torch._C._dispatch_has_kernel_for_dispatch_key(op, key))
+
     def triton_available(self) -> bool:
         """Triton can run kernels on tensors of this device (npuspeed.ops.triton._runtime's answer)."""
         return _runtime.runs_on_type(self.type)

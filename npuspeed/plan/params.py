@@ -6,8 +6,10 @@ buffer too, each starting at a multiple of 64 elements and each bucket padded to
 lcm(DP, 128), and the shared embedding of a pipelined tied model gets its own bucket.
 Mixed precision keeps an fp32 master per parameter (a shard of them with the distributed
 optimizer), created with the optimizer; torch AdamW's exp_avg and exp_avg_sq are created at
-the first step. Its single-tensor loop holds sqrt(v) and the new denominator while the
-previous parameter's denominator is still referenced: three fp32 tensors of the largest
+the first step. npuspeed's device layer builds it with `fused=True` (features/device/fused_adam.py):
+the kernel updates each tensor in place with no temporary of a parameter's size. Megatron's own
+(`--npuspeed-adam megatron`), the single-tensor loop, holds sqrt(v) and the new denominator while
+the previous parameter's denominator is still referenced: three fp32 tensors of the largest
 parameter (shard) at once, the optimizer step's own peak.
 """
 from __future__ import annotations
@@ -17,6 +19,13 @@ from dataclasses import dataclass, field
 
 from npuspeed.plan import placement as placement_mod
 from npuspeed.plan.spec import ExpertLayout, RunSpec
+
+
+def megatrons_adam(argv) -> bool:
+    """`--npuspeed-adam megatron` among the run's flags (the optimizer as Megatron builds it)."""
+    argv = list(argv)
+    return "--npuspeed-adam=megatron" in argv or any(
+        a == "--npuspeed-adam" and b == "megatron" for a, b in zip(argv, argv[1:]))
 
 
 def ceil_div(a: int, b: int) -> int:
@@ -171,8 +180,9 @@ def static_memory(spec: RunSpec, edp: int, stage, buffers, master_bytes: float |
         out.optimizer += owned * 8
         biggest = max(cp.sizes + cp.expert_sizes + [cp.shared_embedding])
         largest = max(largest, min(biggest, ceil_div(buf, dp)) if lay.distributed_optimizer else biggest)
-    # AdamW's single-tensor loop: three fp32 tensors of the largest (shard of a) parameter
-    out.step_temp = 3 * largest * 4
+    # Megatron's AdamW (single-tensor loop): three fp32 tensors of the largest (shard of a) parameter;
+    # torch's fused kernel (the device layer's default): none
+    out.step_temp = 3 * largest * 4 if megatrons_adam(spec.feature_argv) else 0
     return out
 
 

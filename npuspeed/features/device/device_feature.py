@@ -24,6 +24,10 @@ log = logging.getLogger("npuspeed")
 class Config(FeatureConfig):
     npuspeed_device: str = flag("--npuspeed-device", "auto", choices=["auto", "npu", "cuda", "cpu"])
     """Accelerator to run on (overrides NPUSPEED_DEVICE; default: detect)."""
+    npuspeed_adam: str = flag("--npuspeed-adam", "auto", choices=["auto", "megatron"])
+    """Where megatron-core falls back to torch's Adam (no Transformer Engine, no apex): auto builds it
+    with fused=True where the device has torch's fused kernel (CPU, CUDA, NPU with torch_npu's);
+    megatron leaves Megatron's optimizer as it builds it (for-loop on CPU, foreach on a device)."""
 
 
 def _cache_triton_probe() -> None:
@@ -71,11 +75,14 @@ class DeviceFeature(Feature):
         accelerator.configure_memory_limit()
 
     def path(self, ctx) -> str:
+        from npuspeed.features.device import fused_adam
+
         accelerator = ctx.accelerator
+        adam = fused_adam.plan_line(self.config(ctx.args).npuspeed_adam, device_type=accelerator.device().type)
         return {
             "cpu": "cpu: torch.cuda shim + targeted Megatron patches, gloo, device RNG, tracking allocator; "
                    + "block cache: " + accelerator.host_cache() + "; memory limit: "
                    + accelerator.memory_limit(),
             "npu": "npu: torch_npu transfer_to_npu + targeted patches, hccl",
             "cuda": "cuda: native, backend-independent fixes only",
-        }[accelerator.name]
+        }[accelerator.name] + "; Adam: " + adam

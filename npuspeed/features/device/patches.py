@@ -9,7 +9,8 @@ def register(registry, ctx, config, feature: str) -> None:
     patches follow the accelerator."""
     from npuspeed.accelerator.devices import for_device
     from npuspeed.features.device import (
-        cuda_shim, dist_backend, distopt_fixes, gloo_collectives, gloo_p2p, megatron_compat, megatron_fixes, rng,
+        cuda_shim, dist_backend, distopt_fixes, fused_adam, gloo_collectives, gloo_p2p, megatron_compat,
+        megatron_fixes, rng,
     )
 
     accelerator = ctx.accelerator
@@ -31,6 +32,8 @@ def register(registry, ctx, config, feature: str) -> None:
     bubble.register_for_megatron(registry, ctx, feature)  # NPUSPEED_MEASURE_BUBBLE=1: Megatron's schedules timed
     # DistributedOptimizer with torch's Adam (no apex/TE): checkpoint save/load bugs.
     distopt_fixes.register(registry, feature, ">=0.16,<0.20")  # upstream bugs unchanged through 0.19
+    # torch's Adam (no apex/TE) built with fused=True where the device has the kernel (--npuspeed-adam)
+    fused_adam.register(registry, feature, config.npuspeed_adam)
     traits = for_device(accelerator.name)
     if traits.runs_cuda_code():
         return
