@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,7 +36,7 @@ def example_args(argv: list[str], world_size: int):
     return args
 
 
-def floor_of(args, world_size: int, repeats: int | None = None) -> dict:
+def floor_of(args, world_size: int, repeats: int | None = None, clock: str = "wall") -> dict:
     import torch
 
     from npuspeed import compute_floor, get_accelerator, throughput
@@ -51,8 +52,9 @@ def floor_of(args, world_size: int, repeats: int | None = None) -> dict:
     result = compute_floor.floor(throughput.from_args(args), micro_batch=args.micro_batch_size,
                                  micro_batches=gbs // (args.micro_batch_size * dp), tp=tp, device=acc.device(),
                                  synchronize=acc.synchronize, dtype=dtype, dropout_p=args.attention_dropout,
-                                 peak_tflops=peak, repeats=repeats)
-    result.update(device=acc.name, device_name=acc.device_name(), world_size=world_size, global_batch=gbs,
+                                 peak_tflops=peak, repeats=repeats,
+                                 clock=time.process_time if clock == "cpu" else time.perf_counter)
+    result.update(clock=clock, device=acc.name, device_name=acc.device_name(), world_size=world_size, global_batch=gbs,
                   model_flops_per_iteration=throughput.model_flops(throughput.from_args(args), gbs))
     return result
 
@@ -65,12 +67,14 @@ def main(argv=None) -> int:
     parser.add_argument("--world-size", type=int, default=1, help="the run's ranks (default 1)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads on a CPU (default: torch's)")
     parser.add_argument("--repeats", type=int, default=None, help="timings per call (default: 3 on CPU, 5 on a device)")
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="cpu: this process's CPU time (a shared host; compare with a run's CPU time per step)")
     opts = parser.parse_args(ours)
     import torch
 
     if opts.threads:
         torch.set_num_threads(opts.threads)
-    result = floor_of(example_args(model, opts.world_size), opts.world_size, opts.repeats)
+    result = floor_of(example_args(model, opts.world_size), opts.world_size, opts.repeats, opts.clock)
     result.update(argv=model, threads=torch.get_num_threads())
     mfu = f", MFU {result['mfu']:.1%} of {result['peak_tflops']:g}" if result["mfu"] is not None else ""
     print(f"compute floor: {result['floor_ms']:.1f} ms a step per rank (GEMMs {result['ms_by_kind']['gemm']:.1f}, "

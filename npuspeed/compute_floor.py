@@ -128,23 +128,26 @@ def _gemm_runner(shape, dtype, device, phase):
     return lambda: torch.mm(a, b, out=out)
 
 
-def time_call(run, synchronize, *, warmup: int, repeats: int, inner: int) -> list[float]:
-    """ms per call of `repeats` timings of `inner` back-to-back calls each, after `warmup` calls."""
+def time_call(run, synchronize, *, warmup: int, repeats: int, inner: int, clock=time.perf_counter) -> list[float]:
+    """ms per call of `repeats` timings of `inner` back-to-back calls each, after `warmup` calls.
+    `clock`: wall time by default; on a shared host time.process_time (this process's CPU
+    time, which other processes' load moves least), to compare with a run's CPU time per step."""
     for _ in range(warmup):
         run()
     synchronize()
     times = []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0 = clock()
         for _ in range(inner):
             run()
         synchronize()
-        times.append((time.perf_counter() - t0) * 1000.0 / inner)
+        times.append((clock() - t0) * 1000.0 / inner)
     return times
 
 
 def measure(call_list: list[Call], device, synchronize, *, dtype=None, dropout_p: float = 0.0,
-            warmup: int | None = None, repeats: int | None = None, inner: int | None = None) -> list[dict]:
+            warmup: int | None = None, repeats: int | None = None, inner: int | None = None,
+            clock=time.perf_counter) -> list[dict]:
     """Each distinct call timed alone: its median ms, spread, and the kernel attention ran.
     Defaults: on a host 1 warm-up, 3 repeats of 1 call; on an accelerator 3, 5 and 10 (a call
     of ~0.1 ms there is shorter than a synchronisation)."""
@@ -165,7 +168,7 @@ def measure(call_list: list[Call], device, synchronize, *, dtype=None, dropout_p
                 run, kernel = _attention_runner(*c.shape, dtype, device, dropout_p)
             else:
                 run = _gemm_runner(c.shape, dtype, device, c.phase)
-            times = time_call(run, synchronize, warmup=warmup, repeats=repeats, inner=inner)
+            times = time_call(run, synchronize, warmup=warmup, repeats=repeats, inner=inner, clock=clock)
             seen[key] = {"median_ms": statistics.median(times), "min_ms": min(times), "max_ms": max(times),
                          "kernel": kernel}
         t = seen[key]
