@@ -104,3 +104,57 @@ def test_a_trace_without_a_step_span_is_refused():
 def test_trace_events_keeps_complete_events():
     trace = {"traceEvents": [_x("a", 0, 1), {"name": "thread_name", "ph": "M"}, {"name": "f", "ph": "s", "ts": 1}]}
     assert [e["name"] for e in step_profile.trace_events(trace)] == ["a"]
+
+
+def _profiling():
+    import os
+    import sys
+
+    examples = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "examples")
+    if examples not in sys.path:
+        sys.path.insert(0, examples)
+    from gpt_example import profiling
+    return profiling
+
+
+def test_the_example_s_profiler_on_a_toy_loop():
+    """The example's StepProfiler (Megatron-LM's --profile-step-start/-end) with torch.profiler
+    on CPU: the warm-up and profiled iterations are marked perturbed, the breakdown has the
+    loop's matmul as GEMM and the update inside the optimizer span as the optimizer."""
+    import argparse
+
+    import torch
+
+    args = argparse.Namespace(profile=True, profile_step_start=2, profile_step_end=3, profile_ranks=[0],
+                              profile_dir=None, train_iters=4)
+    prof = _profiling().StepProfiler(args, rank=0)
+    w = torch.randn(128, 128, requires_grad=True)
+    x = torch.randn(256, 128)
+    perturbed = []
+    for it in range(4):
+        prof.begin(it)
+        (x @ w).square().sum().backward()
+        with prof.optimizer():
+            with torch.no_grad():
+                w.add_(w.grad, alpha=-1e-3)
+        prof.end_step(it, last=it == 3)
+        perturbed.append(prof.perturbed(it))
+    assert perturbed == [False, True, True, False]
+    got = prof.summary()
+    assert got["iterations"] == [3, 3] and got["steps"] == 1 and got["mode"] == "host" and got["trace"] is None
+    assert got["ms"]["gemm"] > 0 and got["ms"]["optimizer"] > 0 and got["ms"]["elementwise"] > 0
+    assert got["top"][0]["name"] == "aten::mm"
+
+
+def test_a_profile_window_that_profiles_nothing_is_one_clear_error():
+    import argparse
+
+    from npuspeed.errors import UserError
+
+    profiling = _profiling()
+    base = dict(profile=True, profile_step_start=10, profile_step_end=12, train_iters=6)
+    with pytest.raises(UserError, match="--profile-step-start 10 is not below --train-iters 6"):
+        profiling.check(argparse.Namespace(**base))
+    with pytest.raises(UserError, match="0 <= start < end"):
+        profiling.check(argparse.Namespace(**{**base, "profile_step_start": 3, "profile_step_end": 3}))
+    profiling.check(argparse.Namespace(**{**base, "profile": False}))  # no --profile: nothing to check
