@@ -29,10 +29,12 @@ def example_args(argv: list[str], world_size: int):
     os.environ["WORLD_SIZE"] = str(world_size)
     from gpt_example.args import parse_args
     from gpt_example.data import build_tokenizer
-    from gpt_example.model import padded_vocab_size
+    from npuspeed.convert import layout  # the example's padding (gpt_example.model), without GPTModel's imports
 
     args = parse_args(argv)
-    args.padded_vocab_size = padded_vocab_size(build_tokenizer(args).vocab_size, args)
+    vocab = build_tokenizer(args).vocab_size
+    args.padded_vocab_size = layout.padded_vocab_size(vocab, args.make_vocab_size_divisible_by,
+                                                      args.tensor_model_parallel_size)
     return args
 
 

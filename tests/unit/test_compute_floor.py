@@ -36,9 +36,12 @@ def test_the_calls_of_a_small_model_by_hand():
     assert one[("fc1", "fwd")] == 2 * 64 * 64 * 96 and one[("core", "fwd+bwd")] == 6 * 2 * 32 * 32 * 32
 
 
+LLAMA = dict(group_query_attention=True, num_query_groups=2, swiglu=True, ffn_hidden_size=176, padded_vocab_size=256)
+
+
 @pytest.mark.parametrize("given,micro_batch,tp", [
-    (dict(group_query_attention=True, num_query_groups=2, swiglu=True, ffn_hidden_size=176, padded_vocab_size=256), 1, 1),
-    (dict(group_query_attention=True, num_query_groups=2, swiglu=True, ffn_hidden_size=176, padded_vocab_size=256), 2, 2),
+    (LLAMA, 1, 1),
+    (LLAMA, 2, 2),
     (dict(padded_vocab_size=512, seq_length=128, num_layers=3), 1, 4),
     (dict(padded_vocab_size=256, kv_channels=32, hidden_size=96, num_attention_heads=4), 4, 2),
 ])
