@@ -40,7 +40,7 @@ PATTERNS = (
                                  r"reduce_?scatter|all_?to_?all|broadcast|\bsend\b|\brecv\b")),
     ("optimizer", re.compile(r"multi_tensor_apply|adam|optimizer")),
     ("attention", re.compile(r"flash|fmha|attention|sdpa|scaled_dot_product|attn")),
-    ("gemm", re.compile(r"gemm|cutlass|cublas|nvjet|xmma|matmul|\baten::(mm|addmm|bmm|baddbmm|addbmm|linear|"
+    ("gemm", re.compile(r"gemm|gemv|cutlass|cublas|nvjet|xmma|matmul|\baten::(mm|addmm|bmm|baddbmm|addbmm|linear|"
                         r"_addmm_activation|addmv|mv|dot)\b|mkldnn|onednn|splitkreduce|_mm_")),
     ("norm", re.compile(r"rms_?norm|layer_?norm|norm_(fwd|bwd)")),
     ("memcpy", re.compile(r"^memcpy|^memset|\bmemcpy\b|\bmemset\b")),

@@ -195,11 +195,12 @@ def test_smoke_report_why_parts_on_cpu(tmp_path):
 @pytest.mark.slow
 def test_smoke_report_on_cpu(tmp_path):
     proc = subprocess.run([sys.executable, "benchmarks/device_report/run.py", "--smoke", "--out", str(tmp_path),
-                           "--parts", "tier", "training", "codec", "fused_ops"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=900)
+                           "--parts", "tier", "training", "codec", "fused_ops", "--runs", "all off", "flash-attn",
+                           "reuse-fp32-param"], cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["tier"]["counts"]["passed"] == 0 and report["tier"]["counts"]["failed"] == 0
+    assert set(report["training"]["runs"]) == {"all off", "flash-attn", "reuse-fp32-param"}
     assert all("error" not in run for run in report["training"]["runs"].values()), report["training"]["runs"]
     assert report["codec"]["timings"] and report["fused_ops"]["rows"]
     assert (tmp_path / "report.md").read_text().count("| all off |") == 1
