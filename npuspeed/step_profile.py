@@ -17,7 +17,8 @@ inside it. Two modes, chosen by what the trace holds:
   can overlap: then the categories add up to more than the busy time (`overlap_ms`).
 - host (no kernels: the CPU backend): every operator's self time (its duration less that of
   the operators it called) on the step's thread; `idle` is the wall time outside any
-  operator (Python, the framework, waiting on nothing measurable).
+  operator's own work (Python, the framework, the autograd engine's bookkeeping, waiting on
+  nothing measurable).
 
 Names are sorted by the patterns below, first match wins, after two rules that come first:
 a collective is communication wherever it runs; anything else inside an optimizer span is
@@ -51,7 +52,10 @@ DEVICE_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
 
 def classify(name: str, in_optimizer: bool = False, cat: str | None = None) -> str:
     """One event's category: communication by name first, then the optimizer span, then the
-    name patterns; device copies (`gpu_memcpy`/`gpu_memset`) are memcpy; the rest elementwise."""
+    name patterns; device copies (`gpu_memcpy`/`gpu_memset`) are memcpy; the rest elementwise,
+    except, among host operators (`cpu_op`), the autograd engine's and Python autograd
+    functions' own time (no `ns::` operator name and no pattern, e.g. `MulBackward0`): that is the
+    framework's, counted with the host's idle time."""
     low = name.lower()
     if PATTERNS[0][1].search(low):
         return "communication"
@@ -62,6 +66,8 @@ def classify(name: str, in_optimizer: bool = False, cat: str | None = None) -> s
     for category, pattern in PATTERNS[1:]:
         if pattern.search(low):
             return category
+    if cat == "cpu_op" and (low.startswith("autograd::") or "::" not in low):
+        return "idle"
     return "elementwise"
 
 
@@ -122,20 +128,21 @@ def breakdown(events: list[dict], top: int = 15) -> dict:
         busy = _union([(max(e["ts"], a), min(e["ts"] + e["dur"], b)) for e, _ in items for a, b, _ in steps
                        if e["ts"] < b and e["ts"] + e["dur"] > a])
     else:
-        mode, idle_means = "host", "step wall time outside any operator (Python, framework, waits)"
+        mode, idle_means = "host", "step wall time outside any operator's own work (Python, framework, waits)"
         threads = {tid for _, _, tid in steps}
         ops = [e for e in events if e.get("cat") == "cpu_op" and e.get("tid") in threads and e.get("dur") is not None
                and _inside(e["ts"], e["ts"] + e["dur"], steps)]
         items = self_times(ops)
-        busy = sum(t for _, t in items)
-    per_cat, per_name = defaultdict(float), defaultdict(lambda: [0.0, 0, ""])
+        busy = None  # the operators' own work: known once classified
+    per_cat, per_name = defaultdict(float), defaultdict(lambda: [0.0, 0])
     for e, t in items:
         cat = classify(e["name"], _inside(e["ts"], e["ts"], optimizer), e.get("cat"))  # started in it
         per_cat[cat] += t
-        row = per_name[e["name"]]
+        row = per_name[(e["name"], cat)]
         row[0] += t
         row[1] += 1
-        row[2] = cat
+    if busy is None:
+        busy = sum(t for c, t in per_cat.items() if c != "idle")
     n = len(steps)
     idle = max(0.0, wall - busy)
     per_cat["idle"] = idle
@@ -148,7 +155,7 @@ def breakdown(events: list[dict], top: int = 15) -> dict:
         "busy_ms": busy / n / 1000.0,
         "overlap_ms": max(0.0, sum(per_cat[c] for c in CATEGORIES if c != "idle") - busy) / n / 1000.0,
         "top": [{"name": name[:160], "category": cat, "ms": t / n / 1000.0, "calls": calls / n,
-                 "share": t / wall if wall else 0.0} for name, (t, calls, cat) in kernels],
+                 "share": t / wall if wall else 0.0} for (name, cat), (t, calls) in kernels],
     }
 
 

@@ -33,6 +33,15 @@ def test_names_fall_into_their_categories(name, category):
     assert classify(name) == category
 
 
+def test_python_autograd_functions_are_the_host_s_framework_time():
+    assert classify("MulBackward0", cat="cpu_op") == classify("CheckpointFunctionBackward", cat="cpu_op") == "idle"
+    assert classify("_Flash", cat="cpu_op") == "attention"  # a name pattern comes first
+    assert classify("autograd::engine::evaluate_function: MmBackward0", cat="cpu_op") == "idle"
+    assert classify("aten::mul", cat="cpu_op") == "elementwise"
+    assert classify("GeneratedBackwardFor_npuspeed_rms_norm_defaultBackward", cat="cpu_op") == "norm"
+    assert classify("MulBackward0", cat="kernel") == "elementwise"  # a device kernel is work whatever its name
+
+
 def test_the_optimizer_span_and_communication_come_before_names():
     assert classify("void at::native::vectorized_elementwise_kernel<4, mul>", in_optimizer=True) == "optimizer"
     assert classify("ncclDevKernel_AllReduce_Sum_f32_RING_LL", in_optimizer=True) == "communication"
@@ -82,14 +91,20 @@ def test_host_mode_counts_self_time_on_the_step_thread():
         _x("aten::empty", 30, 10, "cpu_op", tid=1),  # inside aten::mm: its self time leaves mm's
         _x("npuspeed::rms_norm", 420, 100, "cpu_op", tid=1),
         _x("aten::add_", 710, 200, "cpu_op", tid=1),  # in the optimizer span
+        _x("aten::mul", 530, 20, "cpu_op", tid=1), _x("aten::mul", 920, 10, "cpu_op", tid=1),  # the second: optimizer
+        _x("autograd::engine::evaluate_function: MulBackward0", 560, 60, "cpu_op", tid=1),
+        _x("MulBackward0", 565, 50, "cpu_op", tid=1),  # the engine's and the node's own time: framework
         _x("aten::mm", 10, 500, "cpu_op", tid=2),  # another thread (a data loader): not the step's
     ]
     got = breakdown(events)
     assert got["mode"] == "host"
-    # gemm: linear's self 20 + mm's self 370; elementwise: empty 10; norm 100; optimizer 200
-    assert got["ms"]["gemm"] == pytest.approx(0.39) and got["ms"]["elementwise"] == pytest.approx(0.01)
-    assert got["ms"]["norm"] == pytest.approx(0.1) and got["ms"]["optimizer"] == pytest.approx(0.2)
-    assert got["ms"]["idle"] == pytest.approx(1.0 - 0.7)
+    # gemm: linear's self 20 + mm's self 370; elementwise: empty 10 + mul 20; norm 100; optimizer 200 + 10
+    assert got["ms"]["gemm"] == pytest.approx(0.39) and got["ms"]["elementwise"] == pytest.approx(0.03)
+    assert got["ms"]["norm"] == pytest.approx(0.1) and got["ms"]["optimizer"] == pytest.approx(0.21)
+    assert got["ms"]["idle"] == pytest.approx(1.0 - 0.73)  # the 60 ms of autograd bookkeeping included
+    top = {(t["name"], t["category"]): t["ms"] for t in got["top"]}
+    assert top[("aten::mul", "elementwise")] == pytest.approx(0.02) and top[("aten::mul", "optimizer")] == 0.01
+    assert top[("MulBackward0", "idle")] == pytest.approx(0.05)
 
 
 def test_self_times_of_nested_ops():
