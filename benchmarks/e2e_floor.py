@@ -8,7 +8,11 @@ before and after the runs (a shared host's load drifts). The ratio is rank 0's m
 per step over the floor's CPU time (`--clock cpu`): on a 2-core host shared with other work,
 wall time measures the other work; the steps' wall times are kept beside it.
 
-    python benchmarks/e2e_floor.py [--iters 6] [--out benchmarks/measured/e2e_floor_cpu.json]
+    python benchmarks/e2e_floor.py [--iters 6] [--layers 8] [--dtype bf16] [--out ...json]
+
+`--layers` and `--dtype` are bench_e2e's own options (fp32 leaves out --reuse-fp32-param, as
+bench_e2e does): on a host without AVX512-BF16, bf16 GEMMs are emulated and a step at 8 layers
+takes minutes of CPU time.
 
 Writes what was run, the commit, date, machine and the raw numbers.
 """
@@ -51,10 +55,14 @@ def main() -> int:
     parser.add_argument("--iters", type=int, default=6)
     parser.add_argument("--out", type=Path, default=HERE / "measured" / "e2e_floor_cpu.json")
     parser.add_argument("--floor-repeats", type=int, default=2, help="timings of each call in one floor")
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
     opts = parser.parse_args()
-    e2e = argparse.Namespace(layers=8, seq=2048, iters=opts.iters, tp=2, dropout=0)
-    model = bench_e2e.model_args(e2e)
-    configs = {"all off": [], "all on": [f for flags in bench_e2e.FEATURES.values() for f in flags]}
+    e2e = argparse.Namespace(layers=opts.layers, seq=2048, iters=opts.iters, tp=2, dropout=0)
+    fp32 = opts.dtype == "fp32"
+    model = bench_e2e.model_args(e2e, "" if fp32 else "--bf16")
+    configs = {"all off": [], "all on": [f for name, flags in bench_e2e.FEATURES.items() for f in flags
+                                         if not (fp32 and name == "reuse-fp32-param")]}
     profile = ["--profile", "--profile-step-start", str(opts.iters - 1), "--profile-step-end", str(opts.iters)]
     floors, runs = [], {}
 

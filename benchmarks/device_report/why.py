@@ -91,6 +91,11 @@ def profile_lines(report: dict) -> list[str]:
     return out
 
 
+def _tflops(x: float) -> str:
+    """One decimal, as the e2e table; a host's fraction of a TFLOP/s in three digits."""
+    return f"{x:.1f}" if x >= 1 else f"{x:.3g}"
+
+
 def floor_ms(report: dict) -> float | None:
     f = report.get("floor") or {}
     return f.get("floor_ms") if "error" not in f else None
@@ -107,7 +112,7 @@ def floor_lines(report: dict) -> list[str]:
     return ["", f"**Compute floor**: {f['floor_ms']:.1f} ms a step (GEMMs {f['ms_by_kind']['gemm']:.1f} ms, attention "
             f"{f['ms_by_kind']['attention']:.1f} ms with {', '.join(kernels)}): every GEMM (forward, both backward) "
             f"and attention call of one step of the flash-attn run timed alone and summed, {f['micro_batches']} "
-            f"micro-batches of {f['micro_batch']}, {f['dtype']}; {f['tflops']:.1f} TFLOP/s{mfu}. "
+            f"micro-batches of {f['micro_batch']}, {f['dtype']}; {_tflops(f['tflops'])} TFLOP/s{mfu}. "
             "`x floor` in the table above is the run's median step over it."]
 
 
