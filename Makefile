@@ -151,11 +151,12 @@ test-device-host: install-test
 	NPUSPEED_DEVICE_TIER_HOST=cpu $(VPY) -m pytest -q -m device tests/device
 
 # The accelerator figures (runs/device-report/: report.json, report.md, PNGs): the tier, the
-# example's end-to-end and per-flag runs at 709M parameters, the fused-op tables. On one H100 the
-# whole report is longer than one lease's 10-minute call (the tier alone took 244 s with 10
-# processes): make it in two calls of the same commit, REPORT_ARGS="--parts tier --budget-s 500",
-# then REPORT_ARGS="--parts training codec fused_ops triton_ops --budget-s 540"; the second keeps
-# the first's tier. `make readme-device` then puts report.md into docs/accelerators.md.
+# example's end-to-end and per-flag runs at 709M parameters (two of them profiled), the compute
+# floor, the torchtitan check, the fused-op tables. One lease holds it in two calls of the same
+# commit (docs/accelerators.md, "Fitting one lease"):
+# REPORT_ARGS="--parts training codec floor torchtitan --budget-s 560", then
+# REPORT_ARGS="--parts fused_ops triton_ops tier --budget-s 330"; the second keeps the first's
+# sections. `make readme-device` then puts report.md into docs/accelerators.md.
 device-report:
 	@$(DEVICE_SETUP); echo "device report: $$py"; \
 	$(DEVICE_ENV) "$$py" benchmarks/device_report/run.py --out runs/device-report $(REPORT_ARGS)

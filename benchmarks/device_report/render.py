@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import why
+
 GiB = 2**30
 #: flag run -> the counters that name what it ran
 COUNTERS = {"reuse-fp32-param": "reuse.codec.", "swap-optimizer": "swap_optimizer.",
@@ -25,7 +27,7 @@ def derive(report: dict) -> dict:
     training = report.get("training") or {}
     runs = training.get("runs") or {}
     off = runs.get("all off")
-    e2e = []
+    e2e, floor_ms = [], why.floor_ms(report)
     for name in training.get("e2e", []):
         run = runs.get(name)
         if not _ok(run):
@@ -34,7 +36,8 @@ def derive(report: dict) -> dict:
         e2e.append({"name": name, "tokens_per_s": run["tokens_per_s"],
                     "vs_off": _ratio(run["tokens_per_s"], off["tokens_per_s"]) if _ok(off) else None,
                     "tflops": run.get("tflops_per_s_per_rank"), "mfu": run.get("mfu"),
-                    "peak_gib": run["peak_mem_bytes"] / GiB, "flags": training["flags"][name]})
+                    "peak_gib": run["peak_mem_bytes"] / GiB, "flags": training["flags"][name],
+                    "x_floor": _ratio(run["median_step_ms"], floor_ms)})
     flags = []
     for name, base_name in (training.get("base_of") or {}).items():
         run, base = runs.get(name), runs.get(base_name)
@@ -60,15 +63,11 @@ def derive(report: dict) -> dict:
 
 
 def _range(run: dict) -> list[float] | None:
-    """The fastest and slowest step after the first (None where the run kept no step times)."""
-    steps = (run.get("step_ms") or [])[1:]
+    """The fastest and slowest step after the first, the profiled ones and their warm-up left
+    out (None where the run kept no step times)."""
+    first, profiled = run.get("first_iteration") or 1, set(run.get("profiled_iterations") or ())
+    steps = [t for i, t in enumerate(run.get("step_ms") or []) if i > 0 and first + i not in profiled]
     return [min(steps), max(steps)] if steps else None
-
-
-def _within_spread(r: dict) -> bool:
-    """The flag run's steps and its base's overlap: the ratio of medians is not a measured effect."""
-    a, b = r.get("range"), r.get("base_range")
-    return bool(a and b) and a[0] <= b[1] and b[0] <= a[1]
 
 
 def _f(x, fmt="{:.2f}", none="-"):
@@ -135,13 +134,14 @@ def markdown(report: dict, derived: dict) -> str:
             out.append(f"- FAILED `{c['test']}`: {c['message'][:200]}")
     out += ["", "**End to end** (Llama-style 8 layers, hidden 2048, GQA 16/4, ffn 5632, S 4096, bf16, dropout "
             "0.1, micro-batch 1, global batch 8, 1 device; median step, first iteration left out):", "",
-            "| configuration | tokens/s | vs all off | TFLOP/s | MFU | peak GiB |", "|---|---|---|---|---|---|"]
+            "| configuration | tokens/s | vs all off | TFLOP/s | MFU | peak GiB | x floor |", "|---|---|---|---|---|---|---|"]
     for r in derived["e2e"]:
         if "error" in r:
-            out.append(f"| {r['name']} | failed: {r['error'][:120]} | | | | |")
+            out.append(f"| {r['name']} | failed: {r['error'][:120]} | | | | | |")
         else:
             out.append(f"| {r['name']} | {r['tokens_per_s']:.0f} | {_f(r['vs_off'], '{:.2f}x')} | {_f(r['tflops'], '{:.1f}')} "
-                       f"| {_f(r['mfu'], '{:.1%}')} | {r['peak_gib']:.2f} |")
+                       f"| {_f(r['mfu'], '{:.1%}')} | {r['peak_gib']:.2f} | {_f(r.get('x_floor'), '{:.2f}x')} |")
+    out += why.floor_lines(report) + why.profile_lines(report)
     out += ["", "**One flag at a time** (against flash attention alone, same model and batch):", "",
             "| flag run | median step ms (base); fastest-slowest | x step | peak GiB (base) | what ran |", "|---|---|---|---|---|"]
     for r in derived["flags"]:
@@ -151,13 +151,14 @@ def markdown(report: dict, derived: dict) -> str:
             ran = ", ".join(f"{k}={v}" for k, v in sorted(r["ran"].items())[:6])
             steps = (f"; steps {r['range'][0]:.0f}-{r['range'][1]:.0f} ({r['base_range'][0]:.0f}-{r['base_range'][1]:.0f})"
                      if r.get("range") and r.get("base_range") else "")
-            spread = " (within the steps' spread)" if _within_spread(r) else ""
+            spread = f" ({why.verdict(r)})" if r.get("range") and r.get("base_range") else ""
             out.append(f"| {r['name']} | {r['step_ms']:.1f} ({r['base_step_ms']:.1f}){steps} | {_f(r['time_ratio'], '{:.3f}x')}{spread} "
                        f"| {r['peak_gib']:.2f} ({r['base_peak_gib']:.2f}) | {ran} |")
     for s in derived["codec_share"]:
         out.append(f"- `--reuse-fp32-param` codec ({s['codec']}, {s['params'] / 1e6:.0f}M masters, "
                    f"{'one buffer' if s['one_buffer'] else 'one tensor per 1 Mi'}): {s['ms_per_step']:.2f} ms a step, "
                    f"{s['share']:.1%} of the flash-attn step, {s['gb_per_s']:.0f} GB/s")
+    out += why.titan_lines(report)
     for key, title in (("fused_ops", "Fused ops"), ("triton_ops", "Triton kernels")):
         section = report.get(key) or {}
         if section.get("table"):  # the flags' own measurement (bench_fused_choice.py)

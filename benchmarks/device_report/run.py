@@ -26,8 +26,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import parts  # noqa: E402
 import render  # noqa: E402
+import why  # noqa: E402
 
-PARTS = ("tier", "training", "codec", "fused_ops", "triton_ops")
+PARTS = ("tier", "training", "codec", "fused_ops", "triton_ops") + why.PARTS
 
 
 def _version(module: str) -> str:
@@ -99,6 +100,8 @@ def main(argv=None) -> int:
     parser.add_argument("--budget-s", type=float, default=480.0, help="the whole report's wall-clock budget")
     parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
     parser.add_argument("--smoke", action="store_true", help="a tiny model on whatever device: checks this script")
+    parser.add_argument("--runs", nargs="+", choices=list(parts.RUNS), help="the training part runs only these "
+                        "(default: all of models.RUNS)")
     parser.add_argument("--tier-log", type=Path, help="take the tier's section from this `pytest -v` log of "
                         "`make test-device` (a tier run in another call) instead of running it")
     parser.add_argument("--render-only", action="store_true", help="measure nothing: rewrite report.md (and "
@@ -130,8 +133,12 @@ def main(argv=None) -> int:
             elif name == "codec":
                 base = (report.get("training") or {}).get("runs", {}).get("flash-attn") or {}
                 section = parts.codec(budget, out, opts.smoke, int((base.get("weight_bytes") or 0) // 6))
+            elif name == "training":
+                section = parts.training_runs(budget, out, opts.smoke, opts.runs)
+            elif name in why.PARTS:
+                section = getattr(why, name)(budget, out, opts.smoke)
             else:
-                section = getattr(parts, {"training": "training_runs"}.get(name, name))(budget, out, opts.smoke)
+                section = getattr(parts, name)(budget, out, opts.smoke)
         except Exception as exc:  # noqa: BLE001 - one part failing is a finding, not the end of the report
             section = {"error": f"{type(exc).__name__}: {exc}"[-1500:]}
         section["seconds"] = round(time.monotonic() - t0, 1)

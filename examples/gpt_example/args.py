@@ -135,7 +135,7 @@ def _parallel(p):
 
 
 def _training(p):
-    from gpt_example import throughput
+    from gpt_example import profiling, throughput
 
     g = p.add_argument_group("training")
     g.add_argument("--micro-batch-size", type=int, default=2)
@@ -160,6 +160,7 @@ def _training(p):
                    help="initial weights drawn on the host, identical for every parallel layout")
     g.add_argument("--log-interval", type=int, default=1)
     throughput.add_arguments(g)
+    profiling.add_arguments(g)
     g.add_argument("--save", default=None)
     g.add_argument("--load", default=None)
     g.add_argument("--hf-checkpoint", default=None,

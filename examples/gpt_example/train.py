@@ -19,7 +19,7 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from gpt_example import checkpoint, data, throughput
+from gpt_example import checkpoint, data, profiling, throughput
 from gpt_example.failures import NonFiniteError, Progress, check_for_nan, report_nonfinite, stop_cleanly
 from gpt_example.model import (
     _supported, build_model, initialize_by_global_name, padded_vocab_size, transformer_config,
@@ -337,7 +337,10 @@ def _train(args, progress) -> dict:
     step_peaks = []  # this rank's optimizer-step peak per iteration
     tokens_per_iter = args.global_batch_size * args.seq_length
     start_iteration = iteration
+    profiler = profiling.StepProfiler(args, torch.distributed.get_rank())  # --profile
+    perturbed = []  # iterations under the profiler: left out of the step times, as the first one
     while iteration < args.train_iters:
+        profiler.begin(iteration)
         t0, c0 = time.perf_counter(), time.process_time()
         for chunk in model:
             chunk.zero_grad_buffer()
@@ -352,8 +355,9 @@ def _train(args, progress) -> dict:
         acc.reset_peak_memory_stats()
         acc.synchronize()
         t1 = time.perf_counter()
-        ok, grad_norm, _ = optimizer.step()
-        acc.synchronize()
+        with profiler.optimizer():
+            ok, grad_norm, _ = optimizer.step()
+            acc.synchronize()
         t2 = time.perf_counter()
         step_peaks.append(acc.max_memory_allocated())
         step_peak = max(step_peak, step_peaks[-1])
@@ -365,6 +369,8 @@ def _train(args, progress) -> dict:
         acc.synchronize()
         step_ms = (time.perf_counter() - t0) * 1000.0
         cpu_times.append((time.process_time() - c0) * 1000.0)
+        profiler.end_step(iteration, last=iteration + 1 >= args.train_iters)
+        perturbed.append(profiler.perturbed(iteration))
         iteration += 1
         progress.iteration = iteration
         if report_nonfinite(iteration, loss, None if grad_norm is None else float(grad_norm), ok, optimizer):
@@ -394,7 +400,7 @@ def _train(args, progress) -> dict:
     bubbles = _bubbles()
     if rank0 and bubbles:
         print(f"npuspeed: {bubble_summary.line(bubbles[0])} (rank 0)", flush=True)
-    measured = step_times[1:] or step_times
+    measured = [t for t, p in zip(step_times[1:], perturbed[1:]) if not p] or step_times
     mean_ms = sum(measured) / max(len(measured), 1)
     summary = {
         "losses": losses,
@@ -456,6 +462,10 @@ def _train(args, progress) -> dict:
         # time blocked in pipeline send/receive a step beside (PP-1)(F+B) from its own lone
         # forward/backward calls; None when it was not measured
         "pipeline_bubble": bubbles,
+        # --profile: rank 0's profiled iterations by category (npuspeed.step_profile), the 15 most
+        # expensive kernels, the 1-based iterations covered; None without --profile
+        "profile": profiler.summary(),
+        "profiled_iterations": [start_iteration + i + 1 for i, p in enumerate(perturbed) if p],
         "skipped_iterations": skipped,
         # iterations whose loss or gradient was NaN/Inf (reported in the log as they happen)
         "nonfinite_iterations": nonfinite,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 
+from gpt_example import profiling
 from npuspeed.errors import UserError
 
 
@@ -180,3 +181,4 @@ def validate_args(args, world_size: int | None = None) -> None:
     _training(args, dp)
     _checkpointing(args)
     _data(args)
+    profiling.check(args)

@@ -4,6 +4,7 @@ report is refused as README figures, and the markers are required. The whole com
 size on CPU (`--smoke`) is `slow` (about 3 minutes here)."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -91,8 +92,66 @@ def test_step_spread_marks_a_ratio_that_is_not_a_measured_effect():
     report["triton_ops"] = {"error": "Traceback (most recent call last):\n  File x\nAssertionError: boom\n"}
     md = render.markdown(report, render.derive(report))
     assert "| reuse-fp32-param | 404.0 (400.0); steps 395-410 (380-420) | 1.010x (within the steps' spread) |" in md
-    assert "| swap-attention | 600.0 (400.0); steps 590-610 (380-420) | 1.500x |" in md
+    assert "| swap-attention | 600.0 (400.0); steps 590-610 (380-420) | 1.500x (loss) |" in md
+    runs["swap-attention"]["step_ms"] = [900.0, 300.0, 310.0, 305.0]  # every step below every base step
+    assert "1.500x (gain) |" in render.markdown(report, render.derive(report))
     assert "failed: AssertionError: boom (the whole output" in md and "Traceback" not in md
+
+
+def _profile(step_ms=400.0):
+    share = {"gemm": 0.5, "attention": 0.2, "norm": 0.05, "elementwise": 0.1, "memcpy": 0.0, "optimizer": 0.05,
+             "communication": 0.0, "idle": 0.1}
+    return {"mode": "device", "steps": 1, "step_ms": step_ms, "iterations": [12, 12], "share": share,
+            "ms": {k: v * step_ms for k, v in share.items()},
+            "top": [{"name": "nvjet_tst_192x192", "category": "gemm", "ms": 150.0, "calls": 160, "share": 0.375}]}
+
+
+def test_the_why_sections_floor_profile_and_anchor():
+    """The e2e table's `x floor` (median step over the compute floor), the floor's line with its
+    MFU, the profiled runs' categories and top kernels, torchtitan's reason; the profiled
+    iteration and its warm-up are left out of a run's step range."""
+    report = _report()
+    runs = report["training"]["runs"]
+    runs["flash-attn"].update(profile=_profile(), profiled_iterations=[11, 12], first_iteration=1,
+                              step_ms=[900.0, 380.0, 420.0, 400.0, 390.0, 395.0, 398.0, 401.0, 399.0, 402.0, 700.0,
+                                       1500.0])
+    report["floor"] = {"floor_ms": 250.0, "ms_by_kind": {"gemm": 200.0, "attention": 50.0}, "micro_batches": 8,
+                       "micro_batch": 1, "dtype": "bfloat16", "tflops": 600.0, "mfu": 0.6067, "peak_tflops": 989.0,
+                       "calls": [{"kind": "attention", "kernel": "sdpa"}]}
+    report["torchtitan"] = {"ran": False, "why": "not importable here: torchtitan"}
+    derived = render.derive(report)
+    md = render.markdown(report, derived)
+    assert "| flash-attn | 90000 | 3.00x | 300.0 | 30.0% | 9.00 | 1.60x |" in md  # 400 / 250
+    assert "| all off | 30000 | 1.00x | 300.0 | 30.0% | 26.00 | 4.00x |" in md
+    assert "**Compute floor**: 250.0 ms a step (GEMMs 200.0 ms, attention 50.0 ms with sdpa)" in md
+    assert "600.0 TFLOP/s = 60.7% MFU of 989 TFLOP/s" in md
+    assert "| flash-attn | 400.0 | 50% | 20% | 5% | 10% | 0% | 5% | 0% | 10% |" in md
+    assert "| `nvjet_tst_192x192` | gemm | 150.00 | 160 | 37.5% |" in md
+    assert "**torchtitan** (the single-GPU anchor): not run: not importable here: torchtitan" in md
+    flash = runs["flash-attn"]
+    assert render._range(flash) == [380.0, 420.0]  # 700 (warm-up) and 1500 (profiled) left out
+
+
+def test_the_flag_runs_cover_every_single_rank_flag_against_flash_attention():
+    import models
+
+    assert set(models.BASE_OF) == set(models.FLAG_RUNS) and set(models.BASE_OF.values()) == {"flash-attn"}
+    for flag in ("--use-fused-linear-cross-entropy", "--recompute-activation-function", "--use-fused-rmsnorm",
+                 "--use-fused-swiglu", "--use-fused-rotary-pos-emb", "--recompute-norm", "--reuse-fp32-param",
+                 "--gradient-accumulation-fusion", "--swap-optimizer", "--swap-attention"):
+        assert [flag] in models.FLAG_RUNS.values(), flag
+    argv = models.args_for(models.RUNS["flash-attn"], smoke=False)
+    assert argv[-5:] == ["--profile", "--profile-step-start", "11", "--profile-step-end", "12"]
+    assert "--profile" not in models.args_for(models.RUNS["fused-rope"], smoke=False)
+
+
+def test_torchtitan_says_why_it_did_not_run(tmp_path):
+    import parts
+    import why
+
+    got = why.torchtitan(parts.Budget(60), tmp_path, smoke=True)
+    assert got["ran"] is False and "Hugging Face hub" in got["why"]
+    assert ("torchtitan" in got["missing"]) == (importlib.util.find_spec("torchtitan") is None)
 
 
 def _write(tmp_path: Path, report: dict) -> Path:
@@ -141,13 +200,35 @@ def test_without_an_accelerator_the_report_refuses_in_one_line(tmp_path):
 
 
 @pytest.mark.slow
+def test_smoke_report_why_parts_on_cpu(tmp_path):
+    """--smoke with the new parts: the profiled runs' breakdowns, the floor and `x floor`, one
+    flag row, torchtitan's reason (4 example runs and a floor: minutes, more on a loaded host)."""
+    proc = subprocess.run([sys.executable, "benchmarks/device_report/run.py", "--smoke", "--out", str(tmp_path),
+                           "--budget-s", "1800", "--parts", "floor", "training", "torchtitan", "--runs", "flash-attn",
+                           "all flags", "fused-rope"], cwd=ROOT, capture_output=True, text=True, timeout=2400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "report.json").read_text())
+    runs = report["training"]["runs"]
+    for name in ("flash-attn", "all flags"):
+        profile = runs[name]["profile"]
+        assert profile["mode"] == "host" and profile["iterations"] == [4, 4] and len(profile["top"]) == 15
+        assert profile["ms"]["gemm"] > 0 and profile["ms"]["attention"] > 0, profile["ms"]
+    assert runs["fused-rope"].get("profile") is None
+    assert report["floor"]["floor_ms"] > 0 and report["torchtitan"]["ran"] is False
+    md = (tmp_path / "report.md").read_text()
+    assert "**Where a step goes**" in md and "**Compute floor**" in md and "| fused-rope |" in md
+    assert "x floor |" in md and "**torchtitan**" in md
+
+
+@pytest.mark.slow
 def test_smoke_report_on_cpu(tmp_path):
     proc = subprocess.run([sys.executable, "benchmarks/device_report/run.py", "--smoke", "--out", str(tmp_path),
-                           "--parts", "tier", "training", "codec", "fused_ops"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=900)
+                           "--parts", "tier", "training", "codec", "fused_ops", "--runs", "all off", "flash-attn",
+                           "reuse-fp32-param"], cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["tier"]["counts"]["passed"] == 0 and report["tier"]["counts"]["failed"] == 0
+    assert set(report["training"]["runs"]) == {"all off", "flash-attn", "reuse-fp32-param"}
     assert all("error" not in run for run in report["training"]["runs"].values()), report["training"]["runs"]
     assert report["codec"]["timings"] and report["fused_ops"]["table"]["choices"]
     assert (tmp_path / "report.md").read_text().count("| all off |") == 1

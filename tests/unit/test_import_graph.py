@@ -3,8 +3,9 @@ its shared-rooms rule: no feature folder imports another feature folder.
 
 Every import statement counts, also the ones inside functions (a lazy import is still a
 dependency). Layers, bottom to top: the leaf modules (patching, ops, telemetry, arguments, errors,
-megatron_flags, context, memory, plan_vocabulary), then accelerator, then features, then runtime, then the
-entry points (the package itself, megatron_adaptor, cli, reporting, run_report, plan, convert).
+megatron_flags, context, memory, plan_vocabulary, offload, compute_floor, step_profile), then accelerator,
+then features, then runtime, then the entry points (the package itself, megatron_adaptor, cli, reporting, run_report,
+plan, convert).
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "npuspeed"
 
 LAYERS = {
     0: {"patching", "ops", "telemetry", "arguments", "megatron_flags", "context", "memory", "_version", "errors",
-        "throughput", "plan_vocabulary", "offload"},
+        "throughput", "plan_vocabulary", "offload", "compute_floor", "step_profile"},
     1: {"accelerator"},
     2: {"features"},
     3: {"runtime"},
