@@ -37,7 +37,7 @@ class Config(FeatureConfig):
 
 
 
-class CocFeature(Feature):
+class CocOverlapFeature(Feature):
     name = "coc_overlap"
     Config = Config
 

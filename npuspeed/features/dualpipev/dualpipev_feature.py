@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from npuspeed.features.base import Feature, FeatureError
 from npuspeed.features.config import FeatureConfig, flag
 from npuspeed.features.dualpipev.placement import RANGE
-from npuspeed.features.moe_fb_overlap.moe_fb_overlap_feature import FbOverlapFeature, microbatches_per_step
+from npuspeed.features.moe_fb_overlap.moe_fb_overlap_feature import MoeFbOverlapFeature, microbatches_per_step
 from npuspeed.patching.versions import in_range, megatron_version
 
 FLAG = "--schedules-method dualpipev"
@@ -27,7 +27,7 @@ class Config(FeatureConfig):
 
 def pairs_overlap(args) -> bool:
     """Whether the forward/backward overlap's flag is on (it runs DualPipeV's pairs taking turns)."""
-    return FbOverlapFeature().enabled(args)
+    return MoeFbOverlapFeature().enabled(args)
 
 
 def v_schedule(args) -> bool:

@@ -35,7 +35,7 @@ class Config(FeatureConfig):
     chunked (memory first)."""
 
 
-class FusedLinearCrossEntropyFeature(Feature):
+class FusedLinearCEFeature(Feature):
     name = "fused_linear_ce"
     Config = Config
 

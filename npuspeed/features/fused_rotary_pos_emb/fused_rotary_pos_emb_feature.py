@@ -26,7 +26,7 @@ class Config(FeatureConfig):
     NPUSPEED_FUSED_OP_PATH=cpp|triton|npu|native|megatron forces one."""
 
 
-class FusedRoPEFeature(FusedOpFeature):
+class FusedRotaryPosEmbFeature(FusedOpFeature):
     name = "fused_rotary_pos_emb"
     Config = Config
     switch = "use_fused_rotary_pos_emb"

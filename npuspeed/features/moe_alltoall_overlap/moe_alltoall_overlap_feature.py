@@ -25,7 +25,7 @@ class Config(FeatureConfig):
         return self.moe_alltoall_chunks or 2
 
 
-class AllToAllOverlapFeature(Feature):
+class MoeAllToAllOverlapFeature(Feature):
     name = "moe_alltoall_overlap"
     Config = Config
 

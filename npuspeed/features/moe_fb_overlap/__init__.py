@@ -5,6 +5,6 @@ schedule and its step trial (schedule.py, choice.py), the two parties taking tur
 asynchronous dispatcher all-to-alls (exchange.py), the combine with the shared experts inside
 (combine.py, masking.py), the routed experts' weight gradient run inside the dispatch
 gradient's all-to-all (wgrad.py) and Megatron's flag taken over (takeover.py)."""
-from npuspeed.features.moe_fb_overlap.moe_fb_overlap_feature import FbOverlapFeature
+from npuspeed.features.moe_fb_overlap.moe_fb_overlap_feature import MoeFbOverlapFeature
 
-__all__ = ["FbOverlapFeature"]
+__all__ = ["MoeFbOverlapFeature"]

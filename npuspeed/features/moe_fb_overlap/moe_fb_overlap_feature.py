@@ -56,7 +56,7 @@ def microbatches_per_step(m) -> int | None:
     return gbs // (mbs * (world // (tp * pp * cp)))
 
 
-class FbOverlapFeature(Feature):
+class MoeFbOverlapFeature(Feature):
     name = "moe_fb_overlap"
     Config = Config
 

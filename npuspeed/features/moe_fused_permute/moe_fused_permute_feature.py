@@ -21,7 +21,7 @@ class Config(FeatureConfig):
     else Triton), where measured faster than Megatron's pair (once per shape)."""
 
 
-class FusedPermuteFeature(Feature):
+class MoeFusedPermuteFeature(Feature):
     name = "moe_fused_permute"
     Config = Config
     switch = "use_fused_moe_token_permute_and_unpermute"

@@ -28,7 +28,7 @@ class Config(FeatureConfig):
     backend (torch grouped mm on CPU, npu_grouped_matmul on NPU), fp32/bf16."""
 
 
-class GroupedGemmFeature(Feature):
+class MoeGroupedGemmFeature(Feature):
     name = "moe_grouped_gemm"
     Config = Config
     switch = "moe_grouped_gemm"

@@ -16,7 +16,7 @@ class Config(FeatureConfig):
     over EP x TP ranks, expert weights not split by TP)."""
 
 
-class TpExtendEpFeature(Feature):
+class MoeTpExtendEpFeature(Feature):
     name = "moe_tp_extend_ep"
     Config = Config
     switch = "moe_tp_extend_ep"
