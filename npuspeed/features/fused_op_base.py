@@ -29,18 +29,9 @@ class FusedOpFeature(Feature):
     #: what runs with the flag off, for the report
     megatron_path: str = ""
 
-    #: the feature folder's patches.py (`register(registry, ctx, config, feature)`) and plan.py
-    #: (`effect(model, config, what)`)
-    patches_module = plan_module = None
     #: the implementation module with `acts_in(block)`, `found_in(block)` and `NEEDS`, or None
     #: where a built block cannot tell whether the flag acts
     built_module = None
-
-    def register_patches(self, registry, ctx) -> None:
-        self.patches_module.register(registry, ctx, self.config(ctx.args), self.name)
-
-    def plan_effect(self, model, ctx):
-        return self.plan_module.effect(model, self.config(ctx.args), f"{self.replaces}: one fused kernel ({self.op})")
 
     def prepare(self, ctx) -> None:
         path = self.path(ctx)

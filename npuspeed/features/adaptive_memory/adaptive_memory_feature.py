@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from npuspeed.features.base import Feature, FeatureError
 from npuspeed.features.config import FeatureConfig, flag
+from npuspeed.features.adaptive_memory import patches as _patches
 
 MAIN, OPT = "--adaptive-recompute-device-size", "--adaptive-memory-optimization"
 
@@ -37,10 +38,11 @@ class Config(FeatureConfig):
 class AdaptiveMemoryFeature(Feature):
     name = "adaptive_memory"
     Config = Config
+    #: no plan effect of its own: the policy becomes explicit flags of other features before planning
+    #: (plan/adaptive.py), whose effects are counted; counting it here too would count them twice
+    patches, plan = _patches, None
     #: the user's flags; --adaptive-policy and --adaptive-swap are written by npuspeed (plan/adaptive.py)
     flags = (MAIN, OPT)
-    #: the policy becomes explicit flags of other features before planning (plan/adaptive.py)
-    plan_neutral = True
 
     def enabled(self, args) -> bool:
         config = self.config(args)

@@ -21,6 +21,7 @@ from npuspeed.accelerator.devices import for_device
 from npuspeed.features.base import Feature, FeatureError
 from npuspeed.features.coc_overlap.layers import Settings, check_linear_class, use_mc2
 from npuspeed.features.config import FeatureConfig, flag
+from npuspeed.features.coc_overlap import patches as _patches, plan as _plan
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,7 @@ class Config(FeatureConfig):
 class CocOverlapFeature(Feature):
     name = "coc_overlap"
     Config = Config
+    patches, plan = _patches, _plan
 
     def enabled(self, args) -> bool:
         # The companion flags alone turn the feature on, so validate() can refuse them.

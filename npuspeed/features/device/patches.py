@@ -28,7 +28,8 @@ def register(registry, ctx, config, feature: str) -> None:
     gloo_p2p.register(registry, feature)  # PP 2 + VPP on gloo: activations and gradients told apart by tag
     from npuspeed.features.moe_fb_overlap import bubble
 
-    bubble.register_for_megatron(registry, ctx, feature)  # NPUSPEED_MEASURE_BUBBLE=1: Megatron's schedules timed
+    paired = config.schedules_method == "dualpipev" or config.moe_fb_overlap or config.overlap_moe_expert_parallel_comm
+    bubble.register_for_megatron(registry, ctx, feature, paired)  # NPUSPEED_MEASURE_BUBBLE=1: Megatron's timed
     # DistributedOptimizer with torch's Adam (no apex/TE): checkpoint save/load bugs.
     distopt_fixes.register(registry, feature, ">=0.16,<0.20")  # upstream bugs unchanged through 0.19
     traits = for_device(accelerator.name)

@@ -7,11 +7,12 @@ from dataclasses import dataclass
 
 from npuspeed.features.base import Feature, FeatureError
 from npuspeed.features.config import FeatureConfig, flag
+from npuspeed.features.dualpipev import patches as _patches, plan as _plan
 from npuspeed.features.dualpipev.placement import RANGE
-from npuspeed.features.moe_fb_overlap.moe_fb_overlap_feature import MoeFbOverlapFeature, microbatches_per_step
+from npuspeed.features.dualpipev.schedule import FLAG, batch_message
+from npuspeed.features.moe_fb_overlap.moe_fb_overlap_feature import microbatches_per_step
 from npuspeed.patching.versions import in_range, megatron_version
 
-FLAG = "--schedules-method dualpipev"
 
 
 @dataclass(frozen=True)
@@ -23,22 +24,14 @@ class Config(FeatureConfig):
     expert all-to-alls hide behind each other's compute). Needs megatron-core 0.14+,
     --num-layers-per-virtual-pipeline-stage = num-layers / (2 x PP), untied embeddings, and at
     least 2 x PP micro-batches a step."""
+    # moe_fb_overlap's flags (it owns them: no --help here): with either, the paired steps take turns
+    moe_fb_overlap: bool = False
+    overlap_moe_expert_parallel_comm: bool = False
 
-
-def pairs_overlap(args) -> bool:
-    """Whether the forward/backward overlap's flag is on (it runs DualPipeV's pairs taking turns)."""
-    return MoeFbOverlapFeature().enabled(args)
-
-
-def v_schedule(args) -> bool:
-    """Whether `--schedules-method dualpipev` is on (features whose patches step aside for it ask)."""
-    return DualPipeVFeature().enabled(args)
-
-
-def batch_message(microbatches: int, pp: int) -> str:
-    return (f"{FLAG} at --pipeline-model-parallel-size {pp} needs at least 2 x {pp} = {2 * pp} micro-batches a "
-            f"step (got {microbatches}): raise --global-batch-size to at least {2 * pp} x data-parallel x "
-            "--micro-batch-size")
+    @property
+    def pairs_overlap(self) -> bool:
+        """Whether the forward/backward overlap's flag is on (it runs DualPipeV's pairs taking turns)."""
+        return self.moe_fb_overlap or self.overlap_moe_expert_parallel_comm
 
 
 def _layers(m, pp: int) -> None:
@@ -73,6 +66,7 @@ def _refusals(m) -> list[tuple[bool, str]]:
 class DualPipeVFeature(Feature):
     name = "dualpipev"
     Config = Config
+    patches, plan = _patches, _plan
 
     def enabled(self, args) -> bool:
         return self.config(args).schedules_method == "dualpipev"
@@ -97,7 +91,7 @@ class DualPipeVFeature(Feature):
     def path(self, ctx) -> str:
         if not self.enabled(ctx.args):
             return "off"
-        how = ("taking turns at each expert all-to-all (--moe-fb-overlap)" if pairs_overlap(ctx.args)
+        how = ("taking turns at each expert all-to-all (--moe-fb-overlap)" if self.config(ctx.args).pairs_overlap
                else "one after the other (add --moe-fb-overlap to overlap them)")
         return ("DualPipeV: rank r holds stages r and 2P-1-r (V placement through Megatron's layer offsets), "
                 f"npuspeed's per-rank order and sends/receives; steady steps pair a forward and a backward, {how}")

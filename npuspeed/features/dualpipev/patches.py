@@ -7,11 +7,10 @@ SCHEDULES = "megatron.core.pipeline_parallel.schedules"
 
 def register(registry, ctx, config, feature: str) -> None:
     from npuspeed.features.dualpipev import placement, schedule
-    from npuspeed.features.dualpipev.dualpipev_feature import pairs_overlap
     from npuspeed.features.moe_fb_overlap import bubble
 
     measure = bubble.measuring(ctx)
-    if measure and not pairs_overlap(ctx.args):  # the overlap's feature registers them otherwise
+    if measure and not config.pairs_overlap:  # the overlap's feature registers them otherwise
         bubble.register_chunk_timers(registry, feature)
     registry.register("megatron.core.transformer.transformer_layer.get_transformer_layer_offset",
                       wrapper=placement.offset_wrapper, feature=feature, megatron=placement.RANGE)
@@ -22,5 +21,5 @@ def register(registry, ctx, config, feature: str) -> None:
     registry.register("megatron.core.utils.get_batch_on_this_tp_rank", wrapper=placement.batch_on_tp_rank_wrapper,
                       feature=feature, megatron=">=0.18,<0.20")  # Megatron-LM's batch split: rank 0 is both ends
     registry.register(f"{SCHEDULES}.forward_backward_pipelining_with_interleaving",
-                      wrapper=schedule.wrapper(ctx.note, pairs_overlap(ctx.args), measure), feature=feature,
+                      wrapper=schedule.wrapper(ctx.note, config.pairs_overlap, measure), feature=feature,
                       megatron=placement.RANGE)

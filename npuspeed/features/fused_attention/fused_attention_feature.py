@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from npuspeed.accelerator.devices import for_device
 from npuspeed.features.base import Feature, FeatureError
 from npuspeed.features.config import FeatureConfig, flag
+from npuspeed.features.fused_attention import patches as _patches, plan as _plan
 from npuspeed.ops import flash_attention as cpu_flash
 
 #: the tuning flags: each alone turns the feature on, so validate() can refuse it without the main one
@@ -52,6 +53,7 @@ def _kernel(accelerator) -> str:
 class FusedAttentionFeature(Feature):
     name = "fused_attention"
     Config = Config
+    patches, plan = _patches, _plan
 
     def enabled(self, args) -> bool:
         config = self.config(args)
@@ -104,11 +106,6 @@ class FusedAttentionFeature(Feature):
                 f"none (attention modules: {', '.join(kinds) or 'none'}; a Transformer Engine spec keeps "
                 "TE's own kernel): build the model with the local spec (--transformer-impl local) or "
                 "drop --use-flash-attn")
-
-    def plan_effect(self, model, ctx):
-        from npuspeed.features.fused_attention import plan
-
-        return plan.effect(model, self.config(ctx.args), ctx.accelerator)
 
     def path(self, ctx) -> str:
         config, accelerator = self.config(ctx.args), ctx.accelerator

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from npuspeed.features.base import Feature, FeatureError
 from npuspeed.features.config import FeatureConfig, flag
+from npuspeed.features.fused_linear_ce import patches as _patches, plan as _plan
 
 MAIN, CHUNK = "--use-fused-linear-cross-entropy", "--fused-linear-cross-entropy-chunk-size"
 FALLBACK = "--fused-linear-cross-entropy-fallback"
@@ -38,6 +39,7 @@ class Config(FeatureConfig):
 class FusedLinearCEFeature(Feature):
     name = "fused_linear_ce"
     Config = Config
+    patches, plan = _patches, _plan
 
     def __init__(self):
         self.chooser = None
@@ -59,12 +61,13 @@ class FusedLinearCEFeature(Feature):
                                f"{chunk}; drop it for the default (1048576 on CPU, 4 MiB in fp32)")
 
     def register_patches(self, registry, ctx) -> None:
-        from npuspeed.features.fused_linear_ce import choice, patches
+        """The base's call, with the per-shape chooser the report reads (choice.py)."""
+        from npuspeed.features.fused_linear_ce import choice
 
         config = self.config(ctx.args)
         self.chooser = choice.LossPaths(config.fused_linear_cross_entropy_fallback or "auto",
                                         config.fused_linear_cross_entropy_chunk_size)
-        patches.register(registry, ctx, config, self.name, self.chooser)
+        self.patches.register(registry, ctx, config, self.name, self.chooser)
 
     def path(self, ctx) -> str:
         config = self.config(ctx.args)

@@ -20,9 +20,7 @@ def register(registry, ctx, config, feature: str) -> None:
         feature=feature, megatron=every)
     reg("megatron.core.datasets.utils.compile_helpers", build_helpers.compile_helpers, feature=feature,
         megatron=every)
-    from npuspeed.features.dualpipev.dualpipev_feature import v_schedule
-
-    if v_schedule(ctx.args):  # the loss is on pipeline rank 0 under the V
+    if config.schedules_method == "dualpipev":  # the loss is on pipeline rank 0 under the V
         from npuspeed.features.dualpipev.placement import reporting_rank_wrapper
 
         for target, rng in targets.LAST_RANK.items():

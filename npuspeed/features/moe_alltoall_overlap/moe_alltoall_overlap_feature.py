@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from npuspeed.accelerator.devices import for_device
 from npuspeed.features.base import Feature, FeatureError
 from npuspeed.features.config import FeatureConfig, flag
+from npuspeed.features.moe_alltoall_overlap import patches as _patches, plan as _plan
 from npuspeed.features.moe_alltoall_overlap import overlap
 from npuspeed.features.moe_common.layout import Layout, built_all_to_all, needs_all_to_all, needs_release
 
@@ -28,6 +29,7 @@ class Config(FeatureConfig):
 class MoeAllToAllOverlapFeature(Feature):
     name = "moe_alltoall_overlap"
     Config = Config
+    patches, plan = _patches, _plan
 
     def enabled(self, args) -> bool:
         config = self.config(args)

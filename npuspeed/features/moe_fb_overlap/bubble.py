@@ -357,15 +357,13 @@ def register_chunk_timers(registry, feature: str) -> None:
     registry.register(f"{SCHEDULES}.backward_step", wrapper=backward_step_wrapper, feature=feature)
 
 
-def register_for_megatron(registry, ctx, feature: str) -> None:
-    """With NPUSPEED_MEASURE_BUBBLE=1 and neither --moe-fb-overlap nor DualPipeV on (they register
-    the measure themselves): Megatron's own pipelined schedules measured, the baseline of
+def register_for_megatron(registry, ctx, feature: str, paired: bool) -> None:
+    """With NPUSPEED_MEASURE_BUBBLE=1 and neither --moe-fb-overlap nor DualPipeV on (`paired`: they
+    register the measure themselves): Megatron's own pipelined schedules measured, the baseline of
     benchmarks/bench_pipeline_bubble.py (registered by the device feature, always on)."""
     import os
 
-    from npuspeed.features.dualpipev.dualpipev_feature import pairs_overlap, v_schedule
-
-    if os.environ.get(MEASURE_ENV) != "1" or pairs_overlap(ctx.args) or v_schedule(ctx.args):
+    if os.environ.get(MEASURE_ENV) != "1" or paired:
         return
     register(registry, ctx, feature)
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from npuspeed.accelerator.devices import for_device
 from npuspeed.features.base import Feature, FeatureError
 from npuspeed.features.config import FeatureConfig, flag
+from npuspeed.features.moe_fb_overlap import patches as _patches, plan as _plan
 from npuspeed.features.moe_common.layout import built_all_to_all, needs_all_to_all
 from npuspeed.features.moe_fb_overlap import interleaved
 from npuspeed.patching.versions import in_range, megatron_version
@@ -22,6 +23,8 @@ class Config(FeatureConfig):
     overlap_moe_expert_parallel_comm: bool = flag("--overlap-moe-expert-parallel-comm", False)
     """Megatron's flag (0.14+): with npuspeed it runs --moe-fb-overlap's schedule, on every backend,
     without Transformer Engine, in fp32 too."""
+    # dualpipev's flag (it owns it: no --help here): DualPipeV's schedule then pairs the steps itself
+    schedules_method: str | None = None
 
     @property
     def flag_given(self) -> str:
@@ -59,6 +62,7 @@ def microbatches_per_step(m) -> int | None:
 class MoeFbOverlapFeature(Feature):
     name = "moe_fb_overlap"
     Config = Config
+    patches, plan = _patches, _plan
 
     def enabled(self, args) -> bool:
         config = self.config(args)

@@ -34,9 +34,7 @@ def register(registry, ctx, config, feature: str) -> None:
     registry.register(f"{LAYERS}.linear_with_grad_accumulation_and_async_allreduce", wrapper=wgrad.linear_wrapper,
                       feature=feature, megatron=wgrad.RANGE)
     registry.register(CONFIG, wrapper=takeover.config_wrapper(ctx.note), feature=feature, megatron=takeover.RANGE)
-    from npuspeed.features.dualpipev.dualpipev_feature import v_schedule
-
-    if v_schedule(ctx.args):
+    if config.schedules_method == "dualpipev":
         return  # DualPipeV's schedule pairs its steps itself (npuspeed/features/dualpipev/)
     # PP > 1 (0.14+): Megatron's interleaved schedule, its extra warm-up micro-batch, each step paired
     flag = config.flag_given

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from npuspeed.accelerator.devices import for_device
 from npuspeed.features.base import Feature, FeatureError
 from npuspeed.features.config import FeatureConfig, flag
+from npuspeed.features.moe_fused_permute import patches as _patches, plan as _plan
 from npuspeed.features.moe_common.layout import Layout, needs_experts, needs_release
 from npuspeed.features.moe_fused_permute import permute
 from npuspeed.ops import npu
@@ -24,6 +25,7 @@ class Config(FeatureConfig):
 class MoeFusedPermuteFeature(Feature):
     name = "moe_fused_permute"
     Config = Config
+    patches, plan = _patches, _plan
     switch = "use_fused_moe_token_permute_and_unpermute"
 
     def validate(self, ctx) -> None:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from npuspeed.accelerator.devices import for_device
 from npuspeed.features.base import Feature, FeatureError
 from npuspeed.features.config import FeatureConfig, flag
+from npuspeed.features.moe_grouped_gemm import patches as _patches, plan as _plan
 from npuspeed.features.moe_common.layout import Layout, layers_of, needs_experts, needs_release
 from npuspeed.features.moe_grouped_gemm import grouped_mlp
 from npuspeed.patching.versions import in_range
@@ -31,6 +32,7 @@ class Config(FeatureConfig):
 class MoeGroupedGemmFeature(Feature):
     name = "moe_grouped_gemm"
     Config = Config
+    patches, plan = _patches, _plan
     switch = "moe_grouped_gemm"
 
     def validate(self, ctx) -> None:

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from npuspeed.features.base import Feature, FeatureError
 from npuspeed.features.config import FeatureConfig, flag
+from npuspeed.features.moe_tp_extend_ep import patches as _patches, plan as _plan
 from npuspeed.features.moe_common.layout import Layout, needs_experts
 
 
@@ -19,6 +20,7 @@ class Config(FeatureConfig):
 class MoeTpExtendEpFeature(Feature):
     name = "moe_tp_extend_ep"
     Config = Config
+    patches, plan = _patches, _plan
     switch = "moe_tp_extend_ep"
 
     def validate(self, ctx) -> None:

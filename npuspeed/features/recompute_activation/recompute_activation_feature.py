@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from npuspeed.features import first_layers
 from npuspeed.features.base import Feature
 from npuspeed.features.config import FeatureConfig, flag
+from npuspeed.features.recompute_activation import patches as _patches, plan as _plan
 
 MAIN, NUM = "--recompute-activation-function", "--recompute-activation-function-num-layers"
 
@@ -32,6 +33,7 @@ class Config(FeatureConfig):
 class RecomputeActivationFeature(Feature):
     name = "recompute_activation"
     Config = Config
+    patches, plan = _patches, _plan
 
     def enabled(self, args) -> bool:
         # N alone counts as asking for the feature, so that validate() can refuse it clearly.

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from npuspeed.features import first_layers
 from npuspeed.features.base import Feature
 from npuspeed.features.config import FeatureConfig, flag
+from npuspeed.features.recompute_norm import patches as _patches, plan as _plan
 
 MAIN, NUM = "--recompute-norm", "--recompute-norm-num-layers"
 
@@ -31,6 +32,7 @@ class Config(FeatureConfig):
 class RecomputeNormFeature(Feature):
     name = "recompute_norm"
     Config = Config
+    patches, plan = _patches, _plan
 
     def enabled(self, args) -> bool:
         config = self.config(args)

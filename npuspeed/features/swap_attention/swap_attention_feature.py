@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from npuspeed.features.base import Feature, FeatureError
 from npuspeed.features.config import FeatureConfig, flag
+from npuspeed.features.swap_attention import patches as _patches, plan as _plan
 
 from npuspeed.features.swap_attention.modules import MAIN, MODS, parse_modules  # noqa: F401 (re-exported)
 
@@ -31,6 +32,7 @@ class Config(FeatureConfig):
 class SwapAttentionFeature(Feature):
     name = "swap_attention"
     Config = Config
+    patches, plan = _patches, _plan
 
     def enabled(self, args) -> bool:
         config = self.config(args)
@@ -60,11 +62,6 @@ class SwapAttentionFeature(Feature):
         elif not acc.has_pinned_memory():
             raise FeatureError(f"{MAIN} needs page-locked host memory for overlapped copies, which the "
                                f"{acc.name} backend does not offer here; drop {MAIN}")
-
-    def plan_effect(self, model, ctx):
-        from npuspeed.features.swap_attention import plan
-
-        return plan.effect(model, self.config(ctx.args), ctx.accelerator)
 
     def path(self, ctx) -> str:
         config = self.config(ctx.args)

@@ -154,9 +154,13 @@ def copying(method):
 
 
 def register(registry, ctx, config, feature: str) -> None:
-    from npuspeed.features.swap_optimizer.policy import chunk_bytes, reuses_fp32_param
+    """Nothing with Megatron's own --optimizer-cpu-offload, or where the states stay in place
+    (the host is the device: feature.idle_reason says so)."""
+    from npuspeed.features.swap_optimizer.policy import chunk_bytes, moves
 
-    init = built(ctx.accelerator, chunk_bytes(config), swap_masters=not reuses_fp32_param(ctx.args))
+    if not config.swap_optimizer or not moves(ctx.accelerator):
+        return
+    init = built(ctx.accelerator, chunk_bytes(config), swap_masters=not config.reuse_fp32_param)
     for cls in ("optimizer.Float16OptimizerWithFloat16Params", "optimizer.FP32Optimizer",
                 "distrib_optimizer.DistributedOptimizer"):
         registry.register(f"{_OPT}.{cls}.__init__", wrapper=init, feature=feature)
