@@ -31,6 +31,10 @@ class Feature:
     always_on: bool = False
     #: the Config field that turns the feature on, for a feature that one boolean flag enables
     switch: str | None = None
+    #: options that only make sense with another flag, {Config field: the field it needs}; such an
+    #: option given alone turns the feature on, so that `check_requires` (first in `validate`)
+    #: refuses it in one message naming both flags and the fix
+    requires: dict[str, str] = {}
     #: its folder's patches module, imported by name in its <name>_feature.py:
     #: `register(registry, ctx, config, feature)` records its patches; None: it patches nothing
     patches = None
@@ -55,8 +59,18 @@ class Feature:
 
     def enabled(self, args: argparse.Namespace) -> bool:
         if self.switch is not None:
-            return bool(getattr(self.config(args), self.switch))
+            config = self.config(args)
+            return any(_given(config, f) for f in (self.switch, *self.requires))
         return self.always_on
+
+    def check_requires(self, config) -> None:
+        """Raise FeatureError for an option of `requires` given without the flag it needs."""
+        for option, needed in self.requires.items():
+            if _given(config, option) and not _given(config, needed):
+                value = getattr(config, option)
+                given = _flag(config, option) + ("" if isinstance(value, bool) else f" {value}")
+                raise FeatureError(f"{given} is given without {_flag(config, needed)}; add {_flag(config, needed)} "
+                                   f"(or drop {_flag(config, option)})")
 
     def validate(self, ctx) -> None:
         """Raise FeatureError for combinations that cannot work (known from the flags alone)."""
@@ -95,6 +109,16 @@ class Feature:
     def path(self, ctx) -> str:
         """Which implementation runs, for the report (e.g. 'npu_fusion_attention')."""
         return "on" if self.enabled(ctx.args) else "off"
+
+
+def _given(config, field: str) -> bool:
+    """Whether the flag of `field` was given: its value is not the field's default (a switch: true)."""
+    value, default = getattr(config, field), type(config).__dataclass_fields__[field].default
+    return bool(value) != default if isinstance(default, bool) else value != default
+
+
+def _flag(config, field: str) -> str:
+    return type(config).__dataclass_fields__[field].metadata["argparse"]["flag"]
 
 
 def after_init(apply, *args):

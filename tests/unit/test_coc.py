@@ -61,8 +61,8 @@ def test_fallback_is_logged_once_per_shape_even_down_to_one_chunk():
     (["--use-coc"], "--coc-parallel-num N with N > 1 \\(not given\\)"),
     (["--use-coc", "--coc-parallel-num", "1"], "--coc-parallel-num N with N > 1 \\(got 1\\)"),
     (["--use-coc", "--coc-parallel-num", "0"], "got 0"),
-    (["--coc-parallel-num", "4"], "--coc-parallel-num only apply with --use-coc"),
-    (["--use-ascend-mc2"], "--use-ascend-mc2 only apply with --use-coc"),
+    (["--coc-parallel-num", "4"], "--coc-parallel-num 4 is given without --use-coc"),
+    (["--use-ascend-mc2"], "--use-ascend-mc2 is given without --use-coc"),
 ])
 def test_bad_flags_are_errors_naming_the_flag(argv, match):
     feature = CocOverlapFeature()

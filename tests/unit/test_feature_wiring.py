@@ -110,3 +110,34 @@ def test_the_checker_catches_a_feature_wired_another_way():
     assert any("the one signature is effect(model, config)" in p for p in wiring_problems(Other()))
     Other.plan = _plan
     assert wiring_problems(Other()) == []
+
+
+def _alone(feature, option):
+    """A context whose flags give only `option` (a value of its kind)."""
+    import argparse
+
+    spec = feature.Config.__dataclass_fields__
+    arg = spec[option].metadata["argparse"]
+    value = True if spec[option].default is False else arg["choices"][0] if "choices" in arg else \
+        {int: 2, float: 1.0}.get(arg.get("type"), "mlp")
+    return types.SimpleNamespace(args=argparse.Namespace(**{option: value}), accelerator=None, note=print,
+                                 megatron=types.SimpleNamespace(), argv=()), value
+
+
+def test_an_option_given_without_the_flag_it_requires_is_refused_in_one_message():
+    """`requires` replaces the copied enabled()/validate blocks: the option alone turns the feature
+    on, and validate refuses it naming both flags and the fix."""
+    from npuspeed.features.base import FeatureError
+
+    checked = 0
+    for feature in _features().values():
+        for option, needed in feature.requires.items():
+            fields = feature.Config.__dataclass_fields__
+            flag, main = (fields[f].metadata["argparse"]["flag"] for f in (option, needed))
+            ctx, value = _alone(feature, option)
+            assert feature.enabled(ctx.args), (feature.name, option)
+            given = flag if value is True else f"{flag} {value}"
+            with pytest.raises(FeatureError, match=f"^{given} is given without {main}; add {main} \\(or drop {flag}\\)$"):
+                feature.validate(ctx)
+            checked += 1
+    assert checked >= 12

@@ -40,7 +40,7 @@ def _validate(feature, argv):
     (MoeTpExtendEpFeature(), ["--moe-tp-extend-ep", *MOE, "--tensor-model-parallel-size", "2",
                            "--expert-tensor-parallel-size", "2"], "--expert-tensor-parallel-size is 2"),
     (MoeAllToAllOverlapFeature(), ["--moe-alltoall-overlap-comm", "--moe-alltoall-chunks", "1"], "must be >= 2"),
-    (MoeAllToAllOverlapFeature(), ["--moe-alltoall-chunks", "4"], "only applies with --moe-alltoall-overlap-comm"),
+    (MoeAllToAllOverlapFeature(), ["--moe-alltoall-chunks", "4"], "--moe-alltoall-chunks 4 is given without --moe-alltoall-overlap-comm"),
     (MoeAllToAllOverlapFeature(), ["--moe-alltoall-overlap-comm", "--moe-token-dispatcher-type", "allgather"],
      "use alltoall or drop the flag"),
     (MoeAllToAllOverlapFeature(), ["--moe-alltoall-overlap-comm", "--expert-model-parallel-size", "1"],

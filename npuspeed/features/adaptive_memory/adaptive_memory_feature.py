@@ -44,15 +44,13 @@ class AdaptiveMemoryFeature(Feature):
     #: the user's flags; --adaptive-policy and --adaptive-swap are written by npuspeed (plan/adaptive.py)
     flags = (MAIN, OPT)
 
-    def enabled(self, args) -> bool:
-        config = self.config(args)
-        return config.adaptive_recompute_device_size is not None or config.adaptive_memory_optimization
+    switch = "adaptive_recompute_device_size"
+    requires = {"adaptive_memory_optimization": "adaptive_recompute_device_size"}
 
     def validate(self, ctx) -> None:
         config = self.config(ctx.args)
+        self.check_requires(config)
         size = config.adaptive_recompute_device_size
-        if size is None:
-            raise FeatureError(f"{OPT} is given without {MAIN}; add {MAIN} MB (the device budget per rank)")
         if size <= 0:
             raise FeatureError(f"{MAIN} must be a positive number of MiB, got {size:g}")
         # --swap-attention is swap_attention's flag; its Config reads ours (it refuses the pair too),

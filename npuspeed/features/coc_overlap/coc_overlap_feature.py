@@ -43,18 +43,11 @@ class CocOverlapFeature(Feature):
     Config = Config
     patches, plan = _patches, _plan
 
-    def enabled(self, args) -> bool:
-        # The companion flags alone turn the feature on, so validate() can refuse them.
-        config = self.config(args)
-        return bool(config.use_coc or config.use_ascend_mc2 or config.coc_parallel_num is not None)
+    switch, requires = "use_coc", {"coc_parallel_num": "use_coc", "use_ascend_mc2": "use_coc"}
 
     def validate(self, ctx) -> None:
         config = self.config(ctx.args)
-        if not config.use_coc:
-            given = [f for f, on in (("--coc-parallel-num", config.coc_parallel_num is not None),
-                                     ("--use-ascend-mc2", config.use_ascend_mc2)) if on]
-            raise FeatureError(f"{', '.join(given)} only apply with --use-coc: add --use-coc "
-                               "--coc-parallel-num N (N > 1) or drop them.")
+        self.check_requires(config)
         n = config.coc_parallel_num
         if n is None or n <= 1:
             got = "not given" if n is None else f"got {n}"

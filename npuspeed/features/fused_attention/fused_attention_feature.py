@@ -18,11 +18,6 @@ from npuspeed.features.config import FeatureConfig, flag
 from npuspeed.features.fused_attention import patches as _patches, plan as _plan
 from npuspeed.ops import flash_attention as cpu_flash
 
-#: the tuning flags: each alone turns the feature on, so validate() can refuse it without the main one
-TUNING = (("--pre-tockens", "pre_tockens"), ("--next-tockens", "next_tockens"), ("--sparse-mode", "sparse_mode"),
-          ("--flash-attn-fallback", "flash_attn_fallback"))
-
-
 @dataclass(frozen=True)
 class Config(FeatureConfig):
     use_flash_attn: bool = flag("--use-flash-attn", False)
@@ -55,16 +50,13 @@ class FusedAttentionFeature(Feature):
     Config = Config
     patches, plan = _patches, _plan
 
-    def enabled(self, args) -> bool:
-        config = self.config(args)
-        return config.use_flash_attn or any(getattr(config, a) is not None for _, a in TUNING)
+    switch = "use_flash_attn"
+    requires = {"pre_tockens": "use_flash_attn", "next_tockens": "use_flash_attn", "sparse_mode": "use_flash_attn",
+                "flash_attn_fallback": "use_flash_attn"}
 
     def validate(self, ctx) -> None:
         config, accelerator = self.config(ctx.args), ctx.accelerator
-        given = [f for f, a in TUNING if getattr(config, a) is not None]
-        if not config.use_flash_attn:
-            raise FeatureError(f"{', '.join(given)} only apply to fused attention: add --use-flash-attn "
-                               "or drop them.")
+        self.check_requires(config)
         pre, nxt, mode = config.pre_tockens, config.next_tockens, config.sparse_mode
         if pre is not None and nxt is not None and pre + nxt < 0:
             raise FeatureError(f"--pre-tockens {pre} --next-tockens {nxt} leave no token to attend to; "

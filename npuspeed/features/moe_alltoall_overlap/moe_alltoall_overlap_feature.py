@@ -31,18 +31,14 @@ class MoeAllToAllOverlapFeature(Feature):
     Config = Config
     patches, plan = _patches, _plan
 
-    def enabled(self, args) -> bool:
-        config = self.config(args)
-        return bool(config.moe_alltoall_overlap_comm or config.moe_alltoall_chunks)
+    switch, requires = "moe_alltoall_overlap_comm", {"moe_alltoall_chunks": "moe_alltoall_overlap_comm"}
 
     def chunks(self, ctx) -> int:
         return self.config(ctx.args).chunks
 
     def validate(self, ctx) -> None:
         config = self.config(ctx.args)
-        if not config.moe_alltoall_overlap_comm:
-            raise FeatureError("--moe-alltoall-chunks only applies with --moe-alltoall-overlap-comm: add it or drop "
-                               "--moe-alltoall-chunks")
+        self.check_requires(config)
         needs_release("--moe-alltoall-overlap-comm", overlap.MEGATRON_RANGE, "MoELayer's route/preprocess/dispatch steps")
         if self.chunks(ctx) < 2:
             raise FeatureError(f"--moe-alltoall-chunks must be >= 2 (got {config.moe_alltoall_chunks}): one chunk "

@@ -34,16 +34,13 @@ class RecomputeActivationFeature(Feature):
     name = "recompute_activation"
     Config = Config
     patches, plan = _patches, _plan
-
-    def enabled(self, args) -> bool:
-        # N alone counts as asking for the feature, so that validate() can refuse it clearly.
-        config = self.config(args)
-        return config.recompute_activation_function or config.recompute_activation_function_num_layers is not None
+    switch = "recompute_activation_function"
+    requires = {"recompute_activation_function_num_layers": "recompute_activation_function"}
 
     def validate(self, ctx) -> None:
         config = self.config(ctx.args)
-        first_layers.check(MAIN, config.recompute_activation_function, NUM,
-                           config.recompute_activation_function_num_layers, "the activation")
+        self.check_requires(config)
+        first_layers.check(NUM, config.recompute_activation_function_num_layers, "the activation")
 
     def path(self, ctx) -> str:
         config = self.config(ctx.args)

@@ -34,9 +34,7 @@ class SwapAttentionFeature(Feature):
     Config = Config
     patches, plan = _patches, _plan
 
-    def enabled(self, args) -> bool:
-        config = self.config(args)
-        return config.swap_attention or config.swap_modules is not None
+    switch, requires = "swap_attention", {"swap_modules": "swap_attention"}
 
     def validate(self, ctx) -> None:
         # the other features' flags this one cannot combine with, read through their own Config
@@ -44,8 +42,7 @@ class SwapAttentionFeature(Feature):
         from npuspeed.features.recompute_activation.recompute_activation_feature import Config as Recompute
 
         config = self.config(ctx.args)
-        if not config.swap_attention:
-            raise FeatureError(f"{MODS} {config.swap_modules} is given without {MAIN}; add {MAIN} (or drop {MODS})")
+        self.check_requires(config)
         names = parse_modules(config.swap_modules)
         if "mlp" in names and Recompute.from_args(ctx.args).recompute_activation_function:
             raise FeatureError(f"{MODS} mlp with --recompute-activation-function: the recompute frees the "
