@@ -33,6 +33,8 @@ class Config(FeatureConfig):
     """(set by npuspeed: the chosen policy)"""
     adaptive_swap: bool = flag("--adaptive-swap", False)
     """(set by npuspeed with --swap-attention: the policy chose the swap)"""
+    # swap_attention's flag (it owns it: no --help here), refused with ours unless the policy chose it
+    swap_attention: bool = False
 
 
 class AdaptiveMemoryFeature(Feature):
@@ -53,9 +55,7 @@ class AdaptiveMemoryFeature(Feature):
         size = config.adaptive_recompute_device_size
         if size <= 0:
             raise FeatureError(f"{MAIN} must be a positive number of MiB, got {size:g}")
-        # --swap-attention is swap_attention's flag; its Config reads ours (it refuses the pair too),
-        # so importing it back would be an import cycle: its parsed value is read by name instead
-        if vars(ctx.args).get("swap_attention", False) and not config.adaptive_swap:
+        if config.swap_attention and not config.adaptive_swap:
             raise FeatureError(f"--swap-attention with {MAIN}: the adaptive policy chooses swap itself (MindSpeed "
                                "refuses the pair too); drop --swap-attention")
         if not config.adaptive_policy:

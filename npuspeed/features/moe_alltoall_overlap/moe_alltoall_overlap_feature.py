@@ -20,6 +20,8 @@ class Config(FeatureConfig):
     shared experts computed while the first chunk is in flight."""
     moe_alltoall_chunks: int | None = flag("--moe-alltoall-chunks", None, type=int)
     """With --moe-alltoall-overlap-comm: chunks per MoE layer (>= 2, default 2)."""
+    # moe_tp_extend_ep's flag (it owns it: no --help here): the expert layout it changes
+    moe_tp_extend_ep: bool = False
 
     @property
     def chunks(self) -> int:
@@ -43,8 +45,8 @@ class MoeAllToAllOverlapFeature(Feature):
         if self.chunks(ctx) < 2:
             raise FeatureError(f"--moe-alltoall-chunks must be >= 2 (got {config.moe_alltoall_chunks}): one chunk "
                                "leaves the all-to-all nothing to overlap with")
-        needs_all_to_all("--moe-alltoall-overlap-comm", ctx)
-        lay = Layout.from_ctx(ctx)
+        needs_all_to_all("--moe-alltoall-overlap-comm", ctx, config.moe_tp_extend_ep)
+        lay = Layout.from_ctx(ctx, config.moe_tp_extend_ep)
         if lay.expert_tp > 1:
             raise FeatureError(f"--moe-alltoall-overlap-comm chunks whole token rows, but experts are split over "
                                f"{lay.expert_tp} tensor-parallel ranks; add --moe-tp-extend-ep or "

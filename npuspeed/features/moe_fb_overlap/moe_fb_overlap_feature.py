@@ -25,6 +25,9 @@ class Config(FeatureConfig):
     without Transformer Engine, in fp32 too."""
     # dualpipev's flag (it owns it: no --help here): DualPipeV's schedule then pairs the steps itself
     schedules_method: str | None = None
+    # moe_alltoall_overlap's flag (refused with this one) and moe_tp_extend_ep's (the expert layout)
+    moe_alltoall_overlap_comm: bool = False
+    moe_tp_extend_ep: bool = False
 
     @property
     def flag_given(self) -> str:
@@ -69,12 +72,13 @@ class MoeFbOverlapFeature(Feature):
         return bool(config.moe_fb_overlap or config.overlap_moe_expert_parallel_comm)
 
     def validate(self, ctx) -> None:
-        flag_ = self.config(ctx.args).flag_given
+        config = self.config(ctx.args)
+        flag_ = config.flag_given
         m = ctx.megatron
-        if vars(ctx.args).get("moe_alltoall_overlap_comm", False):
+        if config.moe_alltoall_overlap_comm:
             raise FeatureError(f"{flag_} hides the all-to-all behind another micro-batch; --moe-alltoall-overlap-comm "
                                "chunks the same all-to-all inside one: choose one of the two")
-        needs_all_to_all(flag_, ctx)
+        needs_all_to_all(flag_, ctx, config.moe_tp_extend_ep)
         pp = m.pipeline_model_parallel_size or 1
         if pp > 1:
             _pipeline(flag_, pp, m)

@@ -31,7 +31,7 @@ class MoeFusedPermuteFeature(Feature):
     def validate(self, ctx) -> None:
         needs_release("--use-fused-moe-token-permute-and-unpermute", permute.MEGATRON_RANGE,
                        "permute returns the permuted probabilities")
-        if Layout.from_ctx(ctx).dispatcher == "flex":
+        if Layout.from_ctx(ctx, tp_extend_ep=False).dispatcher == "flex":  # (only the dispatcher is read)
             raise FeatureError("--use-fused-moe-token-permute-and-unpermute: the flex dispatcher permutes inside "
                                "DeepEP/HybridEP; use --moe-token-dispatcher-type alltoall or allgather")
 

@@ -27,6 +27,8 @@ class Config(FeatureConfig):
     moe_grouped_gemm: bool = flag("--moe-grouped-gemm", False)
     """Megatron's flag: experts as one grouped matmul per expert weight (GroupedMLP) on every
     backend (torch grouped mm on CPU, npu_grouped_matmul on NPU), fp32/bf16."""
+    # moe_tp_extend_ep's flag (it owns it: no --help here): the expert layout it changes
+    moe_tp_extend_ep: bool = False
 
 
 class MoeGroupedGemmFeature(Feature):
@@ -38,7 +40,7 @@ class MoeGroupedGemmFeature(Feature):
     def validate(self, ctx) -> None:
         needs_release("--moe-grouped-gemm", RANGE, "GroupedMLP takes the router probabilities (0.13-0.16); "
                       "npuspeed's grouped experts replace the local spec's SequentialMLP (0.17-0.19)")
-        lay = Layout.from_ctx(ctx)
+        lay = Layout.from_ctx(ctx, self.config(ctx.args).moe_tp_extend_ep)
         if lay.experts is not None and not lay.bias_disabled:
             raise FeatureError("--moe-grouped-gemm: the grouped expert MLP has no bias; add --disable-bias-linear "
                                "(or drop --moe-grouped-gemm to keep Megatron's SequentialMLP with biases)")

@@ -24,7 +24,7 @@ class MoeTpExtendEpFeature(Feature):
     switch = "moe_tp_extend_ep"
 
     def validate(self, ctx) -> None:
-        lay = Layout.from_ctx(ctx)
+        lay = Layout.from_ctx(ctx, self.config(ctx.args).moe_tp_extend_ep)
         if lay.tp == 1:
             raise FeatureError("--moe-tp-extend-ep extends expert parallelism over the tensor-parallel ranks, but "
                                "--tensor-model-parallel-size is 1 (or not given): use TP > 1 or drop the flag")
@@ -42,6 +42,6 @@ class MoeTpExtendEpFeature(Feature):
     def path(self, ctx) -> str:
         if not self.enabled(ctx.args):
             return "off"
-        lay = Layout.from_ctx(ctx)
+        lay = Layout.from_ctx(ctx, self.config(ctx.args).moe_tp_extend_ep)
         return (f"experts over EP x TP = {lay.ep} x {lay.tp} ranks, expert-TP 1 (megatron.core expert layout "
                 "set at initialize_model_parallel and on every TransformerConfig)")
