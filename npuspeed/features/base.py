@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import argparse
 import functools
-import importlib
 
 from npuspeed.errors import UserError
-from npuspeed.plan_vocabulary import PlanEffect  # noqa: F401  (re-exported: a feature's plan_effect returns one)
+from npuspeed.plan_vocabulary import PlanEffect, PlanEffectError  # noqa: F401  (re-exported: a plan.effect returns one)
+
+#: `Feature.plan` of a class that has not said its plan module (or None)
+NOT_SAID = "not said"
 
 
 class FeatureError(UserError, ValueError):
@@ -29,9 +31,17 @@ class Feature:
     always_on: bool = False
     #: the Config field that turns the feature on, for a feature that one boolean flag enables
     switch: str | None = None
-    #: True for features that change neither memory nor time the planner models (and so do
-    #: not override `plan_effect`); a test checks every feature says one or the other
-    plan_neutral: bool = False
+    #: options that only make sense with another flag, {Config field: the field it needs}; such an
+    #: option given alone turns the feature on, so that `check_requires` (first in `validate`)
+    #: refuses it in one message naming both flags and the fix
+    requires: dict[str, str] = {}
+    #: its folder's patches module, imported by name in its <name>_feature.py:
+    #: `register(registry, ctx, config, feature)` records its patches; None: it patches nothing
+    patches = None
+    #: its folder's plan module, imported alike: `effect(model, config)` gives its PlanEffect (or
+    #: None in a run it does not change); None: it changes nothing the planner models. Every
+    #: feature says which (a test checks; the planner refuses an enabled feature that does not)
+    plan = NOT_SAID
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -49,8 +59,18 @@ class Feature:
 
     def enabled(self, args: argparse.Namespace) -> bool:
         if self.switch is not None:
-            return bool(getattr(self.config(args), self.switch))
+            config = self.config(args)
+            return any(_given(config, f) for f in (self.switch, *self.requires))
         return self.always_on
+
+    def check_requires(self, config) -> None:
+        """Raise FeatureError for an option of `requires` given without the flag it needs."""
+        for option, needed in self.requires.items():
+            if _given(config, option) and not _given(config, needed):
+                value = getattr(config, option)
+                given = _flag(config, option) + ("" if isinstance(value, bool) else f" {value}")
+                raise FeatureError(f"{given} is given without {_flag(config, needed)}; add {_flag(config, needed)} "
+                                   f"(or drop {_flag(config, option)})")
 
     def validate(self, ctx) -> None:
         """Raise FeatureError for combinations that cannot work (known from the flags alone)."""
@@ -59,12 +79,10 @@ class Feature:
         """Side effects that must precede patching (enabled features only)."""
 
     def register_patches(self, registry, ctx) -> None:
-        """Record this feature's patches in the registry (nothing is installed here): in the one
-        shape, its folder's `patches.register(registry, ctx, config, name)`. A feature whose
-        patches need more (the accelerator, a chooser) overrides this."""
-        patches = self._own_module("patches")
-        if patches is not None:
-            patches.register(registry, ctx, self.config(ctx.args), self.name)
+        """Record this feature's patches in the registry (nothing is installed here):
+        `self.patches.register(registry, ctx, config, name)`."""
+        if self.patches is not None:
+            self.patches.register(registry, ctx, self.config(ctx.args), self.name)
 
     def idle_reason(self, ctx) -> str | None:
         """Why this feature, enabled, registers no patch in this run (it acts some other way), or
@@ -79,32 +97,28 @@ class Feature:
 
     def plan_effect(self, model, ctx) -> PlanEffect | None:
         """How this feature, enabled with ctx's flags, changes the planner's model of a run of
-        `model` (npuspeed/plan/spec.py ModelSpec, with `layout` and `batch` attributes).
-        None: nothing in this run (e.g. a flag that does not apply to this model). In the one
-        shape, its folder's `plan.effect(model, config)`."""
-        plan = None if self.plan_neutral else self._own_module("plan")
-        return None if plan is None else plan.effect(model, self.config(ctx.args))
-
-    def states_plan_effect(self) -> bool:
-        """Whether it has a plan effect of its own: its folder's plan.py, or an override."""
-        return type(self).plan_effect is not Feature.plan_effect or self._own_module("plan") is not None
-
-    def _own_module(self, leaf: str):
-        """npuspeed.features.<name>.<leaf> when this class lives in its own folder (the one
-        shape) and the module exists, else None."""
-        package = type(self).__module__.rpartition(".")[0]
-        if package != f"npuspeed.features.{self.name}" or self.Config is None:
-            return None
-        try:
-            return importlib.import_module(f"{package}.{leaf}")
-        except ModuleNotFoundError as exc:
-            if exc.name != f"{package}.{leaf}":
-                raise
-            return None
+        `model` (npuspeed/plan/spec.py RunSpec: `model`, `layout`, `batch`, the planned `device`):
+        `self.plan.effect(model, config)`. None: nothing in this run (e.g. a flag that does not
+        apply to this model), or `plan = None`."""
+        if self.plan is NOT_SAID:
+            raise PlanEffectError(f"feature {self.name} is enabled but does not say its plan effect: give its class "
+                                  "plan = <its plan module> (effect(model, config)), or plan = None where it "
+                                  "changes nothing the planner models")
+        return None if self.plan is None else self.plan.effect(model, self.config(ctx.args))
 
     def path(self, ctx) -> str:
         """Which implementation runs, for the report (e.g. 'npu_fusion_attention')."""
         return "on" if self.enabled(ctx.args) else "off"
+
+
+def _given(config, field: str) -> bool:
+    """Whether the flag of `field` was given: its value is not the field's default (a switch: true)."""
+    value, default = getattr(config, field), type(config).__dataclass_fields__[field].default
+    return bool(value) != default if isinstance(default, bool) else value != default
+
+
+def _flag(config, field: str) -> str:
+    return type(config).__dataclass_fields__[field].metadata["argparse"]["flag"]
 
 
 def after_init(apply, *args):

@@ -9,10 +9,9 @@ import math
 from npuspeed.features.base import FeatureError
 
 
-def check(main: str, on: bool, num_flag: str, num: int | None, what: str) -> None:
-    """`num_flag` needs `main`, and is a positive number of layers (`what`: the recomputed thing)."""
-    if not on:
-        raise FeatureError(f"{num_flag} {num} is given without {main}; add {main} (or drop {num_flag})")
+def check(num_flag: str, num: int | None, what: str) -> None:
+    """`num_flag` is a positive number of layers (`what`: the recomputed thing); that it needs its
+    main flag is the feature's `requires`."""
     if num is not None and num < 1:
         raise FeatureError(f"{num_flag} must be a positive number of layers per pipeline stage, got {num}; "
                            f"drop it to recompute {what} of every layer")

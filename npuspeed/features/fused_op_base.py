@@ -29,23 +29,15 @@ class FusedOpFeature(Feature):
     #: what runs with the flag off, for the report
     megatron_path: str = ""
 
-    #: the feature folder's patches.py (`register(registry, ctx, config, feature)`) and plan.py
-    #: (`effect(model, config, what)`)
-    patches_module = plan_module = None
     #: the implementation module with `acts_in(block)`, `found_in(block)` and `NEEDS`, or None
     #: where a built block cannot tell whether the flag acts
     built_module = None
 
-    def register_patches(self, registry, ctx) -> None:
-        self.patches_module.register(registry, ctx, self.config(ctx.args), self.name)
-
-    def plan_effect(self, model, ctx):
-        return self.plan_module.effect(model, self.config(ctx.args), f"{self.replaces}: one fused kernel ({self.op})")
-
     def prepare(self, ctx) -> None:
-        path = self.path(ctx)
-        if "unavailable" in path or "no npuspeed" in path or "has no" in path:
-            ctx.note(f"{self.flags[0]}: {path}")
+        """One notice where a kernel this accelerator would offer is absent (Megatron's path and the
+        others still run)."""
+        if any(not runs for _, runs in self.candidate_states(ctx.accelerator)):
+            ctx.note(f"{self.flags[0]}: {self.path(ctx)}")
 
     def check_built(self, block, ctx) -> str | None:
         impl = self.built_module
@@ -68,30 +60,36 @@ class FusedOpFeature(Feature):
 
     def candidates(self, accelerator) -> list[str]:
         """What this flag chooses among on this accelerator, with why a kernel is absent."""
+        return [what for what, _ in self.candidate_states(accelerator)]
+
+    def candidate_states(self, accelerator) -> list[tuple[str, bool]]:
+        """(what, whether it runs here) for each candidate this accelerator would offer."""
         found = []
         traits = for_device(accelerator.name)
         if traits.has_vendor_kernels():
-            found.append(f"torch_npu.{self.npu_kernel}" if npu.has(accelerator, self.npu_kernel)
-                         else f"no native op (this torch_npu has no {self.npu_kernel})")
+            native = npu.has(accelerator, self.npu_kernel)
+            found.append((f"torch_npu.{self.npu_kernel}" if native
+                          else f"no native op (this torch_npu has no {self.npu_kernel})", native))
         if not traits.host_is_device():
             found.append(_triton_state(self.triton_module))
         else:
             from npuspeed.ops._extension import has_op, load_library
 
-            lib = load_library()
-            found.append(f"npuspeed::{self.op} (C++ {self.source}, {lib['source']}, {lib.get('cpu_capability')})"
-                         if has_op(self.op) else
-                         f"no npuspeed kernel (C++ op library unavailable: {lib['error'] or 'op missing'})")
-        found.append(f"Megatron's path ({self.megatron_path})")
+            lib, ours = load_library(), has_op(self.op)
+            found.append((f"npuspeed::{self.op} (C++ {self.source}, {lib['source']}, {lib.get('cpu_capability')})"
+                          if ours else
+                          f"no npuspeed kernel (C++ op library unavailable: {lib['error'] or 'op missing'})", ours))
+        found.append((f"Megatron's path ({self.megatron_path})", True))
         return found
 
 
-def _triton_state(module: str) -> str:
+def _triton_state(module: str) -> tuple[str, bool]:
     try:
         import importlib
 
         kernels = importlib.import_module(f"npuspeed.ops.triton.{module}")
     except ImportError as exc:
-        return f"no npuspeed Triton kernel ({exc})"
-    return (f"npuspeed Triton kernel (npuspeed.ops.triton.{module})" if kernels.available()
-            else f"no npuspeed Triton kernel (npuspeed.ops.triton.{module}.available() is False)")
+        return f"no npuspeed Triton kernel ({exc})", False
+    if kernels.available():
+        return f"npuspeed Triton kernel (npuspeed.ops.triton.{module})", True
+    return f"no npuspeed Triton kernel (npuspeed.ops.triton.{module}.available() is False)", False

@@ -1,14 +1,14 @@
 """The enabled features' plan effects, merged: what the planner swaps, hides and keeps.
 
-Each feature states its effect in one method (`Feature.plan_effect`, npuspeed/features/
-base.py) in the words of npuspeed/plan_vocabulary.py; this module asks every enabled feature
-and refuses an effect naming a slot, variant or kernel the planner does not model, and an
-enabled feature that states nothing while not declared neutral. So a new feature cannot be
+Each feature states its effect in its plan module's `effect(model, config)` (`Feature.plan`,
+npuspeed/features/base.py; `plan = None`: none) in the words of npuspeed/plan_vocabulary.py;
+this module asks every enabled feature and refuses an effect naming a slot, variant or kernel
+the planner does not model, and an enabled feature that has not said its plan module. So a new feature cannot be
 left out of the plan silently.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from npuspeed.plan_vocabulary import PlanEffect, PlanEffectError, check  # noqa: F401  (re-exported)
 
@@ -68,15 +68,11 @@ def collect(spec, ctx, features) -> Effects:
            "options": {}, "comm_per_layer": {}, "swap_optimizer": {}, "swap_modules": (), "fb_pairs": None,
            "extra_in_flight": 0, "schedule": None, "summaries": [],
            "features": []}
+    spec = replace(spec, device=getattr(ctx.accelerator, "name", "cpu"))
     for feature in features:
         if not feature.enabled(ctx.args) or feature.always_on:
             continue
         out["features"].append(feature.name)
-        if not feature.states_plan_effect():
-            if not feature.plan_neutral:
-                raise PlanEffectError(f"feature {feature.name} is enabled but states no plan effect: give it a "
-                                      "plan.py effect (or override Feature.plan_effect) or set plan_neutral = True")
-            continue
         effect = feature.plan_effect(spec, ctx)
         if effect is None:
             continue

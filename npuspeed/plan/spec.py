@@ -117,6 +117,9 @@ class RunSpec:
     devices: int = 1
     device_memory_bytes: int | None = None
     extra: dict = field(default_factory=dict)
+    #: the accelerator planned for ("cpu", "cuda", "npu"): what the features' plan effects ask
+    #: of it (effects.collect sets it from the run's Context)
+    device: str = "cpu"
 
     def with_layout(self, layout: Layout, feature_argv=None, micro_batch=None) -> "RunSpec":
         batch = self.batch if micro_batch is None else replace(self.batch, micro_batch=micro_batch)

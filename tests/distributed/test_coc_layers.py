@@ -74,10 +74,10 @@ class CountingCollectives:
 def _enable_coc(n: int, acc, extra=()):
     from feature_ctx import ctx_for
 
-    from npuspeed.features.coc_overlap import CocFeature
+    from npuspeed.features.coc_overlap import CocOverlapFeature
     from npuspeed.patching import registry
 
-    feature = CocFeature()
+    feature = CocOverlapFeature()
     ctx = ctx_for(["--use-coc", "--coc-parallel-num", str(n), *extra], acc)
     feature.validate(ctx)
     feature.register_patches(registry, ctx)

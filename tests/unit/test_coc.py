@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, strategies as st
 
 from npuspeed.features import FeatureError
-from npuspeed.features.coc_overlap import CocFeature, chunking, layers, mc2
+from npuspeed.features.coc_overlap import CocOverlapFeature, chunking, layers, mc2
 
 
 def _ctx(*argv, acc=None):
@@ -61,11 +61,11 @@ def test_fallback_is_logged_once_per_shape_even_down_to_one_chunk():
     (["--use-coc"], "--coc-parallel-num N with N > 1 \\(not given\\)"),
     (["--use-coc", "--coc-parallel-num", "1"], "--coc-parallel-num N with N > 1 \\(got 1\\)"),
     (["--use-coc", "--coc-parallel-num", "0"], "got 0"),
-    (["--coc-parallel-num", "4"], "--coc-parallel-num only apply with --use-coc"),
-    (["--use-ascend-mc2"], "--use-ascend-mc2 only apply with --use-coc"),
+    (["--coc-parallel-num", "4"], "--coc-parallel-num 4 is given without --use-coc"),
+    (["--use-ascend-mc2"], "--use-ascend-mc2 is given without --use-coc"),
 ])
 def test_bad_flags_are_errors_naming_the_flag(argv, match):
-    feature = CocFeature()
+    feature = CocOverlapFeature()
     ctx = _ctx(*argv)
     assert feature.enabled(ctx.args)
     with pytest.raises(FeatureError, match=match):
@@ -73,7 +73,7 @@ def test_bad_flags_are_errors_naming_the_flag(argv, match):
 
 
 def test_tp1_on_the_command_line_is_an_error(monkeypatch):
-    feature = CocFeature()
+    feature = CocOverlapFeature()
     coc = ("--use-coc", "--coc-parallel-num", "2")
     monkeypatch.setattr("sys.argv", ["train.py", "--tensor-model-parallel-size", "2"])  # not read
     with pytest.raises(FeatureError, match="--use-coc.*--tensor-model-parallel-size is 1"):
@@ -85,8 +85,8 @@ def test_tp1_on_the_command_line_is_an_error(monkeypatch):
 
 
 def test_off_without_flags():
-    assert not CocFeature().enabled(_ctx().args)
-    assert CocFeature().path(_ctx()) == "off"
+    assert not CocOverlapFeature().enabled(_ctx().args)
+    assert CocOverlapFeature().path(_ctx()) == "off"
 
 
 # -- construction-time refusals -----------------------------------------------------------------
@@ -160,7 +160,7 @@ def test_a_built_block_with_a_foreign_linear_is_refused(megatron_mp):  # noqa: F
     from megatron.core.tensor_parallel.layers import RowParallelLinear
     from megatron.core.transformer import TransformerConfig
 
-    from npuspeed.features.coc_overlap import CocFeature
+    from npuspeed.features.coc_overlap import CocOverlapFeature
 
     class TEColumnParallelLinear(torch.nn.Module):  # what a Transformer Engine spec would build
         def __init__(self, *args, **kwargs):
@@ -168,12 +168,12 @@ def test_a_built_block_with_a_foreign_linear_is_refused(megatron_mp):  # noqa: F
 
     config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, use_cpu_initialization=True)
     mlp = MLP(config, MLPSubmodules(linear_fc1=TEColumnParallelLinear, linear_fc2=RowParallelLinear))
-    problem = CocFeature().check_built(torch.nn.ModuleList([mlp]), None)
+    problem = CocOverlapFeature().check_built(torch.nn.ModuleList([mlp]), None)
     assert problem and "TEColumnParallelLinear" in problem and "--use-coc" in problem, problem
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 
     local = MLP(config, MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear))
-    assert CocFeature().check_built(torch.nn.ModuleList([local]), None) is None
+    assert CocOverlapFeature().check_built(torch.nn.ModuleList([local]), None) is None
 
 
 def test_gtp_sharded_weights_are_refused():
@@ -229,7 +229,7 @@ class _FakeNpuAcc:
 
 
 def test_report_path_says_which_path_runs(npuspeed_runtime):
-    feature = CocFeature()
+    feature = CocOverlapFeature()
     args = ("--use-coc", "--coc-parallel-num", "4")
     cpu = npuspeed_runtime.accelerator
     text = feature.path(_ctx(*args, acc=cpu))

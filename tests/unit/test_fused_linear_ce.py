@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from npuspeed import telemetry
-from npuspeed.features.fused_linear_ce import FusedLinearCrossEntropyFeature
+from npuspeed.features.fused_linear_ce import FusedLinearCEFeature
 from npuspeed.features.fused_linear_ce.function import CALLS, CHUNKS, linear_cross_entropy, tile
 
 FLAG, CHUNK, FALLBACK = ("--use-fused-linear-cross-entropy", "--fused-linear-cross-entropy-chunk-size",
@@ -188,7 +188,7 @@ def test_auto_measures_once_per_shape_and_the_report_says_which(megatron_mp, wit
         counted = telemetry.since(before, "fused_linear_ce.")
         choice = telemetry.last(CHOICE)
         ctx = type("Ctx", (), {"args": args, "accelerator": megatron_mp.accelerator})()
-        path = FusedLinearCrossEntropyFeature().path(ctx)
+        path = FusedLinearCEFeature().path(ctx)
     assert choice["key"][2:] == (SEQ * BATCH, HIDDEN, VOCAB) and choice["chunked_ms"] > 0 and choice["megatron_ms"] > 0
     if choice["path"] == "chunked":  # the trial's own tiles are not counted
         assert counted[CALLS] == 2
@@ -219,7 +219,7 @@ def test_bad_flags(npuspeed_runtime, argv, match):
 
     ctx = runtime.make_context(all_features(), argv, npuspeed_runtime.accelerator)
     with pytest.raises(FeatureError, match=match):
-        FusedLinearCrossEntropyFeature().validate(ctx)
+        FusedLinearCEFeature().validate(ctx)
 
 
 @pytest.mark.parametrize("chunked_s,megatron_s,expected", [(1.0, 1.0, "chunked"), (1.2, 1.0, "chunked"),

@@ -11,10 +11,10 @@ from feature_ctx import ctx_for
 
 from launch import EXAMPLE, ROOT
 from npuspeed.features import FeatureError, all_features
-from npuspeed.features.moe_alltoall_overlap import AllToAllOverlapFeature
-from npuspeed.features.moe_fused_permute import FusedPermuteFeature
-from npuspeed.features.moe_grouped_gemm import GroupedGemmFeature
-from npuspeed.features.moe_tp_extend_ep import TpExtendEpFeature
+from npuspeed.features.moe_alltoall_overlap import MoeAllToAllOverlapFeature
+from npuspeed.features.moe_fused_permute import MoeFusedPermuteFeature
+from npuspeed.features.moe_grouped_gemm import MoeGroupedGemmFeature
+from npuspeed.features.moe_tp_extend_ep import MoeTpExtendEpFeature
 
 MOE = ["--num-experts", "8", "--disable-bias-linear"]
 
@@ -26,30 +26,30 @@ def _validate(feature, argv):
 
 
 @pytest.mark.parametrize("feature, argv, needle", [
-    (GroupedGemmFeature(), ["--moe-grouped-gemm", "--num-experts", "8"], "add --disable-bias-linear"),
-    (GroupedGemmFeature(), ["--moe-grouped-gemm", *MOE, "--expert-model-parallel-size", "3"],
+    (MoeGroupedGemmFeature(), ["--moe-grouped-gemm", "--num-experts", "8"], "add --disable-bias-linear"),
+    (MoeGroupedGemmFeature(), ["--moe-grouped-gemm", *MOE, "--expert-model-parallel-size", "3"],
      "8 experts cannot be split over 3 expert-parallel ranks"),
-    (GroupedGemmFeature(), ["--moe-grouped-gemm", *MOE, "--expert-model-parallel-size", "2",
+    (MoeGroupedGemmFeature(), ["--moe-grouped-gemm", *MOE, "--expert-model-parallel-size", "2",
                             "--tensor-model-parallel-size", "3", "--moe-tp-extend-ep"],
      "divisible by --expert-model-parallel-size x --tensor-model-parallel-size"),
-    (GroupedGemmFeature(), ["--moe-grouped-gemm", *MOE, "--tensor-model-parallel-size", "2",
+    (MoeGroupedGemmFeature(), ["--moe-grouped-gemm", *MOE, "--tensor-model-parallel-size", "2",
                             "--moe-ffn-hidden-size", "101"], "expert FFN size 101 cannot be split over 2"),
-    (TpExtendEpFeature(), ["--moe-tp-extend-ep", *MOE], "--tensor-model-parallel-size is 1"),
-    (TpExtendEpFeature(), ["--moe-tp-extend-ep", "--num-experts", "6", "--expert-model-parallel-size", "2",
+    (MoeTpExtendEpFeature(), ["--moe-tp-extend-ep", *MOE], "--tensor-model-parallel-size is 1"),
+    (MoeTpExtendEpFeature(), ["--moe-tp-extend-ep", "--num-experts", "6", "--expert-model-parallel-size", "2",
                            "--tensor-model-parallel-size", "2"], "EP x TP = 2 x 2 = 4 ranks, which does not divide"),
-    (TpExtendEpFeature(), ["--moe-tp-extend-ep", *MOE, "--tensor-model-parallel-size", "2",
+    (MoeTpExtendEpFeature(), ["--moe-tp-extend-ep", *MOE, "--tensor-model-parallel-size", "2",
                            "--expert-tensor-parallel-size", "2"], "--expert-tensor-parallel-size is 2"),
-    (AllToAllOverlapFeature(), ["--moe-alltoall-overlap-comm", "--moe-alltoall-chunks", "1"], "must be >= 2"),
-    (AllToAllOverlapFeature(), ["--moe-alltoall-chunks", "4"], "only applies with --moe-alltoall-overlap-comm"),
-    (AllToAllOverlapFeature(), ["--moe-alltoall-overlap-comm", "--moe-token-dispatcher-type", "allgather"],
+    (MoeAllToAllOverlapFeature(), ["--moe-alltoall-overlap-comm", "--moe-alltoall-chunks", "1"], "must be >= 2"),
+    (MoeAllToAllOverlapFeature(), ["--moe-alltoall-chunks", "4"], "--moe-alltoall-chunks 4 is given without --moe-alltoall-overlap-comm"),
+    (MoeAllToAllOverlapFeature(), ["--moe-alltoall-overlap-comm", "--moe-token-dispatcher-type", "allgather"],
      "use alltoall or drop the flag"),
-    (AllToAllOverlapFeature(), ["--moe-alltoall-overlap-comm", "--expert-model-parallel-size", "1"],
+    (MoeAllToAllOverlapFeature(), ["--moe-alltoall-overlap-comm", "--expert-model-parallel-size", "1"],
      "no all-to-all to overlap"),
-    (AllToAllOverlapFeature(), ["--moe-alltoall-overlap-comm", "--expert-model-parallel-size", "2",
+    (MoeAllToAllOverlapFeature(), ["--moe-alltoall-overlap-comm", "--expert-model-parallel-size", "2",
                                 "--tensor-model-parallel-size", "2"], "add --moe-tp-extend-ep"),
-    (AllToAllOverlapFeature(), ["--moe-alltoall-overlap-comm", "--expert-model-parallel-size", "2",
+    (MoeAllToAllOverlapFeature(), ["--moe-alltoall-overlap-comm", "--expert-model-parallel-size", "2",
                                 "--moe-shared-expert-overlap"], "drop Megatron's --moe-shared-expert-overlap"),
-    (FusedPermuteFeature(), ["--use-fused-moe-token-permute-and-unpermute", "--moe-token-dispatcher-type", "flex"],
+    (MoeFusedPermuteFeature(), ["--use-fused-moe-token-permute-and-unpermute", "--moe-token-dispatcher-type", "flex"],
      "flex dispatcher"),
 ])
 def test_bad_layouts_are_start_up_errors(feature, argv, needle):
@@ -59,13 +59,13 @@ def test_bad_layouts_are_start_up_errors(feature, argv, needle):
 
 
 @pytest.mark.parametrize("feature, argv", [
-    (GroupedGemmFeature(), ["--moe-grouped-gemm", *MOE, "--expert-model-parallel-size", "2"]),
-    (TpExtendEpFeature(), ["--moe-tp-extend-ep", *MOE, "--expert-model-parallel-size", "2",
+    (MoeGroupedGemmFeature(), ["--moe-grouped-gemm", *MOE, "--expert-model-parallel-size", "2"]),
+    (MoeTpExtendEpFeature(), ["--moe-tp-extend-ep", *MOE, "--expert-model-parallel-size", "2",
                            "--tensor-model-parallel-size", "2"]),
-    (AllToAllOverlapFeature(), ["--moe-alltoall-overlap-comm", "--expert-model-parallel-size", "2"]),
-    (AllToAllOverlapFeature(), ["--moe-alltoall-overlap-comm", "--expert-model-parallel-size", "2",
+    (MoeAllToAllOverlapFeature(), ["--moe-alltoall-overlap-comm", "--expert-model-parallel-size", "2"]),
+    (MoeAllToAllOverlapFeature(), ["--moe-alltoall-overlap-comm", "--expert-model-parallel-size", "2",
                                 "--tensor-model-parallel-size", "2", "--moe-tp-extend-ep"]),
-    (FusedPermuteFeature(), ["--use-fused-moe-token-permute-and-unpermute"]),
+    (MoeFusedPermuteFeature(), ["--use-fused-moe-token-permute-and-unpermute"]),
 ])
 def test_good_layouts_pass(feature, argv):
     _validate(feature, argv)
@@ -134,9 +134,9 @@ def test_example_refuses_bad_moe_layout_before_training():
 
 
 @pytest.mark.parametrize("feature, argv, release", [
-    (GroupedGemmFeature(), ["--moe-grouped-gemm"], "0.12.0"),
-    (FusedPermuteFeature(), ["--use-fused-moe-token-permute-and-unpermute"], "0.12.0"),
-    (AllToAllOverlapFeature(), ["--moe-alltoall-overlap-comm"], "0.15.0"),
+    (MoeGroupedGemmFeature(), ["--moe-grouped-gemm"], "0.12.0"),
+    (MoeFusedPermuteFeature(), ["--use-fused-moe-token-permute-and-unpermute"], "0.12.0"),
+    (MoeAllToAllOverlapFeature(), ["--moe-alltoall-overlap-comm"], "0.15.0"),
 ])
 def test_older_megatron_is_a_start_up_error_not_a_skipped_patch(monkeypatch, feature, argv, release):
     from packaging.version import Version

@@ -93,14 +93,14 @@ def test_triton_is_not_a_candidate_on_a_real_cpu_run():
 def test_report_names_the_triton_pair_where_triton_runs(monkeypatch):
     import types
 
-    from npuspeed.features.moe_fused_permute.moe_fused_permute_feature import FusedPermuteFeature
+    from npuspeed.features.moe_fused_permute.moe_fused_permute_feature import MoeFusedPermuteFeature
     from npuspeed.ops.triton import moe_permute as kernels
 
     args = types.SimpleNamespace(use_fused_moe_token_permute_and_unpermute=True)
     cuda = types.SimpleNamespace(args=args, accelerator=types.SimpleNamespace(name="cuda"))
     monkeypatch.setattr(kernels, "available", lambda: False)
-    assert "no npuspeed kernel" in FusedPermuteFeature().path(cuda)
+    assert "no npuspeed kernel" in MoeFusedPermuteFeature().path(cuda)
     monkeypatch.setattr(kernels, "available", lambda: True)
-    assert FusedPermuteFeature().path(cuda).startswith("npuspeed Triton kernels (npuspeed.ops.triton.moe_permute")
+    assert MoeFusedPermuteFeature().path(cuda).startswith("npuspeed Triton kernels (npuspeed.ops.triton.moe_permute")
     npu = types.SimpleNamespace(args=args, accelerator=types.SimpleNamespace(name="npu", torch_npu=object()))
-    assert "this torch_npu has no npu_moe_token_permute_with_routing_map" in FusedPermuteFeature().path(npu)
+    assert "this torch_npu has no npu_moe_token_permute_with_routing_map" in MoeFusedPermuteFeature().path(npu)

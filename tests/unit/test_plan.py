@@ -15,15 +15,14 @@ MODEL = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "
          "--micro-batch-size", "2"]
 
 
-def test_every_feature_states_its_plan_effect_or_declares_none():
-    """A feature's effect is its folder's plan.effect (the one shape) or an override of
-    plan_effect; a feature that changes nothing the planner models says plan_neutral instead."""
+def test_every_feature_says_its_plan_module_or_none():
+    """A feature's effect is its plan module's effect(model, config); one that changes nothing the
+    planner models says plan = None (the full check of the wiring: test_feature_wiring.py)."""
+    from npuspeed.features.base import NOT_SAID
+
     for feature in all_features():
-        overrides = type(feature).plan_effect is not Feature.plan_effect
-        states = feature.states_plan_effect()
-        assert (states and not feature.plan_neutral) or (feature.plan_neutral and not overrides), (
-            f"{feature.name}: give it a plan.py effect or override plan_effect (it changes memory or time), "
-            "or set plan_neutral = True, not both and not neither")
+        assert feature.plan is not NOT_SAID, f"{feature.name}: give its class plan = <its plan module> or None"
+        assert type(feature).plan_effect is Feature.plan_effect, f"{feature.name} overrides plan_effect"
 
 
 def test_an_enabled_feature_without_an_effect_is_refused():
@@ -34,7 +33,7 @@ def test_an_enabled_feature_without_an_effect_is_refused():
             return True
 
     p = plan(MODEL + ["--nproc-per-node", "1"], with_removes=False)
-    with pytest.raises(effects.PlanEffectError, match="silent.*plan_effect"):
+    with pytest.raises(effects.PlanEffectError, match="silent.*plan = <its plan module>"):
         effects.collect(p.spec, _ctx(), [Silent()])
 
 

@@ -54,7 +54,8 @@ def test_a_device_without_pinned_memory_is_refused_and_cpu_says_it_saves_nothing
     notes = []
     _feature().validate(types.SimpleNamespace(args=ctx.args, accelerator=ctx.accelerator, note=notes.append))
     assert any("the host is the device" in n and "nothing is saved" in n for n in notes)
-    assert "host is the device" in _feature().plan_effect(None, ctx).summary
+    cpu = types.SimpleNamespace(device=ctx.accelerator.name)  # the planned device (RunSpec.device)
+    assert "host is the device" in _feature().plan_effect(cpu, ctx).summary
 
 
 def _stats():

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from npuspeed.features.base import Feature, FeatureError
 from npuspeed.features.config import FeatureConfig, flag
+from npuspeed.features.adaptive_memory import patches as _patches
 
 MAIN, OPT = "--adaptive-recompute-device-size", "--adaptive-memory-optimization"
 
@@ -32,30 +33,29 @@ class Config(FeatureConfig):
     """(set by npuspeed: the chosen policy)"""
     adaptive_swap: bool = flag("--adaptive-swap", False)
     """(set by npuspeed with --swap-attention: the policy chose the swap)"""
+    # swap_attention's flag (it owns it: no --help here), refused with ours unless the policy chose it
+    swap_attention: bool = False
 
 
 class AdaptiveMemoryFeature(Feature):
     name = "adaptive_memory"
     Config = Config
+    #: no plan effect of its own: the policy becomes explicit flags of other features before planning
+    #: (plan/adaptive.py), whose effects are counted; counting it here too would count them twice
+    patches, plan = _patches, None
     #: the user's flags; --adaptive-policy and --adaptive-swap are written by npuspeed (plan/adaptive.py)
     flags = (MAIN, OPT)
-    #: the policy becomes explicit flags of other features before planning (plan/adaptive.py)
-    plan_neutral = True
 
-    def enabled(self, args) -> bool:
-        config = self.config(args)
-        return config.adaptive_recompute_device_size is not None or config.adaptive_memory_optimization
+    switch = "adaptive_recompute_device_size"
+    requires = {"adaptive_memory_optimization": "adaptive_recompute_device_size"}
 
     def validate(self, ctx) -> None:
         config = self.config(ctx.args)
+        self.check_requires(config)
         size = config.adaptive_recompute_device_size
-        if size is None:
-            raise FeatureError(f"{OPT} is given without {MAIN}; add {MAIN} MB (the device budget per rank)")
         if size <= 0:
             raise FeatureError(f"{MAIN} must be a positive number of MiB, got {size:g}")
-        # --swap-attention is swap_attention's flag; its Config reads ours (it refuses the pair too),
-        # so importing it back would be an import cycle: its parsed value is read by name instead
-        if vars(ctx.args).get("swap_attention", False) and not config.adaptive_swap:
+        if config.swap_attention and not config.adaptive_swap:
             raise FeatureError(f"--swap-attention with {MAIN}: the adaptive policy chooses swap itself (MindSpeed "
                                "refuses the pair too); drop --swap-attention")
         if not config.adaptive_policy:

@@ -21,6 +21,7 @@ from npuspeed.accelerator.devices import for_device
 from npuspeed.features.base import Feature, FeatureError
 from npuspeed.features.coc_overlap.layers import Settings, check_linear_class, use_mc2
 from npuspeed.features.config import FeatureConfig, flag
+from npuspeed.features.coc_overlap import patches as _patches, plan as _plan
 
 
 @dataclass(frozen=True)
@@ -37,22 +38,16 @@ class Config(FeatureConfig):
 
 
 
-class CocFeature(Feature):
+class CocOverlapFeature(Feature):
     name = "coc_overlap"
     Config = Config
+    patches, plan = _patches, _plan
 
-    def enabled(self, args) -> bool:
-        # The companion flags alone turn the feature on, so validate() can refuse them.
-        config = self.config(args)
-        return bool(config.use_coc or config.use_ascend_mc2 or config.coc_parallel_num is not None)
+    switch, requires = "use_coc", {"coc_parallel_num": "use_coc", "use_ascend_mc2": "use_coc"}
 
     def validate(self, ctx) -> None:
         config = self.config(ctx.args)
-        if not config.use_coc:
-            given = [f for f, on in (("--coc-parallel-num", config.coc_parallel_num is not None),
-                                     ("--use-ascend-mc2", config.use_ascend_mc2)) if on]
-            raise FeatureError(f"{', '.join(given)} only apply with --use-coc: add --use-coc "
-                               "--coc-parallel-num N (N > 1) or drop them.")
+        self.check_requires(config)
         n = config.coc_parallel_num
         if n is None or n <= 1:
             got = "not given" if n is None else f"got {n}"

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from npuspeed.accelerator.devices import for_device
 from npuspeed.features.base import Feature
 from npuspeed.features.config import FeatureConfig, flag
+from npuspeed.features.context_parallel import patches as _patches, plan as _plan
 from npuspeed.features.context_parallel import validate
 from npuspeed.features.attention.cp_attention import ATTR
 from npuspeed.features.attention.layout import ALGOS, CPLayout
@@ -52,6 +53,7 @@ class Config(FeatureConfig):
 class ContextParallelFeature(Feature):
     name = "context_parallel"
     Config = Config
+    patches, plan = _patches, _plan
 
     def enabled(self, args: argparse.Namespace) -> bool:
         config = self.config(args)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from npuspeed.accelerator.devices import for_device
 from npuspeed.features.base import Feature
 from npuspeed.features.config import FeatureConfig, flag
+from npuspeed.features.device import patches as _patches
 from npuspeed.features.device import determinism
 from npuspeed.features.device.apex_guard import guard_apex
 
@@ -53,7 +54,9 @@ def _cache_triton_probe() -> None:
 class DeviceFeature(Feature):
     name = "device"
     Config = Config
-    plan_neutral = True  # device plumbing: no memory or time of its own in the plan (plan.py)
+    #: no plan effect: its patches let megatron.core run on the chosen accelerator without changing
+    #: what it computes or keeps; the planner models the device itself
+    patches, plan = _patches, None
     always_on = True
 
     def prepare(self, ctx) -> None:

@@ -29,7 +29,7 @@ def register(registry, ctx, config, feature: str) -> None:
     gloo_p2p.register(registry, feature)  # PP 2 + VPP on gloo: activations and gradients told apart by tag
     from npuspeed.features.pipeline.bubble import patches as bubble
 
-    bubble.register_for_megatron(registry, ctx, feature)  # NPUSPEED_MEASURE_BUBBLE=1: Megatron's schedules timed
+    bubble.register_for_megatron(registry, ctx, feature)  # NPUSPEED_MEASURE_BUBBLE=1: Megatron's timed
     # DistributedOptimizer with torch's Adam (no apex/TE): checkpoint save/load bugs.
     distopt_fixes.register(registry, feature, ">=0.16,<0.20")  # upstream bugs unchanged through 0.19
     # torch's Adam (no apex/TE) built with fused=True where the device has the kernel (--npuspeed-adam)

@@ -9,9 +9,10 @@ from npuspeed.features.base import Feature, FeatureError
 from npuspeed.features.config import FeatureConfig, flag
 from npuspeed.features.pipeline.v_placement import RANGE
 from npuspeed.features.pipeline.which import microbatches_per_step, pairs_overlap, v_schedule
+from npuspeed.features.dualpipev import patches as _patches, plan as _plan
+from npuspeed.features.dualpipev.schedule import FLAG, batch_message
 from npuspeed.patching.versions import in_range, megatron_version
 
-FLAG = "--schedules-method dualpipev"
 
 
 @dataclass(frozen=True)
@@ -23,12 +24,6 @@ class Config(FeatureConfig):
     expert all-to-alls hide behind each other's compute). Needs megatron-core 0.14+,
     --num-layers-per-virtual-pipeline-stage = num-layers / (2 x PP), untied embeddings, and at
     least 2 x PP micro-batches a step."""
-
-
-def batch_message(microbatches: int, pp: int) -> str:
-    return (f"{FLAG} at --pipeline-model-parallel-size {pp} needs at least 2 x {pp} = {2 * pp} micro-batches a "
-            f"step (got {microbatches}): raise --global-batch-size to at least {2 * pp} x data-parallel x "
-            "--micro-batch-size")
 
 
 def _layers(m, pp: int) -> None:
@@ -63,6 +58,7 @@ def _refusals(m) -> list[tuple[bool, str]]:
 class DualPipeVFeature(Feature):
     name = "dualpipev"
     Config = Config
+    patches, plan = _patches, _plan
 
     def enabled(self, args) -> bool:
         return v_schedule(args)  # the one answer, which the features that step aside for the V ask too
@@ -87,7 +83,7 @@ class DualPipeVFeature(Feature):
     def path(self, ctx) -> str:
         if not self.enabled(ctx.args):
             return "off"
-        how = ("taking turns at each expert all-to-all (--moe-fb-overlap)" if pairs_overlap(ctx.args)
+        how = ("taking turns at each expert all-to-all (--moe-fb-overlap)" if self.config(ctx.args).pairs_overlap
                else "one after the other (add --moe-fb-overlap to overlap them)")
         return ("DualPipeV: rank r holds stages r and 2P-1-r (V placement through Megatron's layer offsets), "
                 f"npuspeed's per-rank order and sends/receives; steady steps pair a forward and a backward, {how}")

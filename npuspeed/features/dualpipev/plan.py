@@ -19,10 +19,10 @@ def paired_steps(ranks: int, rank: int, microbatches: int) -> int:
     return sum(op.paired for _, op in v_order.schedule(ranks, rank, microbatches))
 
 
-def effect(spec, config):
+def effect(model, config):
     from npuspeed.features.base import PlanEffect
 
-    p, m = spec.layout.pp, spec.batch.num_microbatches(spec.layout.dp)
+    p, m = model.layout.pp, model.batch.num_microbatches(model.layout.dp)
     return PlanEffect(schedule="dualpipev", summary=(
         f"V placement: rank r holds stages r and {2 * p - 1}-r (embedding and loss on rank 0), DualPipeV's "
         f"order with {paired_steps(p, 0, m)} paired steps on rank 0; bubble (P-1)(F&B + B - 3W) = "

@@ -10,6 +10,14 @@ import inspect
 
 from npuspeed.features.base import FeatureError
 
+FLAG = "--schedules-method dualpipev"
+
+
+def batch_message(microbatches: int, pp: int) -> str:
+    return (f"{FLAG} at --pipeline-model-parallel-size {pp} needs at least 2 x {pp} = {2 * pp} micro-batches a "
+            f"step (got {microbatches}): raise --global-batch-size to at least {2 * pp} x data-parallel x "
+            "--micro-batch-size")
+
 
 def wrapper(note, overlap: bool, measure: bool):
     def wrap(original):
@@ -19,7 +27,6 @@ def wrapper(note, overlap: bool, measure: bool):
         def schedule(*args, **kwargs):
             from megatron.core import parallel_state
 
-            from npuspeed.features.dualpipev.dualpipev_feature import batch_message
             from npuspeed.features.dualpipev.run import Step
             from npuspeed.features.pipeline.bubble import measure as bubble
 

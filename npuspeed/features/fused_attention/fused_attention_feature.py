@@ -15,12 +15,8 @@ from dataclasses import dataclass
 from npuspeed.accelerator.devices import for_device
 from npuspeed.features.base import Feature, FeatureError
 from npuspeed.features.config import FeatureConfig, flag
+from npuspeed.features.fused_attention import patches as _patches, plan as _plan
 from npuspeed.ops import flash_attention as cpu_flash
-
-#: the tuning flags: each alone turns the feature on, so validate() can refuse it without the main one
-TUNING = (("--pre-tockens", "pre_tockens"), ("--next-tockens", "next_tockens"), ("--sparse-mode", "sparse_mode"),
-          ("--flash-attn-fallback", "flash_attn_fallback"))
-
 
 @dataclass(frozen=True)
 class Config(FeatureConfig):
@@ -52,17 +48,15 @@ def _kernel(accelerator) -> str:
 class FusedAttentionFeature(Feature):
     name = "fused_attention"
     Config = Config
+    patches, plan = _patches, _plan
 
-    def enabled(self, args) -> bool:
-        config = self.config(args)
-        return config.use_flash_attn or any(getattr(config, a) is not None for _, a in TUNING)
+    switch = "use_flash_attn"
+    requires = {"pre_tockens": "use_flash_attn", "next_tockens": "use_flash_attn", "sparse_mode": "use_flash_attn",
+                "flash_attn_fallback": "use_flash_attn"}
 
     def validate(self, ctx) -> None:
         config, accelerator = self.config(ctx.args), ctx.accelerator
-        given = [f for f, a in TUNING if getattr(config, a) is not None]
-        if not config.use_flash_attn:
-            raise FeatureError(f"{', '.join(given)} only apply to fused attention: add --use-flash-attn "
-                               "or drop them.")
+        self.check_requires(config)
         pre, nxt, mode = config.pre_tockens, config.next_tockens, config.sparse_mode
         if pre is not None and nxt is not None and pre + nxt < 0:
             raise FeatureError(f"--pre-tockens {pre} --next-tockens {nxt} leave no token to attend to; "
@@ -104,11 +98,6 @@ class FusedAttentionFeature(Feature):
                 f"none (attention modules: {', '.join(kinds) or 'none'}; a Transformer Engine spec keeps "
                 "TE's own kernel): build the model with the local spec (--transformer-impl local) or "
                 "drop --use-flash-attn")
-
-    def plan_effect(self, model, ctx):
-        from npuspeed.features.fused_attention import plan
-
-        return plan.effect(model, self.config(ctx.args), ctx.accelerator)
 
     def path(self, ctx) -> str:
         config, accelerator = self.config(ctx.args), ctx.accelerator

@@ -3,8 +3,9 @@ and SDPA with dropout falls to torch's math backend (the scores stay, in fp32)."
 from __future__ import annotations
 
 
-def effect(model, config, accelerator):
-    """The flags (`config`) change no slot: the band and sparse mode keep the kernel and its memory."""
+def effect(model, config):
+    """The flags (`config`) change no slot: the band and sparse mode keep the kernel and its memory;
+    the planned device (`model.device`) decides whether npuspeed's CPU kernels apply."""
     from npuspeed.accelerator.devices import for_device
     from npuspeed.features.base import PlanEffect
     from npuspeed.ops import flash_attention as cpu_flash
@@ -15,7 +16,7 @@ def effect(model, config, accelerator):
         variants={"core_attention": "flash"}, kernels={"attention": "flash"},
         summary="no S x S tensors: the score buffer, softmax, dropout mask and dropped probabilities "
                 "of every layer go; q, k, v, the output and a [b, heads, s] log-sum-exp stay")
-    if not for_device(accelerator.name).host_is_device():
+    if not for_device(model.device).host_is_device():
         return flash
     bf16 = model.batch.dtype == "bf16"
     reason = cpu_flash.machine_reason() if bf16 else cpu_flash.fp32_reason()

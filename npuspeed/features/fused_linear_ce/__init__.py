@@ -3,6 +3,6 @@
 Megatron's path runs instead (postprocess.py), the per-shape choice (choice.py)."""
 from npuspeed.features.base import FeatureError
 from npuspeed.features.fused_linear_ce.fused_linear_ce_feature import (CHUNK, FALLBACK, MAIN,
-                                                                       FusedLinearCrossEntropyFeature)
+                                                                       FusedLinearCEFeature)
 
-__all__ = ["FusedLinearCrossEntropyFeature", "FeatureError", "MAIN", "CHUNK", "FALLBACK"]
+__all__ = ["FusedLinearCEFeature", "FeatureError", "MAIN", "CHUNK", "FALLBACK"]

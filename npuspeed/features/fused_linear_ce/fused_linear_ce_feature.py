@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from npuspeed.features.base import Feature, FeatureError
 from npuspeed.features.config import FeatureConfig, flag
+from npuspeed.features.fused_linear_ce import patches as _patches, plan as _plan
 
 MAIN, CHUNK = "--use-fused-linear-cross-entropy", "--fused-linear-cross-entropy-chunk-size"
 FALLBACK = "--fused-linear-cross-entropy-fallback"
@@ -35,36 +36,33 @@ class Config(FeatureConfig):
     chunked (memory first)."""
 
 
-class FusedLinearCrossEntropyFeature(Feature):
+class FusedLinearCEFeature(Feature):
     name = "fused_linear_ce"
     Config = Config
+    patches, plan = _patches, _plan
+    switch = "use_fused_linear_cross_entropy"
+    requires = {"fused_linear_cross_entropy_chunk_size": "use_fused_linear_cross_entropy",
+                "fused_linear_cross_entropy_fallback": "use_fused_linear_cross_entropy"}
 
     def __init__(self):
         self.chooser = None
 
-    def enabled(self, args) -> bool:
-        # the chunk size alone counts as asking, so that validate() can refuse it clearly
-        config = self.config(args)
-        return config.use_fused_linear_cross_entropy or config.fused_linear_cross_entropy_chunk_size is not None \
-            or config.fused_linear_cross_entropy_fallback is not None
-
     def validate(self, ctx) -> None:
         config = self.config(ctx.args)
+        self.check_requires(config)
         chunk = config.fused_linear_cross_entropy_chunk_size
-        if not config.use_fused_linear_cross_entropy:
-            given = CHUNK if chunk is not None else FALLBACK
-            raise FeatureError(f"{given} is given without {MAIN}; add {MAIN} (or drop {given})")
         if chunk is not None and chunk < 1:
             raise FeatureError(f"{CHUNK} must be a positive number of logits (tokens x V/TP entries), got "
                                f"{chunk}; drop it for the default (1048576 on CPU, 4 MiB in fp32)")
 
     def register_patches(self, registry, ctx) -> None:
-        from npuspeed.features.fused_linear_ce import choice, patches
+        """The base's call, with the per-shape chooser the report reads (choice.py)."""
+        from npuspeed.features.fused_linear_ce import choice
 
         config = self.config(ctx.args)
         self.chooser = choice.LossPaths(config.fused_linear_cross_entropy_fallback or "auto",
                                         config.fused_linear_cross_entropy_chunk_size)
-        patches.register(registry, ctx, config, self.name, self.chooser)
+        self.patches.register(registry, ctx, config, self.name, self.chooser)
 
     def path(self, ctx) -> str:
         config = self.config(ctx.args)

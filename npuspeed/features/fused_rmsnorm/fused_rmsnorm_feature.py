@@ -9,8 +9,9 @@ from npuspeed import telemetry
 from npuspeed.accelerator import npu_ops
 from npuspeed.features.base import FeatureError
 from npuspeed.features.config import FeatureConfig, flag
+from npuspeed.features.fused_rmsnorm import patches as _patches, plan as _plan
 from npuspeed.features.fused_op_base import FusedOpFeature
-from npuspeed.features.fused_rmsnorm import patches, plan, rmsnorm
+from npuspeed.features.fused_rmsnorm import rmsnorm
 
 FLAG = "--use-fused-rmsnorm"
 
@@ -28,10 +29,11 @@ class Config(FeatureConfig):
 class FusedRMSNormFeature(FusedOpFeature):
     name = "fused_rmsnorm"
     Config = Config
+    patches, plan = _patches, _plan
     switch = "use_fused_rmsnorm"
-    patches_module, plan_module, built_module = patches, plan, rmsnorm
-    op, npu_kernel, source = "rms_norm", npu_ops.RMS_NORM, "csrc/cpu/rms_norm.cpp"
-    replaces = "the torch.nn.RMSNorm of --normalization RMSNorm"
+    built_module = rmsnorm
+    op, npu_kernel, source = _plan.OP, npu_ops.RMS_NORM, "csrc/cpu/rms_norm.cpp"
+    replaces = _plan.REPLACES
     triton_module, megatron_path = "rms_norm", "torch.nn.RMSNorm: F.rms_norm, torch's native op"
 
     def validate(self, ctx) -> None:

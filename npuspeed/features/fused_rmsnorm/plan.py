@@ -3,10 +3,14 @@ norm is RMSNorm."""
 from __future__ import annotations
 
 
-def effect(model, config, what: str):
-    """`what`: the feature's words for what it fuses (the plan's summary)."""
+#: the op (npuspeed.ops module) the flag routes to, and what it replaces (the report and the plan)
+OP = "rms_norm"
+REPLACES = "the torch.nn.RMSNorm of --normalization RMSNorm"
+
+
+def effect(model, config):
     from npuspeed.features.fused_op_base import fused_slot
 
     if model.model.normalization != "RMSNorm":
         return None
-    return fused_slot("norm", what, "saves the input and an fp32 rstd, not x * rstd")
+    return fused_slot("norm", f"{REPLACES}: one fused kernel ({OP})", "saves the input and an fp32 rstd, not x * rstd")

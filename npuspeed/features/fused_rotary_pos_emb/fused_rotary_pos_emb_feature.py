@@ -10,8 +10,8 @@ from npuspeed.accelerator import npu_ops
 from npuspeed.accelerator.devices import for_device
 from npuspeed.features.base import FeatureError
 from npuspeed.features.config import FeatureConfig, flag
+from npuspeed.features.fused_rotary_pos_emb import patches as _patches, plan as _plan
 from npuspeed.features.fused_op_base import FusedOpFeature
-from npuspeed.features.fused_rotary_pos_emb import patches, plan
 
 FLAG = "--use-fused-rotary-pos-emb"
 
@@ -26,13 +26,13 @@ class Config(FeatureConfig):
     NPUSPEED_FUSED_OP_PATH=cpp|triton|npu|native|megatron forces one."""
 
 
-class FusedRoPEFeature(FusedOpFeature):
+class FusedRotaryPosEmbFeature(FusedOpFeature):
     name = "fused_rotary_pos_emb"
     Config = Config
+    patches, plan = _patches, _plan
     switch = "use_fused_rotary_pos_emb"
-    patches_module, plan_module = patches, plan
-    op, npu_kernel, source = "rotary_pos_emb", npu_ops.ROTARY_MUL, "csrc/cpu/rope.cpp"
-    replaces = "Megatron's unfused rotary position embedding (--position-embedding-type rope)"
+    op, npu_kernel, source = _plan.OP, npu_ops.ROTARY_MUL, "csrc/cpu/rope.cpp"
+    replaces = _plan.REPLACES
     triton_module, megatron_path = "rope", "_apply_rotary_pos_emb_bshd"
 
     def candidates(self, accelerator) -> list[str]:

@@ -3,10 +3,14 @@ model's position embedding is rope."""
 from __future__ import annotations
 
 
-def effect(model, config, what: str):
-    """`what`: the feature's words for what it fuses (the plan's summary)."""
+#: the op (npuspeed.ops module) the flag routes to, and what it replaces (the report and the plan)
+OP = "rotary_pos_emb"
+REPLACES = "Megatron's unfused rotary position embedding (--position-embedding-type rope)"
+
+
+def effect(model, config):
     from npuspeed.features.fused_op_base import fused_slot
 
     if model.model.position_embedding != "rope":
         return None
-    return fused_slot("rope", what, "no per-call cos/sin tensors saved")
+    return fused_slot("rope", f"{REPLACES}: one fused kernel ({OP})", "no per-call cos/sin tensors saved")

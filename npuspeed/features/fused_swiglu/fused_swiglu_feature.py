@@ -6,8 +6,9 @@ from dataclasses import dataclass
 
 from npuspeed.accelerator import npu_ops
 from npuspeed.features.config import FeatureConfig, flag
+from npuspeed.features.fused_swiglu import patches as _patches, plan as _plan
 from npuspeed.features.fused_op_base import FusedOpFeature
-from npuspeed.features.fused_swiglu import patches, plan, swiglu
+from npuspeed.features.fused_swiglu import swiglu
 
 FLAG = "--use-fused-swiglu"
 
@@ -24,8 +25,9 @@ class Config(FeatureConfig):
 class FusedSwiGLUFeature(FusedOpFeature):
     name = "fused_swiglu"
     Config = Config
+    patches, plan = _patches, _plan
     switch = "use_fused_swiglu"
-    patches_module, plan_module, built_module = patches, plan, swiglu
-    op, npu_kernel, source = "swiglu", npu_ops.SWIGLU, "csrc/cpu/swiglu.cpp"
-    replaces = "the SwiGLU activation of the MLP (--swiglu)"
+    built_module = swiglu
+    op, npu_kernel, source = _plan.OP, npu_ops.SWIGLU, "csrc/cpu/swiglu.cpp"
+    replaces = _plan.REPLACES
     triton_module, megatron_path = "swiglu", "eager silu(gate) * up, or bias_swiglu_impl"

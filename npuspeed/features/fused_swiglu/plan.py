@@ -3,10 +3,15 @@ is SwiGLU."""
 from __future__ import annotations
 
 
-def effect(model, config, what: str):
-    """`what`: the feature's words for what it fuses (the plan's summary)."""
+#: the op (npuspeed.ops module) the flag routes to, and what it replaces (the report and the plan)
+OP = "swiglu"
+REPLACES = "the SwiGLU activation of the MLP (--swiglu)"
+
+
+def effect(model, config):
     from npuspeed.features.fused_op_base import fused_slot
 
     if not model.model.swiglu:
         return None
-    return fused_slot("glu", what, "saves fc1's output only, not silu(gate) and its product")
+    return fused_slot("glu", f"{REPLACES}: one fused kernel ({OP})",
+                      "saves fc1's output only, not silu(gate) and its product")

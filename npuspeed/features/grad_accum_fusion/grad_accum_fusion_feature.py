@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from npuspeed.features.base import Feature, FeatureError
 from npuspeed.features.config import FeatureConfig, flag
+from npuspeed.features.grad_accum_fusion import patches as _patches
 from npuspeed.features.grad_accum_fusion.patches import LAYERS, apex_kernel_installed  # noqa: F401
 
 FLAG = "--gradient-accumulation-fusion"
@@ -30,10 +31,10 @@ class Config(FeatureConfig):
 class GradAccumFusionFeature(Feature):
     name = "grad_accum_fusion"
     Config = Config
+    #: no plan effect: the planner models neither the weight-gradient temporary nor its add (a
+    #: transient of one layer's weight size); the time is at most the unfused one by the chooser's rule
+    patches, plan = _patches, None
     switch = "gradient_accumulation_fusion"
-    #: the planner models neither the weight-gradient temporary nor its add (a transient of
-    #: one layer's weight size); the time is at most the unfused one by the chooser's rule
-    plan_neutral = True
 
     def __init__(self):
         self.chooser = None
@@ -54,11 +55,10 @@ class GradAccumFusionFeature(Feature):
         self.chooser = WgradPaths(ctx.accelerator, ctx.note)
 
     def register_patches(self, registry, ctx) -> None:
-        from npuspeed.features.grad_accum_fusion import patches
-
+        """The base's call, with the per-shape chooser the report reads (paths.py)."""
         if self.chooser is None:
             self.prepare(ctx)
-        patches.register(registry, ctx, self.config(ctx.args), self.name, self.chooser)
+        self.patches.register(registry, ctx, self.config(ctx.args), self.name, self.chooser)
 
     def check_built(self, block, ctx) -> str | None:
         config = getattr(block, "config", None)

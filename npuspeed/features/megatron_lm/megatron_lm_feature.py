@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from npuspeed.features.base import Feature, FeatureError
 from npuspeed.features.config import FeatureConfig
+from npuspeed.features.megatron_lm import patches as _patches
 from npuspeed.features.megatron_lm import load_stubs, targets
 from npuspeed.patching.versions import importable, in_range
 
@@ -43,11 +44,16 @@ class Config(FeatureConfig):
     """No flag of its own: the feature is on whenever megatron.training imports, and its parser
     patch hands Megatron-LM the other features' flags."""
 
+    # dualpipev's flag (it owns it: no --help here): under the V the loss is on pipeline rank 0
+    schedules_method: str | None = None
+
 
 class MegatronLMFeature(Feature):
     name = "megatron_lm"
     Config = Config
-    plan_neutral = True  # Megatron-LM plumbing: no memory or time of its own in the plan (plan.py)
+    #: no plan effect: Megatron-LM plumbing (the parser, validation, its CUDA calls on the
+    #: accelerator); a run's memory and time are megatron.core's, which the planner models
+    patches, plan = _patches, None
     always_on = True
 
     def enabled(self, args) -> bool:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from npuspeed.accelerator.devices import for_device
 from npuspeed.features.base import Feature, FeatureError
 from npuspeed.features.config import FeatureConfig, flag
+from npuspeed.features.moe_alltoall_overlap import patches as _patches, plan as _plan
 from npuspeed.features.moe_alltoall_overlap import overlap
 from npuspeed.features.moe_common.layout import Layout, built_all_to_all, needs_all_to_all, needs_release
 
@@ -19,34 +20,33 @@ class Config(FeatureConfig):
     shared experts computed while the first chunk is in flight."""
     moe_alltoall_chunks: int | None = flag("--moe-alltoall-chunks", None, type=int)
     """With --moe-alltoall-overlap-comm: chunks per MoE layer (>= 2, default 2)."""
+    # moe_tp_extend_ep's flag (it owns it: no --help here): the expert layout it changes
+    moe_tp_extend_ep: bool = False
 
     @property
     def chunks(self) -> int:
         return self.moe_alltoall_chunks or 2
 
 
-class AllToAllOverlapFeature(Feature):
+class MoeAllToAllOverlapFeature(Feature):
     name = "moe_alltoall_overlap"
     Config = Config
+    patches, plan = _patches, _plan
 
-    def enabled(self, args) -> bool:
-        config = self.config(args)
-        return bool(config.moe_alltoall_overlap_comm or config.moe_alltoall_chunks)
+    switch, requires = "moe_alltoall_overlap_comm", {"moe_alltoall_chunks": "moe_alltoall_overlap_comm"}
 
     def chunks(self, ctx) -> int:
         return self.config(ctx.args).chunks
 
     def validate(self, ctx) -> None:
         config = self.config(ctx.args)
-        if not config.moe_alltoall_overlap_comm:
-            raise FeatureError("--moe-alltoall-chunks only applies with --moe-alltoall-overlap-comm: add it or drop "
-                               "--moe-alltoall-chunks")
+        self.check_requires(config)
         needs_release("--moe-alltoall-overlap-comm", overlap.MEGATRON_RANGE, "MoELayer's route/preprocess/dispatch steps")
         if self.chunks(ctx) < 2:
             raise FeatureError(f"--moe-alltoall-chunks must be >= 2 (got {config.moe_alltoall_chunks}): one chunk "
                                "leaves the all-to-all nothing to overlap with")
-        needs_all_to_all("--moe-alltoall-overlap-comm", ctx)
-        lay = Layout.from_ctx(ctx)
+        needs_all_to_all("--moe-alltoall-overlap-comm", ctx, config.moe_tp_extend_ep)
+        lay = Layout.from_ctx(ctx, config.moe_tp_extend_ep)
         if lay.expert_tp > 1:
             raise FeatureError(f"--moe-alltoall-overlap-comm chunks whole token rows, but experts are split over "
                                f"{lay.expert_tp} tensor-parallel ranks; add --moe-tp-extend-ep or "

@@ -25,14 +25,15 @@ class Layout:
     bias_disabled: bool
 
     @classmethod
-    def from_ctx(cls, ctx) -> "Layout":
+    def from_ctx(cls, ctx, tp_extend_ep: bool) -> "Layout":
+        """`tp_extend_ep`: --moe-tp-extend-ep, from the asking feature's typed config."""
         m = ctx.megatron
         return cls(
             experts=getattr(m, "num_experts", None),
             tp=getattr(m, "tensor_model_parallel_size", None) or 1,
             ep=getattr(m, "expert_model_parallel_size", None) or 1,
             etp=getattr(m, "expert_tensor_parallel_size", None),
-            tp_extend_ep=bool(getattr(ctx.args, "moe_tp_extend_ep", False)),
+            tp_extend_ep=bool(tp_extend_ep),
             ffn=getattr(m, "moe_ffn_hidden_size", None) or getattr(m, "ffn_hidden_size", None),
             dispatcher=getattr(m, "moe_token_dispatcher_type", None),
             bias_disabled=bool(getattr(m, "disable_bias_linear", None)),
@@ -73,10 +74,10 @@ def needs_release(flag: str, spec: str, why: str) -> None:
                            "megatron-core or drop the flag")
 
 
-def needs_all_to_all(flag: str, ctx) -> None:
+def needs_all_to_all(flag: str, ctx, tp_extend_ep: bool) -> None:
     """A flag that overlaps the all-to-all dispatcher's exchange refuses another dispatcher and
     expert-parallel size 1 (no exchange), as given on the command line."""
-    lay = Layout.from_ctx(ctx)
+    lay = Layout.from_ctx(ctx, tp_extend_ep)
     if lay.dispatcher is not None and lay.dispatcher != "alltoall":
         raise FeatureError(f"{flag} overlaps the all-to-all dispatcher; --moe-token-dispatcher-type is "
                            f"{lay.dispatcher}: use alltoall or drop the flag")

@@ -8,6 +8,6 @@ gradient's all-to-all (wgrad.py) and Megatron's flag taken over (takeover.py).
 What DualPipeV shares with it is in the shared room `features/pipeline/`: the two parties
 taking turns (turns.py), the paired-or-serial step trial (pair_choice.py), the pairing scope,
 the chunk runners and the bubble measure."""
-from npuspeed.features.moe_fb_overlap.moe_fb_overlap_feature import FbOverlapFeature
+from npuspeed.features.moe_fb_overlap.moe_fb_overlap_feature import MoeFbOverlapFeature
 
-__all__ = ["FbOverlapFeature"]
+__all__ = ["MoeFbOverlapFeature"]

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from npuspeed.accelerator.devices import for_device
 from npuspeed.features.base import Feature, FeatureError
 from npuspeed.features.config import FeatureConfig, flag
+from npuspeed.features.moe_fb_overlap import patches as _patches, plan as _plan
 from npuspeed.features.moe_common.layout import built_all_to_all, needs_all_to_all
 from npuspeed.features.moe_fb_overlap import interleaved
 from npuspeed.features.pipeline.which import microbatches_per_step, pairs_overlap
@@ -22,6 +23,11 @@ class Config(FeatureConfig):
     overlap_moe_expert_parallel_comm: bool = flag("--overlap-moe-expert-parallel-comm", False)
     """Megatron's flag (0.14+): with npuspeed it runs --moe-fb-overlap's schedule, on every backend,
     without Transformer Engine, in fp32 too."""
+    # dualpipev's flag (it owns it: no --help here): DualPipeV's schedule then pairs the steps itself
+    schedules_method: str | None = None
+    # moe_alltoall_overlap's flag (refused with this one) and moe_tp_extend_ep's (the expert layout)
+    moe_alltoall_overlap_comm: bool = False
+    moe_tp_extend_ep: bool = False
 
     @property
     def flag_given(self) -> str:
@@ -44,20 +50,22 @@ def _pipeline(flag: str, pp: int, m) -> None:
         raise FeatureError(interleaved.batch_message(flag, microbatches, pp))
 
 
-class FbOverlapFeature(Feature):
+class MoeFbOverlapFeature(Feature):
     name = "moe_fb_overlap"
     Config = Config
+    patches, plan = _patches, _plan
 
     def enabled(self, args) -> bool:
         return pairs_overlap(args)  # the one answer, which DualPipeV and the bubble baseline ask too
 
     def validate(self, ctx) -> None:
-        flag_ = self.config(ctx.args).flag_given
+        config = self.config(ctx.args)
+        flag_ = config.flag_given
         m = ctx.megatron
-        if vars(ctx.args).get("moe_alltoall_overlap_comm", False):
+        if config.moe_alltoall_overlap_comm:
             raise FeatureError(f"{flag_} hides the all-to-all behind another micro-batch; --moe-alltoall-overlap-comm "
                                "chunks the same all-to-all inside one: choose one of the two")
-        needs_all_to_all(flag_, ctx)
+        needs_all_to_all(flag_, ctx, config.moe_tp_extend_ep)
         pp = m.pipeline_model_parallel_size or 1
         if pp > 1:
             _pipeline(flag_, pp, m)

@@ -17,13 +17,13 @@ def pairs_of(m: int, pp: int, chunks: int) -> tuple[int, int]:
     return max(steps - min(warm_up, steps), 0), steps
 
 
-def effect(spec, config):
+def effect(model, config):
     from npuspeed.features.base import PlanEffect
 
-    if not spec.model.num_experts:
+    if not model.model.num_experts:
         return None
-    m = spec.batch.num_microbatches(spec.layout.dp)
-    pairs, steps = pairs_of(m, spec.layout.pp, spec.layout.chunks)
+    m = model.batch.num_microbatches(model.layout.dp)
+    pairs, steps = pairs_of(m, model.layout.pp, model.layout.chunks)
     return PlanEffect(fb_pairs=pairs, extra_in_flight=1 if m > 1 else 0,
                       summary=f"expert all-to-alls behind another micro-batch's compute: {pairs} forward/backward "
                               f"pairs of {steps} chunk-micro-batches, at most {pairs / max(steps, 1):.0%} of their "

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from npuspeed.accelerator.devices import for_device
 from npuspeed.features.base import Feature, FeatureError
 from npuspeed.features.config import FeatureConfig, flag
+from npuspeed.features.moe_fused_permute import patches as _patches, plan as _plan
 from npuspeed.features.moe_common.layout import Layout, needs_experts, needs_release
 from npuspeed.features.moe_fused_permute import permute
 from npuspeed.ops import npu
@@ -21,15 +22,16 @@ class Config(FeatureConfig):
     else Triton), where measured faster than Megatron's pair (once per shape)."""
 
 
-class FusedPermuteFeature(Feature):
+class MoeFusedPermuteFeature(Feature):
     name = "moe_fused_permute"
     Config = Config
+    patches, plan = _patches, _plan
     switch = "use_fused_moe_token_permute_and_unpermute"
 
     def validate(self, ctx) -> None:
         needs_release("--use-fused-moe-token-permute-and-unpermute", permute.MEGATRON_RANGE,
                        "permute returns the permuted probabilities")
-        if Layout.from_ctx(ctx).dispatcher == "flex":
+        if Layout.from_ctx(ctx, tp_extend_ep=False).dispatcher == "flex":  # (only the dispatcher is read)
             raise FeatureError("--use-fused-moe-token-permute-and-unpermute: the flex dispatcher permutes inside "
                                "DeepEP/HybridEP; use --moe-token-dispatcher-type alltoall or allgather")
 

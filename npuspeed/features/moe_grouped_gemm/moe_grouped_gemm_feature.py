@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from npuspeed.accelerator.devices import for_device
 from npuspeed.features.base import Feature, FeatureError
 from npuspeed.features.config import FeatureConfig, flag
+from npuspeed.features.moe_grouped_gemm import patches as _patches, plan as _plan
 from npuspeed.features.moe_common.layout import Layout, layers_of, needs_experts, needs_release
 from npuspeed.features.moe_grouped_gemm import grouped_mlp
 from npuspeed.patching.versions import in_range
@@ -26,17 +27,20 @@ class Config(FeatureConfig):
     moe_grouped_gemm: bool = flag("--moe-grouped-gemm", False)
     """Megatron's flag: experts as one grouped matmul per expert weight (GroupedMLP) on every
     backend (torch grouped mm on CPU, npu_grouped_matmul on NPU), fp32/bf16."""
+    # moe_tp_extend_ep's flag (it owns it: no --help here): the expert layout it changes
+    moe_tp_extend_ep: bool = False
 
 
-class GroupedGemmFeature(Feature):
+class MoeGroupedGemmFeature(Feature):
     name = "moe_grouped_gemm"
     Config = Config
+    patches, plan = _patches, _plan
     switch = "moe_grouped_gemm"
 
     def validate(self, ctx) -> None:
         needs_release("--moe-grouped-gemm", RANGE, "GroupedMLP takes the router probabilities (0.13-0.16); "
                       "npuspeed's grouped experts replace the local spec's SequentialMLP (0.17-0.19)")
-        lay = Layout.from_ctx(ctx)
+        lay = Layout.from_ctx(ctx, self.config(ctx.args).moe_tp_extend_ep)
         if lay.experts is not None and not lay.bias_disabled:
             raise FeatureError("--moe-grouped-gemm: the grouped expert MLP has no bias; add --disable-bias-linear "
                                "(or drop --moe-grouped-gemm to keep Megatron's SequentialMLP with biases)")

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from npuspeed.features.base import Feature, FeatureError
 from npuspeed.features.config import FeatureConfig, flag
+from npuspeed.features.moe_tp_extend_ep import patches as _patches, plan as _plan
 from npuspeed.features.moe_common.layout import Layout, needs_experts
 
 
@@ -16,13 +17,14 @@ class Config(FeatureConfig):
     over EP x TP ranks, expert weights not split by TP)."""
 
 
-class TpExtendEpFeature(Feature):
+class MoeTpExtendEpFeature(Feature):
     name = "moe_tp_extend_ep"
     Config = Config
+    patches, plan = _patches, _plan
     switch = "moe_tp_extend_ep"
 
     def validate(self, ctx) -> None:
-        lay = Layout.from_ctx(ctx)
+        lay = Layout.from_ctx(ctx, self.config(ctx.args).moe_tp_extend_ep)
         if lay.tp == 1:
             raise FeatureError("--moe-tp-extend-ep extends expert parallelism over the tensor-parallel ranks, but "
                                "--tensor-model-parallel-size is 1 (or not given): use TP > 1 or drop the flag")
@@ -40,6 +42,6 @@ class TpExtendEpFeature(Feature):
     def path(self, ctx) -> str:
         if not self.enabled(ctx.args):
             return "off"
-        lay = Layout.from_ctx(ctx)
+        lay = Layout.from_ctx(ctx, self.config(ctx.args).moe_tp_extend_ep)
         return (f"experts over EP x TP = {lay.ep} x {lay.tp} ranks, expert-TP 1 (megatron.core expert layout "
                 "set at initialize_model_parallel and on every TransformerConfig)")

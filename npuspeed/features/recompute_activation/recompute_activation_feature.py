@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from npuspeed.features import first_layers
 from npuspeed.features.base import Feature
 from npuspeed.features.config import FeatureConfig, flag
+from npuspeed.features.recompute_activation import patches as _patches, plan as _plan
 
 MAIN, NUM = "--recompute-activation-function", "--recompute-activation-function-num-layers"
 
@@ -32,16 +33,14 @@ class Config(FeatureConfig):
 class RecomputeActivationFeature(Feature):
     name = "recompute_activation"
     Config = Config
-
-    def enabled(self, args) -> bool:
-        # N alone counts as asking for the feature, so that validate() can refuse it clearly.
-        config = self.config(args)
-        return config.recompute_activation_function or config.recompute_activation_function_num_layers is not None
+    patches, plan = _patches, _plan
+    switch = "recompute_activation_function"
+    requires = {"recompute_activation_function_num_layers": "recompute_activation_function"}
 
     def validate(self, ctx) -> None:
         config = self.config(ctx.args)
-        first_layers.check(MAIN, config.recompute_activation_function, NUM,
-                           config.recompute_activation_function_num_layers, "the activation")
+        self.check_requires(config)
+        first_layers.check(NUM, config.recompute_activation_function_num_layers, "the activation")
 
     def path(self, ctx) -> str:
         config = self.config(ctx.args)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from npuspeed.features import first_layers
 from npuspeed.features.base import Feature
 from npuspeed.features.config import FeatureConfig, flag
+from npuspeed.features.recompute_norm import patches as _patches, plan as _plan
 
 MAIN, NUM = "--recompute-norm", "--recompute-norm-num-layers"
 
@@ -31,14 +32,14 @@ class Config(FeatureConfig):
 class RecomputeNormFeature(Feature):
     name = "recompute_norm"
     Config = Config
+    patches, plan = _patches, _plan
 
-    def enabled(self, args) -> bool:
-        config = self.config(args)
-        return config.recompute_norm or config.recompute_norm_num_layers is not None
+    switch, requires = "recompute_norm", {"recompute_norm_num_layers": "recompute_norm"}
 
     def validate(self, ctx) -> None:
         config = self.config(ctx.args)
-        first_layers.check(MAIN, config.recompute_norm, NUM, config.recompute_norm_num_layers, "the norms")
+        self.check_requires(config)
+        first_layers.check(NUM, config.recompute_norm_num_layers, "the norms")
 
     def path(self, ctx) -> str:
         config = self.config(ctx.args)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from npuspeed.features.base import Feature, FeatureError
 from npuspeed.features.config import FeatureConfig, flag
+from npuspeed.features.reuse_fp32_param import patches as _patches, plan as _plan
 from npuspeed.features.reuse_fp32_param import codec
 
 FLAG = "--reuse-fp32-param"
@@ -29,6 +30,7 @@ class Config(FeatureConfig):
 class ReuseFp32ParamFeature(Feature):
     name = "reuse_fp32_param"
     Config = Config
+    patches, plan = _patches, _plan
     switch = "reuse_fp32_param"
 
     def validate(self, ctx) -> None:

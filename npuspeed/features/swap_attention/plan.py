@@ -3,12 +3,13 @@ between forward and backward; where the host is the device that frees nothing, s
 from __future__ import annotations
 
 
-def effect(model, config, accelerator):
+def effect(model, config):
+    from npuspeed.accelerator.devices import for_device
     from npuspeed.features.base import PlanEffect
     from npuspeed.features.swap_attention.modules import MAIN, parse_modules
 
     names = parse_modules(config.swap_modules)
-    if accelerator.host_is_device():
+    if for_device(model.device).host_is_device():
         return PlanEffect(summary=f"{MAIN}: saved activations of {', '.join(names)} copied to host memory; the "
                                   "host is the device here: nothing leaves it")
     return PlanEffect(swap_modules=tuple(names),

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from npuspeed.features.base import Feature, FeatureError
 from npuspeed.features.config import FeatureConfig, flag
+from npuspeed.features.swap_attention import patches as _patches, plan as _plan
 
 from npuspeed.features.swap_attention.modules import MAIN, MODE, MODS, parse_mode, parse_modules  # noqa: F401
 
@@ -38,6 +39,7 @@ class Config(FeatureConfig):
 class SwapAttentionFeature(Feature):
     name = "swap_attention"
     Config = Config
+    patches, plan = _patches, _plan
 
     def enabled(self, args) -> bool:
         config = self.config(args)
@@ -70,11 +72,6 @@ class SwapAttentionFeature(Feature):
         elif not acc.has_pinned_memory():
             raise FeatureError(f"{MAIN} needs page-locked host memory for overlapped copies, which the "
                                f"{acc.name} backend does not offer here; drop {MAIN}")
-
-    def plan_effect(self, model, ctx):
-        from npuspeed.features.swap_attention import plan
-
-        return plan.effect(model, self.config(ctx.args), ctx.accelerator)
 
     def path(self, ctx) -> str:
         config = self.config(ctx.args)

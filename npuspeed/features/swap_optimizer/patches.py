@@ -157,11 +157,11 @@ def copying(method):
 
 def register(registry, ctx, config, feature: str) -> None:
     from npuspeed.accelerator import host_link
-    from npuspeed.features.swap_optimizer.policy import chunk_bytes, parse_mode, reuses_fp32_param
+    from npuspeed.features.swap_optimizer.policy import chunk_bytes, parse_mode
     from npuspeed.features.swap_optimizer.sizer import ChunkSizer
 
     acc, mode = ctx.accelerator, parse_mode(config.swap_optimizer_mode)
-    init = built(acc, chunk_bytes(config), swap_masters=not reuses_fp32_param(ctx.args),
+    init = built(acc, chunk_bytes(config), swap_masters=not config.reuse_fp32_param,
                  sizer=lambda: ChunkSizer(acc, mode, lambda: host_link.link(acc), ctx.note))
     for cls in ("optimizer.Float16OptimizerWithFloat16Params", "optimizer.FP32Optimizer",
                 "distrib_optimizer.DistributedOptimizer"):

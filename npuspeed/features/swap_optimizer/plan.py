@@ -4,12 +4,18 @@ step holds a window of chunks. Where the host is the device nothing is freed."""
 from __future__ import annotations
 
 
-def effect(model, config, accelerator, masters: bool):
+def effect(model, config):
+    """None with Megatron's own --optimizer-cpu-offload (npuspeed moves nothing); the planned device:
+    `model.device`; the masters move unless --reuse-fp32-param keeps them in the parameters."""
+    from npuspeed.accelerator.devices import for_device
     from npuspeed.accelerator.host_link import host_link_bytes_per_s
     from npuspeed.features.base import PlanEffect
     from npuspeed.features.swap_optimizer.policy import ENV, FLAG, WINDOW_CHUNKS, chunk_bytes, host_is_device, moves
 
-    name = getattr(accelerator, "name", "cpu")
+    if not config.swap_optimizer:
+        return None
+    name, masters = model.device, not config.reuse_fp32_param
+    accelerator = for_device(name)
     what = "Adam states" + (" and fp32 masters" if masters and model.batch.dtype != "fp32" else "")
     mb = config.swap_optimizer_chunk_mb
     if host_is_device(accelerator) and not moves(accelerator):

@@ -17,14 +17,6 @@ WINDOW_CHUNKS = 3
 ENV = "NPUSPEED_SWAP_OPTIMIZER"
 
 
-def reuses_fp32_param(args) -> bool:
-    """--reuse-fp32-param (reuse_fp32_param's flag, asked of its owner): the masters then live as a
-    residual inside the bf16 parameters and only the states move."""
-    from npuspeed.features.reuse_fp32_param import ReuseFp32ParamFeature
-
-    return ReuseFp32ParamFeature().enabled(args)
-
-
 def host_is_device(acc) -> bool:
     """The accelerator's answer; a planned device (`npuspeed plan --npuspeed-device cuda`) is
     an accelerator with its own memory unless it is the CPU."""

@@ -24,9 +24,10 @@ from dataclasses import dataclass
 
 from npuspeed.features.base import Feature, FeatureError
 from npuspeed.features.config import FeatureConfig, flag
+from npuspeed.features.swap_optimizer import patches as _patches, plan as _plan
 from npuspeed.features.swap_optimizer.policy import (  # noqa: F401 (re-exported)
     CHUNK, ENV, FLAG, FRACTION, MODE, OFFLOAD, WINDOW_CHUNKS, chunk_bytes, host_is_device, moves, parse_mode,
-    reuses_fp32_param, te_installed,
+    te_installed,
 )
 from npuspeed.patching.versions import megatron_version
 
@@ -51,11 +52,14 @@ class Config(FeatureConfig):
     optimizer_offload_fraction: float | None = flag(FRACTION, None, type=float, metavar="F")
     """With --optimizer-cpu-offload: the share (0, 1] of optimizer state Megatron updates on the
     host."""
+    # reuse_fp32_param's flag (it owns it: no --help here): the masters then stay in the parameters
+    reuse_fp32_param: bool = False
 
 
 class SwapOptimizerFeature(Feature):
     name = "swap_optimizer"
     Config = Config
+    patches, plan = _patches, _plan
 
     def enabled(self, args) -> bool:
         config = self.config(args)
@@ -122,20 +126,6 @@ class SwapOptimizerFeature(Feature):
     def chunk_bytes(self, args) -> int:
         return chunk_bytes(self.config(args))
 
-    def register_patches(self, registry, ctx) -> None:
-        if not self.swapping(ctx.args) or not moves(ctx.accelerator):
-            return
-        from npuspeed.features.swap_optimizer import patches
-
-        patches.register(registry, ctx, self.config(ctx.args), self.name)
-
-    def plan_effect(self, model, ctx):
-        if not self.swapping(ctx.args):
-            return None
-        from npuspeed.features.swap_optimizer import plan
-
-        return plan.effect(model, self.config(ctx.args), ctx.accelerator, masters=not reuses_fp32_param(ctx.args))
-
     def path(self, ctx) -> str:
         config = self.config(ctx.args)
         if config.optimizer_cpu_offload:
@@ -151,7 +141,7 @@ class SwapOptimizerFeature(Feature):
                     f"({ENV}=run runs the mechanics)")
         where = ("host is the device (CPU backend): copies run, nothing is freed" if host_is_device(acc)
                  else f"pinned host memory, side stream on {acc.name}")
-        moved = "states" + (" + fp32 masters" if not reuses_fp32_param(ctx.args) else
+        moved = "states" + (" + fp32 masters" if not config.reuse_fp32_param else
                             " (masters stay with --reuse-fp32-param)")
         counts = ", ".join(f"{k} {telemetry.get(PREFIX + k)}" for k in
                            ("steps", "chunks_in", "chunks_out", "bytes_in", "bytes_out", "materialize"))
