@@ -124,7 +124,8 @@ versions: install-test-311 install-test-312
 # The device tier: every single-rank feature trained on the accelerator present (CUDA or NPU,
 # as npuspeed detects it), by a Python whose torch sees it (scripts/device_python.sh: DEVICE_PY,
 # the venv, or the system's; none is a one-line error); on a host without one each test is
-# skipped with the reason (exit 0). The checkout goes on PYTHONPATH (no install needed there).
+# skipped with the reason (exit 0). Plain `pytest -m device` applies the same rule itself (tests/tiers.py:
+# device_refusal): an accelerator named but unseen by its torch fails there in one line too. The checkout goes on PYTHONPATH (no install needed there).
 # An offline GPU host: put wheels (megatron-core, ...) in $(WHEELS) and they are unpacked into
 # $(DEVICE_SITE) (pip --no-index --no-deps --target), which goes on PYTHONPATH too.
 DEVICE_PY ?=

@@ -29,13 +29,15 @@ def free_port() -> int:
 
 
 def run_example(args: list[str], tmp_path: Path, nproc: int = 1, name: str = "run",
-                env: dict | None = None, timeout: int = 600, script: Path | str | None = None) -> dict:
+                env: dict | None = None, timeout: int = 600, script: Path | str | None = None,
+                torchrun_args: list[str] | None = None) -> dict:
     """Train; return the summary JSON (with the combined output under 'log'). `script`: the
     example itself (default: `EXAMPLE`, read at call time so a test may point it at a runner),
-    or a runner that runs it unchanged and dumps more (see `run_then_dump`)."""
+    or a runner that runs it unchanged and dumps more (see `run_then_dump`); `torchrun_args`:
+    more of torchrun's own options (e.g. `--max-restarts 1`)."""
     script = EXAMPLE if script is None else script
     summary = Path(tmp_path) / f"{name}.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), *(torchrun_args or []),
            "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(script)]
     cmd += list(args) + ["--summary-json", str(summary)]
     run_env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")

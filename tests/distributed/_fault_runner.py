@@ -1,6 +1,8 @@
 """Run examples/pretrain_gpt.py unchanged with one fault injected, chosen by NPUSPEED_TEST_FAULT:
 
 - `kill-in-step:R:C`  rank R SIGKILLs itself at the start of its C-th forward micro-batch;
+- `kill-in-first-attempt:R:C`  the same in torchrun's first attempt only (TORCHELASTIC_RESTART_COUNT
+  0): the restarted workers run clean;
 - `stop-in-step:R:C`  rank R SIGSTOPs itself there (a hung peer, alive but silent);
 - `kill-in-save:R:I`  rank R dies while writing the checkpoint of iteration I: its shard
   writer (a forked child of the rank) writes the first item, flushes, then SIGKILLs the rank
@@ -20,6 +22,8 @@ sys.path.insert(0, os.path.dirname(EXAMPLE))
 
 kind, *params = os.environ["NPUSPEED_TEST_FAULT"].split(":")
 params = [int(p) for p in params]
+if kind == "kill-in-first-attempt":
+    kind = "kill-in-step" if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" else "none"
 rank = int(os.environ.get("RANK", "0"))
 RANK_PID = os.getpid()  # the rank itself: megatron-core 0.19 writes shards in this process, not a fork
 calls = 0

@@ -6,7 +6,7 @@ them in another order, which Adam's normalised step turns into ~1e-5 on near-zer
 counters prove the pairs ran (forwards beside backwards, all-to-alls passing the turn) and
 that the baseline ran none; the routed experts' weight gradients (local linears, grouped experts,
 fused accumulation, DDP's overlapped reduction) all ran inside the dispatch gradient's all-to-all.
-Megatron's --overlap-moe-expert-parallel-comm runs the same schedule; bf16 matches too; a checkpoint saved with the flag resumes without it bit for bit.
+Megatron's --overlap-moe-expert-parallel-comm runs the same schedule; bf16 matches too (first-step gradients within 4 bf16 roundings of their norm, losses within a quarter of one); a checkpoint saved with the flag resumes without it bit for bit.
 """
 from __future__ import annotations
 
@@ -48,7 +48,12 @@ def _run(tmp_path_factory, name: str, args: list[str], env: dict | None = None) 
 
 
 PARAM_TOL = 1e-4
-BF16_TOL = 2e-2  # bf16 keeps 8 bits of mantissa: 2^-8 = 3.9e-3 a rounding, a few of them per value
+BF16_U = 2.0 ** -8  # bf16's unit roundoff (8 significant bits): one rounding's relative error
+#: the first step's gradients (both runs at the same weights and batches; only the order of bf16
+#: sums differs): a few roundings, relative to each gradient's norm (measured: at most 1.5 BF16_U)
+BF16_GRAD_TOL = 4 * BF16_U
+#: each loss (a mean over every token of an fp32 cross-entropy), relative (measured: 1.6e-4)
+BF16_LOSS_TOL = BF16_U / 4
 
 
 def assert_same_run(a: dict, b: dict, tol: float = TOL, param_tol: float = PARAM_TOL, loss_tol: float = TOL) -> None:
@@ -67,6 +72,24 @@ def assert_same_run(a: dict, b: dict, tol: float = TOL, param_tol: float = PARAM
         for name in da["params"]:
             gap = float((da["params"][name] - db["params"][name]).abs().max())
             assert gap <= param_tol * max(float(db["params"][name].abs().max()), 1.0), f"param {name}: {gap}"
+
+
+def assert_bf16_run(a: dict, b: dict) -> None:
+    """bf16: every loss within BF16_LOSS_TOL of the baseline's, and the first step's gradients within
+    BF16_GRAD_TOL of each gradient's norm. Later steps are compared through their losses only: after
+    one step the two runs' bf16 weights differ by an ulp, a few tokens change experts, and the later
+    gradients differ by up to 26% of their norm (measured, 8 steps), so no tolerance that could fail
+    would hold for them (the old 2e-2 absolute one, on gradients below 0.05, could not fail)."""
+    assert len(a["losses"]) == len(b["losses"]) == ITERS
+    for x, y in zip(a["losses"], b["losses"]):
+        assert abs(x - y) <= BF16_LOSS_TOL * abs(y), (a["losses"], b["losses"])
+    for da, db in zip(a["dumps"], b["dumps"]):
+        ga, gb = da["grads"][0], db["grads"][0]
+        assert ga.keys() == gb.keys()
+        for name in ga:
+            gap = float((ga[name].float() - gb[name].float()).norm())
+            norm = float(gb[name].float().norm())
+            assert gap <= BF16_GRAD_TOL * norm, f"step 1 grad {name}: |diff| {gap:.3g} vs |grad| {norm:.3g}"
 
 
 def assert_wgrad_split(c: dict, built: str) -> None:
@@ -116,8 +139,8 @@ def test_bf16_matches(tmp_path_factory):
     base = _run(tmp_path_factory, "bf16-base", ["--bf16"])
     fb = _run(tmp_path_factory, "bf16-fb", ["--bf16", "--moe-fb-overlap"], PAIRED)
     # bf16 activation gradients summed from three branches in another order (the shared experts'
-    # backward moves inside the combine) round differently: bf16's tolerance
-    assert_same_run(fb, base, tol=BF16_TOL, param_tol=BF16_TOL, loss_tol=BF16_TOL * max(base["losses"]))
+    # backward moves inside the combine) round differently: bf16's tolerances
+    assert_bf16_run(fb, base)
     assert pairs(fb) == [ITERS * (MICRO - 1)] * 2
 
 

@@ -155,7 +155,6 @@ KNOWN = {
      "npuspeed.features.adaptive_memory.adaptive_memory_feature"): "another feature's flag",
     ("npuspeed.features.swap_attention.swap_attention_feature",
      "npuspeed.features.recompute_activation.recompute_activation_feature"): "another feature's flag",
-    ("npuspeed.features.swap_optimizer.policy", "npuspeed.features.reuse_fp32_param"): "another feature's flag",
 }
 
 

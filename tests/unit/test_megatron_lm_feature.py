@@ -380,6 +380,32 @@ def test_registered_patches_per_backend():
     assert MEGATRON_LM_RANGE == ">=0.16,<0.20"
 
 
+def _tag_sources(tag: str):
+    """A reader of Megatron-LM's files at `tag` (path -> text, None where absent), from the
+    checkout NPUSPEED_MEGATRON_LM names, as tests/e2e/test_megatron_lm.py finds it: a git clone
+    (bare or not) answers for every tag; a plain checkout only for the tag of its version."""
+    from npuspeed.features.megatron_lm.source_patch import KNOWN_VERSIONS, PatchSourceError, read_version
+
+    checkout = os.environ.get("NPUSPEED_MEGATRON_LM", "")
+    if not checkout:
+        pytest.skip(f"set NPUSPEED_MEGATRON_LM to a Megatron-LM git clone (or a checkout at {tag})")
+    root = pathlib.Path(checkout)
+    has_tag = subprocess.run(["git", "-C", str(root), "rev-parse", "--verify", "--quiet", f"{tag}^{{commit}}"],
+                             capture_output=True, text=True).returncode == 0
+    if has_tag:
+        def read(path: str):
+            shown = subprocess.run(["git", "-C", str(root), "show", f"{tag}:{path}"], capture_output=True, text=True)
+            return shown.stdout if shown.returncode == 0 else None
+        return read
+    try:
+        version = read_version(root)
+    except PatchSourceError:
+        version = None
+    if KNOWN_VERSIONS.get(version) != tag:
+        pytest.skip(f"NPUSPEED_MEGATRON_LM={root} is neither a git clone with tag {tag} nor a checkout at it")
+    return lambda path: (root / path).read_text() if (root / path).is_file() else None
+
+
 @pytest.mark.parametrize("version,present", [
     ("0.16.1", {"utils.torch", "utils.get_batch_on_this_tp_rank", "training.get_model"}),
     ("0.17.1", {"utils.torch", "utils.get_batch_on_this_tp_rank", "training.get_model"}),
@@ -395,18 +421,15 @@ def test_every_target_resolves_on_its_release(version, present):
     from npuspeed.patching.versions import in_range
 
     tag = {"0.16.1": "core_v0.16.1", "0.17.1": "core_v0.17.0", "0.19.2": "core_v0.19.0"}[version]
-    root = pathlib.Path(os.environ.get("NPUSPEED_MLM_TAGS", "/work/mlm")) / tag / "megatron" / "training"
-    if not root.is_dir():
-        pytest.skip(f"no Megatron-LM {tag} sources at {root}")
+    read = _tag_sources(tag)
     tables = (targets.DEVICE_ARCH, {f"{m}.torch": r for m, r in targets.TORCH_MODULES.items()},
               targets.CUDA_CALLS)
     wanted = {t for table in tables for t, rng in table.items() if in_range(rng, Version(version))}
     assert present <= wanted
     for target in wanted:
         module, name = target.rsplit(".", 1)
-        path = root / (module.replace(".", "/") + ".py")
-        assert path.is_file(), (version, target)
-        text = path.read_text()
+        text = read("megatron/training/" + module.replace(".", "/") + ".py")
+        assert text is not None, (version, target)
         assert (f"def {name}(" in text) if name != "torch" else ("\nimport torch\n" in text), (version, target)
 
 

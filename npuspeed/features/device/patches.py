@@ -9,8 +9,8 @@ def register(registry, ctx, config, feature: str) -> None:
     patches follow the accelerator."""
     from npuspeed.accelerator.devices import for_device
     from npuspeed.features.device import (
-        cuda_shim, dist_backend, distopt_fixes, fused_adam, gloo_collectives, gloo_p2p, megatron_compat,
-        megatron_fixes, rng,
+        cuda_shim, dist_backend, distopt_fixes, elastic_restart, fused_adam, gloo_collectives, gloo_p2p,
+        megatron_compat, megatron_fixes, moe_expert_bias, rng,
     )
 
     accelerator = ctx.accelerator
@@ -25,6 +25,8 @@ def register(registry, ctx, config, feature: str) -> None:
         if_missing=True,
     )
     megatron_compat.register(registry, feature)  # older releases' own bugs (0.12)
+    moe_expert_bias.register(registry, feature)  # SequentialMLP's in-place expert-bias add (0.15-0.19)
+    elastic_restart.register(registry, feature)  # torchrun restarts: each attempt's store keys apart
     gloo_collectives.register(registry, feature)  # MoE's uneven expert-TP gather on gloo
     gloo_p2p.register(registry, feature)  # PP 2 + VPP on gloo: activations and gradients told apart by tag
     from npuspeed.features.pipeline.bubble import patches as bubble
