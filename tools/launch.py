@@ -42,13 +42,38 @@ def run_example(args: list[str], tmp_path: Path, nproc: int = 1, name: str = "ru
     cmd += list(args) + ["--summary-json", str(summary)]
     run_env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
     run_env.update(env or {})
-    proc = subprocess.run(cmd, cwd=ROOT, env=run_env, capture_output=True, text=True, timeout=timeout)
-    log = proc.stdout + proc.stderr
-    if proc.returncode != 0 or not summary.exists():
-        raise AssertionError(f"example failed ({proc.returncode}): {' '.join(cmd)}\n{log[-6000:]}")
+    if torchrun_args:  # a restarting launch: leftovers of a killed attempt must not hold the output
+        returncode, log = _run_in_own_session(cmd, run_env, timeout)
+    else:
+        proc = subprocess.run(cmd, cwd=ROOT, env=run_env, capture_output=True, text=True, timeout=timeout)
+        returncode, log = proc.returncode, proc.stdout + proc.stderr
+    if returncode != 0 or not summary.exists():
+        raise AssertionError(f"example failed ({returncode}): {' '.join(cmd)}\n{log[-6000:]}")
     result = json.loads(summary.read_text())
     result["log"] = log
     return result
+
+
+def _run_in_own_session(cmd: list[str], env: dict, timeout: int) -> tuple[int, str]:
+    """torchrun in a session of its own, its output in a file, and whatever is left of the session
+    killed after it exits. A worker killed mid-run (an elastic restart's first attempt) leaves its
+    multiprocessing children orphaned but alive; they keep pipes open, so reading torchrun's output
+    through pipes waits for them until the timeout (seen here: 10 minutes for a 1-minute run)."""
+    import signal
+    import tempfile
+
+    with tempfile.TemporaryFile("w+") as out:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
+        try:
+            returncode = proc.wait(timeout=timeout)
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)  # the orphans of a killed attempt, if any
+            except ProcessLookupError:
+                pass
+        out.seek(0)
+        return returncode, out.read()
 
 
 def run_then_dump(option: str, collect) -> None:
