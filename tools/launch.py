@@ -55,25 +55,42 @@ def run_example(args: list[str], tmp_path: Path, nproc: int = 1, name: str = "ru
 
 
 def _run_in_own_session(cmd: list[str], env: dict, timeout: int) -> tuple[int, str]:
-    """torchrun in a session of its own, its output in a file, and whatever is left of the session
-    killed after it exits. A worker killed mid-run (an elastic restart's first attempt) leaves its
-    multiprocessing children orphaned but alive; they keep pipes open, so reading torchrun's output
-    through pipes waits for them until the timeout (seen here: 10 minutes for a 1-minute run)."""
+    """torchrun with its output in a file, and every process it left behind killed after it exits.
+    A worker killed mid-run (an elastic restart's first attempt) leaves its multiprocessing children
+    orphaned but alive (torchelastic starts each worker in a session of its own, so they are in no
+    group of ours); through pipes, reading torchrun's output then waits for them until the timeout
+    (seen here: 10 minutes for a 1-minute run). They carry this launch's mark in their environment."""
     import signal
     import tempfile
+    import uuid
 
+    mark = f"NPUSPEED_LAUNCH_MARK={uuid.uuid4().hex}"
+    env = dict(env, NPUSPEED_LAUNCH_MARK=mark.partition("=")[2])
     with tempfile.TemporaryFile("w+") as out:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, text=True,
-                                start_new_session=True)
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
         try:
             returncode = proc.wait(timeout=timeout)
         finally:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)  # the orphans of a killed attempt, if any
-            except ProcessLookupError:
-                pass
+            proc.kill()
+            for pid in _marked(mark.encode()):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
         out.seek(0)
         return returncode, out.read()
+
+
+def _marked(mark: bytes) -> list[int]:
+    """Processes whose environment holds `mark` (Linux /proc; none found elsewhere)."""
+    found = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            if mark in (entry / "environ").read_bytes().split(b"\0"):
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
 
 
 def run_then_dump(option: str, collect) -> None:
