@@ -223,5 +223,6 @@ def test_grouped_mm_choice_is_per_shape_recorded_and_runs(chooser):
         ran[k] = _grouped_counts()
     assert ran == {16: {"linear": 2}, 24: {"loop_fp32": 2}}
     records = [c for c in reporting._path_choices() if c["op"] == "grouped_mm" and c["chooser"] == "fused ops"]
-    assert {r["shape"]: r["impl"] for r in records} == {"3 experts, ~16x16x8 bf16 cpu": "megatron",
-                                                        "3 experts, ~16x24x8 bf16 cpu": "loop_fp32"}
+    want = {"3 experts, ~16x16x8 bf16 cpu": "megatron", "3 experts, ~16x24x8 bf16 cpu": "loop_fp32"}
+    got = {r["shape"]: r["impl"] for r in records}  # other tests' shapes may still be recorded beside
+    assert {shape: got.get(shape) for shape in want} == want, got

@@ -156,10 +156,14 @@ def copying(method):
 
 
 def register(registry, ctx, config, feature: str) -> None:
+    """Nothing with Megatron's own --optimizer-cpu-offload, or where the states stay in place
+    (the host is the device: feature.idle_reason says so)."""
     from npuspeed.accelerator import host_link
-    from npuspeed.features.swap_optimizer.policy import chunk_bytes, parse_mode
+    from npuspeed.features.swap_optimizer.policy import chunk_bytes, moves, parse_mode
     from npuspeed.features.swap_optimizer.sizer import ChunkSizer
 
+    if not config.swap_optimizer or not moves(ctx.accelerator):
+        return
     acc, mode = ctx.accelerator, parse_mode(config.swap_optimizer_mode)
     init = built(acc, chunk_bytes(config), swap_masters=not config.reuse_fp32_param,
                  sizer=lambda: ChunkSizer(acc, mode, lambda: host_link.link(acc), ctx.note))
