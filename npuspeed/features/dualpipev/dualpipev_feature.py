@@ -83,7 +83,7 @@ class DualPipeVFeature(Feature):
     def path(self, ctx) -> str:
         if not self.enabled(ctx.args):
             return "off"
-        how = ("taking turns at each expert all-to-all (--moe-fb-overlap)" if self.config(ctx.args).pairs_overlap
+        how = ("taking turns at each expert all-to-all (--moe-fb-overlap)" if pairs_overlap(ctx.args)
                else "one after the other (add --moe-fb-overlap to overlap them)")
         return ("DualPipeV: rank r holds stages r and 2P-1-r (V placement through Megatron's layer offsets), "
                 f"npuspeed's per-rank order and sends/receives; steady steps pair a forward and a backward, {how}")
