@@ -47,7 +47,7 @@ def comparison(run: dict, base: dict | None) -> dict:
 
 def _enabled(summary: dict) -> list[str] | None:
     report = summary.get("npuspeed_report")
-    if not report:
+    if not report or "features" not in report:
         return None
     return [f["name"] for f in report["features"] if f["enabled"] and f["name"] != "device"]
 
@@ -63,6 +63,9 @@ def render(run: dict, base: dict | None, patches: bool = False) -> str:
     if not report:
         raise UserError("--run: this summary has no npuspeed_report (written by an older example); train "
                         "again with --summary-json to get the run's own report")
+    if "error" in report:
+        raise UserError(f"--run: the run could not collect its own report ({report['error']}); run "
+                        "`npuspeed report` with the run's flags, or report the error")
     cmp = comparison(run, base)
     out = [render_report(report, patches=patches), "", "this run:"]
     out.append("  " + _speed_line(cmp, cmp.get("enabled_features")))

@@ -486,7 +486,11 @@ def _train(args, progress) -> dict:
         # chooser took on this run's shapes, the counters (`npuspeed report --run` renders it)
         from npuspeed.reporting import collect
 
-        summary["npuspeed_report"] = collect()
+        try:
+            summary["npuspeed_report"] = collect()
+        except Exception as exc:  # noqa: BLE001 - a report line must not end a finished run: say why it is missing
+            print(f"npuspeed: the run's own report could not be collected ({type(exc).__name__}: {exc})", flush=True)
+            summary["npuspeed_report"] = {"error": f"{type(exc).__name__}: {exc}"}
         with open(args.summary_json, "w") as f:
             json.dump(summary, f, indent=2, default=str)
     torch.distributed.barrier()
