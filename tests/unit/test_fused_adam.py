@@ -13,6 +13,7 @@ import logging
 
 import pytest
 import torch
+from tiny_gpt_steps import train_steps as _train
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from npuspeed import telemetry
@@ -76,22 +77,6 @@ def _build(bf16: bool, distopt: bool, **opt_kwargs):
     return model, optimizer
 
 
-def _train(model, optimizer, steps: int, start: int = 0) -> list[float]:
-    losses = []
-    for i in range(start, start + steps):
-        g = torch.Generator().manual_seed(100 + i)
-        tokens = torch.randint(0, 64, (2, 16), generator=g)
-        labels = torch.randint(0, 64, (2, 16), generator=g)
-        position = torch.arange(16).unsqueeze(0).expand(2, 16)
-        model.zero_grad_buffer()
-        optimizer.zero_grad()
-        loss = model(tokens, position, None, labels=labels).float().mean()
-        loss.backward()
-        model.finish_grad_sync()
-        ok, _, _ = optimizer.step()
-        assert ok
-        losses.append(loss.item())
-    return losses
 
 
 def _inners(optimizer):
