@@ -89,7 +89,10 @@ def _attention_runner(b, s, hq, hk, d, dtype, device, dropout_p):
     from npuspeed.ops import flash_attention as cpu_flash
 
     reason = cpu_flash.unsupported(query, key, masked=False, dropout_p=dropout_p)
-    upcast = reason is not None and dtype == torch.bfloat16 and device.type == "cpu" and cpu_flash.fp32_reason() is None
+    from npuspeed.accelerator.devices import for_device
+
+    on_host = for_device(device).host_is_device()
+    upcast = reason is not None and dtype == torch.bfloat16 and on_host and cpu_flash.fp32_reason() is None
     if reason is None or upcast:
         params = cpu_flash.FlashParams(scale=scale, causal=True, dropout_p=dropout_p)
         if upcast:
@@ -155,7 +158,9 @@ def measure(call_list: list[Call], device, synchronize, *, dtype=None, dropout_p
 
     device = torch.device(device)
     dtype = dtype or torch.bfloat16
-    host = device.type == "cpu"
+    from npuspeed.accelerator.devices import for_device
+
+    host = for_device(device).host_is_device()
     warmup = (1 if host else 3) if warmup is None else warmup
     repeats = (3 if host else 5) if repeats is None else repeats
     inner = (1 if host else 10) if inner is None else inner
