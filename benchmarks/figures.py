@@ -1,6 +1,7 @@
-"""Every figure in the README, rendered from a committed result file.
+"""Every figure in the README (and the docs pages in PAGES), rendered from a committed result file.
 
-A figure in README.md is written between two markers naming its source:
+A figure in README.md, or in a docs page listed in PAGES, is written between two markers naming
+its source:
 
     <!--fig:cpu-e2e-2026-11-22/tokens_ratio-->1.52-1.62x<!--/fig-->
 
@@ -17,8 +18,10 @@ Kinds (`figures.<name>.kind`):
 - `range`: the raw list's min-max (one value when they agree)
 - `pair_ratios`: every num_i / den_j over two raw lists (runs of A and B), as min-max
 - `ratio`: raw[num] / raw[den] of two single values
-- `max_abs`: the largest |value| of a raw list (errors, in the unit given)
-- `count_within`: "N of M": how many |value| <= bound
+- `max_abs`: the largest |value| of a raw list (errors, in the unit given); a null entry (a
+  failed run, see count_within) has no value and is skipped
+- `count_within`: "N of M": how many |value| <= bound; a null entry is a failed run: one of the M,
+  never within, and the text says so ("N of M, F failed"), so a failure cannot drop out
 - `value`: one raw value as it is
 """
 from __future__ import annotations
@@ -31,6 +34,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 MEASURED = ROOT / "benchmarks" / "measured"
 README = ROOT / "README.md"
+# docs pages whose figures are rendered from result files too (marker by marker)
+PAGES = [ROOT / "docs" / "plan.md"]
 SPAN = re.compile(r"<!--fig:([\w.\-]+)/([\w.\-]+)-->(.*?)<!--/fig-->", re.S)
 REQUIRED = ("what", "commit", "date", "machine", "provenance", "raw", "figures")
 # what counts as a figure in prose: ratios (1.5x), percentages, exponents, sizes and times
@@ -81,10 +86,12 @@ def render(data: dict, figure: str) -> str:
     if kind == "ratio":
         return _fmt(raw[spec["num"]] / raw[spec["den"]], spec) + spec.get("unit", "")
     if kind == "max_abs":
-        return _fmt(max(abs(v) for v in raw[spec["from"]]), spec) + spec.get("unit", "")
+        return _fmt(max(abs(v) for v in raw[spec["from"]] if v is not None), spec) + spec.get("unit", "")
     if kind == "count_within":
         values = raw[spec["from"]]
-        return f"{sum(abs(v) <= spec['bound'] for v in values)} of {len(values)}"
+        failed = sum(v is None for v in values)
+        within = sum(v is not None and abs(v) <= spec["bound"] for v in values)
+        return f"{within} of {len(values)}" + (f", {failed} failed" if failed else "")
     if kind == "value":
         return _fmt(raw[spec["from"]], spec) + spec.get("unit", "")
     raise FigureError(f"figure {figure!r}: unknown kind {kind!r}")
@@ -99,7 +106,9 @@ def _outside_spans(text: str) -> str:
     return re.sub(r"\]\([^)]*\)", blank, text)
 
 
-def problems(text: str) -> list[str]:
+def problems(text: str, numbers_outside: bool = True) -> list[str]:
+    """What is wrong with a page's figures: a span whose text its file does not give and (with
+    `numbers_outside`, the README) a figure-like number outside the spans."""
     out = []
     for match in SPAN.finditer(text):
         name, figure, shown = match.groups()
@@ -109,8 +118,8 @@ def problems(text: str) -> list[str]:
             out.append(f"{name}/{figure}: {exc}")
             continue
         if shown != want:
-            out.append(f"{name}/{figure}: the README says {shown!r}, its result file gives {want!r}")
-    for number, line in _unsourced(text):
+            out.append(f"{name}/{figure}: the page says {shown!r}, its result file gives {want!r}")
+    for number, line in _unsourced(text) if numbers_outside else ():
         out.append(f"line {line}: {number!r} has no source: put it between <!--fig:FILE/NAME--> and "
                    "<!--/fig--> with a result file in benchmarks/measured/, or drop it")
     return out
@@ -131,10 +140,15 @@ def rewrite(text: str) -> str:
 def main(argv: list[str]) -> int:
     if argv[:1] == ["--check"]:
         found = problems(README.read_text())
-        print("\n".join(found) or f"{README.name}: every figure renders from its result file")
+        for page in PAGES:
+            found += [f"{page.relative_to(ROOT)}: {p}" for p in problems(page.read_text(), numbers_outside=False)]
+        print("\n".join(found) or f"{README.name} and {len(PAGES)} docs page(s): every figure renders from its "
+              "result file")
         return 1 if found else 0
-    README.write_text(rewrite(README.read_text()))
-    print(f"{README.name}: figures rendered from {MEASURED.relative_to(ROOT)}/")
+    for page in [README, *PAGES]:
+        page.write_text(rewrite(page.read_text()))
+    print(f"{README.name} and {', '.join(str(p.relative_to(ROOT)) for p in PAGES)}: figures rendered from "
+          f"{MEASURED.relative_to(ROOT)}/")
     return 0
 
 

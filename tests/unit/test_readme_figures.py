@@ -26,6 +26,18 @@ def test_every_readme_figure_renders_from_its_result_file():
     assert figures.problems(figures.README.read_text()) == []
 
 
+def test_every_docs_page_figure_renders_from_its_result_file():
+    for page in figures.PAGES:
+        assert figures.problems(page.read_text(), numbers_outside=False) == [], page.name
+
+
+def test_a_failed_run_counts_against_a_count_figure():
+    data = {"raw": {"err": [1.0, -12.0, None]}, "figures": {"n": {"kind": "count_within", "from": "err", "bound": 10},
+                                                           "x": {"kind": "max_abs", "from": "err", "digits": 1}}}
+    assert figures.render(data, "n") == "1 of 3, 1 failed"
+    assert figures.render(data, "x") == "12.0"
+
+
 def test_every_result_file_is_complete():
     for path in sorted(figures.MEASURED.glob("*.json")):
         data = json.loads(path.read_text())
