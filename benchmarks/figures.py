@@ -15,7 +15,8 @@ figure-like number in the README outside the markers (tests/unit/test_readme_fig
 A figure is a range over the runs, never the best run alone: the kinds below compute one.
 
 Kinds (`figures.<name>.kind`):
-- `range`: the raw list's min-max (one value when they agree)
+- `range`: the raw list's min-max (one value when they agree; `sep` instead of "-" and `signed`
+  (+/-) for signed values such as errors; a null entry, a failed run, has no value and is skipped)
 - `pair_ratios`: every num_i / den_j over two raw lists (runs of A and B), as min-max
 - `ratio`: raw[num] / raw[den] of two single values
 - `max_abs`: the largest |value| of a raw list (errors, in the unit given); a null entry (a
@@ -61,14 +62,15 @@ def load(name: str) -> dict:
 
 def _fmt(value: float, spec: dict) -> str:
     digits = spec.get("digits", 2)
-    text = f"{value:.{digits}e}" if spec.get("sci") else f"{value:.{digits}f}"
+    sign = "+" if spec.get("signed") else ""
+    text = f"{value:{sign}.{digits}e}" if spec.get("sci") else f"{value:{sign}.{digits}f}"
     return text
 
 
 def _span(lo: float, hi: float, spec: dict) -> str:
     unit = spec.get("unit", "")
     a, b = _fmt(lo, spec), _fmt(hi, spec)
-    return f"{a}{unit}" if a == b else f"{a}-{b}{unit}"
+    return f"{a}{unit}" if a == b else f"{a}{spec.get('sep', '-')}{b}{unit}"
 
 
 def render(data: dict, figure: str) -> str:
@@ -78,7 +80,7 @@ def render(data: dict, figure: str) -> str:
     raw = data["raw"]
     kind = spec["kind"]
     if kind == "range":
-        values = [float(v) for v in raw[spec["from"]]]
+        values = [float(v) for v in raw[spec["from"]] if v is not None]
         return _span(min(values), max(values), spec)
     if kind == "pair_ratios":
         ratios = [n / d for n in raw[spec["num"]] for d in raw[spec["den"]]]

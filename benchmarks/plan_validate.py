@@ -134,10 +134,17 @@ UNTUNED = [
     ("kv48 tp2 recompute-norm recompute-activation fused-rmsnorm bf16", 2, RMS_ROPE + [
         "--kv-channels", "48", "--tensor-model-parallel-size", "2", "--recompute-norm",
         "--recompute-activation-function", "--use-fused-rmsnorm", "--bf16"]),
-    ("moe8 top1 ep2 moe-ffn128 bf16", 2, MOE8 + ["--moe-router-topk", "1", "--moe-ffn-hidden-size", "128", "--bf16"]),
+    # top 1 needs --moe-router-pre-softmax (megatron-core refuses it otherwise: a failed row in the first run)
+    ("moe8 top1 ep2 moe-ffn128 bf16", 2, MOE8 + ["--moe-router-topk", "1", "--moe-router-pre-softmax",
+                                                 "--moe-ffn-hidden-size", "128", "--bf16"]),
     ("moe8 top2 ep2 moe-ffn192 distopt grouped-gemm swiglu fp32", 2, MOE8 + [
         "--moe-router-topk", "2", "--moe-ffn-hidden-size", "192", "--use-distributed-optimizer", "--moe-grouped-gemm",
         "--swiglu"]),
+    # DualPipeV (npuspeed's --schedules-method dualpipev: two chunks per rank in a V, untied embeddings)
+    ("l4 pp2 dualpipev m4 untied fp32", 2, ["--num-layers", "4", "--pipeline-model-parallel-size", "2",
+                                           "--num-layers-per-virtual-pipeline-stage", "1", "--schedules-method",
+                                           "dualpipev", "--untie-embeddings-and-output-weights",
+                                           "--global-batch-size", "16"]),
     ("dp2 swap-attention swap-optimizer fp32", 2, ["--swap-attention", "--swap-optimizer"]),
     ("cp2 ulysses gqa2 rope seq256 mbs2 bf16", 2, RMS_ROPE + [
         "--group-query-attention", "--num-query-groups", "2", "--use-flash-attn", "--context-parallel-size", "2",
@@ -178,8 +185,11 @@ def failure_reason(message: str) -> str:
     code = re.match(r"example failed \((-?\d+)\)", message)
     rc = int(code.group(1)) if code else None
     head = "exited 0 but wrote no summary" if rc == 0 else f"exit status {rc}" if rc is not None else "failed"
-    lines = [ln.strip() for ln in message.splitlines()[1:] if ln.strip()]
-    errors = [ln for ln in lines if re.search(r"error|Error|Exception|Traceback|refus", ln)]
+    # the workers' own lines ("[rank0]: ValueError: ..."), not torchrun's summary of their failure
+    lines = [re.sub(r"^\[(?:rank|default)\d+\]:\s*", "", ln).strip() for ln in message.splitlines()[1:]]
+    lines = [ln for ln in lines if ln and "elastic" not in ln and "ChildFailedError" not in ln]
+    raised = [ln for ln in lines if re.match(r"([\w.]*(Error|Exception)\b|npuspeed: error)", ln)]
+    errors = raised or [ln for ln in lines if re.search(r"error|Error|Traceback|refus", ln)]
     last = (errors or lines or [""])[-1]
     return f"{head}: {last[:300]}" if last else head
 
@@ -359,7 +369,9 @@ def result_file(rows: list[dict], set_name: str, base: list[str], iters: int, st
         "raw": {"rows": rows, "memory_error_pct": [None if r["error"] is None else 100 * r["error"] for r in rows],
                 "summary": summary(rows, bound)},
         "figures": {"memory_max_error": {"kind": "max_abs", "from": "memory_error_pct", "digits": 1, "unit": "%"},
-                    "memory_within_10": {"kind": "count_within", "from": "memory_error_pct", "bound": 10}},
+                    "memory_within_10": {"kind": "count_within", "from": "memory_error_pct", "bound": 10},
+                    "memory_error_range": {"kind": "range", "from": "memory_error_pct", "digits": 1, "signed": True,
+                                           "sep": " to ", "unit": "%"}},
     }
 
 

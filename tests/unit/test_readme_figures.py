@@ -33,9 +33,12 @@ def test_every_docs_page_figure_renders_from_its_result_file():
 
 def test_a_failed_run_counts_against_a_count_figure():
     data = {"raw": {"err": [1.0, -12.0, None]}, "figures": {"n": {"kind": "count_within", "from": "err", "bound": 10},
-                                                           "x": {"kind": "max_abs", "from": "err", "digits": 1}}}
+                                                           "x": {"kind": "max_abs", "from": "err", "digits": 1},
+                                                           "r": {"kind": "range", "from": "err", "digits": 1,
+                                                                 "signed": True, "sep": " to ", "unit": "%"}}}
     assert figures.render(data, "n") == "1 of 3, 1 failed"
     assert figures.render(data, "x") == "12.0"
+    assert figures.render(data, "r") == "-12.0 to +1.0%"
 
 
 def test_every_result_file_is_complete():
