@@ -367,9 +367,10 @@ def result_file(rows: list[dict], set_name: str, base: list[str], iters: int, st
         "provenance": (f"measured by the command above, started {started} UTC; every configuration is a row, "
                        "a failed one (run or plan) with its reason; CPU only"),
         "raw": {"rows": rows, "memory_error_pct": [None if r["error"] is None else 100 * r["error"] for r in rows],
-                "summary": summary(rows, bound)},
+                "bound_pct": 100 * bound, "summary": summary(rows, bound)},
         "figures": {"memory_max_error": {"kind": "max_abs", "from": "memory_error_pct", "digits": 1, "unit": "%"},
-                    "memory_within_10": {"kind": "count_within", "from": "memory_error_pct", "bound": 10},
+                    "memory_within_10": {"kind": "count_within", "from": "memory_error_pct", "bound": 100 * bound},
+                    "memory_bound": {"kind": "value", "from": "bound_pct", "digits": 0, "unit": "%"},
                     "memory_error_range": {"kind": "range", "from": "memory_error_pct", "digits": 1, "signed": True,
                                            "sep": " to ", "unit": "%"}},
     }
