@@ -13,7 +13,8 @@ make the planner look better by dropping out.
 Two sets: `tuned` (CONFIGS, the configurations the planner was tuned on, about 20 min here) and
 `untuned` (UNTUNED, combinations added in Nov 2026 after the planner's changes, none of them in
 the tuned set: other hidden/ffn/layer counts, GQA groups, kv-channels, TP/PP/SP/CP/EP mixes,
-recompute, swap, fused-CE and MoE flags; 2 ranks at most, a few minutes in all).
+recompute, swap, fused-CE, DualPipeV and MoE flags; 2 ranks at most: 14 min on the 2-core VM at load
+8-28, its ranks' start-up most of it).
 
     python benchmarks/plan_validate.py                 # the tuned set
     python benchmarks/plan_validate.py --set untuned --json benchmarks/measured/cpu-plan-untuned-DATE.json
