@@ -116,6 +116,6 @@ def test_a_configuration_that_cannot_start_is_reported(monkeypatch, tmp_path):
     row = pv.validate_one("cannot start", 1, [], [], 2, runner=lambda *a, **k: pv.run_example(*a, **k),
                           planner=planner, timeout=120)
     assert row["status"] == "failed", row
-    assert row["reason"].startswith("run: exit status 1") or row["reason"].startswith("run: exit status 3"), row
-    assert "cannot start here" in row["reason"] or "ChildFailedError" in row["reason"], row
+    # torchrun exits 1 for a failed worker; the reason is the worker's own line, not torchrun's summary
+    assert row["reason"] == "run: exit status 1: npuspeed: error: cannot start here", row
     assert planner.calls == []
