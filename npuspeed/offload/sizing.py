@@ -164,6 +164,10 @@ def chunks_wait(chunks: list[Chunk], moved: set[int], link, gap_s: float, margin
     return (t - busy) + spill
 
 
+#: why a unit stays where the link cannot overlap compute
+IN_ORDER = "copies run in order with compute on this backend: none can hide"
+
+
 def decide(feature: str, mode: str, units: list, wait, link, compute_s: float, per: str = "micro-batch",
            margin: float = MARGIN) -> Decision:
     """The units to move. `wait(moved, margin)`: the compute stream's wait for a set of indices.
@@ -182,7 +186,7 @@ def decide(feature: str, mode: str, units: list, wait, link, compute_s: float, p
             if extra <= EPS:
                 moved.add(i)
             elif not link.overlaps:
-                kept[units[i].name] = "copies run in order with compute on this backend: none can hide"
+                kept[units[i].name] = IN_ORDER
             else:
                 kept[units[i].name] = (f"its copies ({_t(link, units[i].nbytes, True, 1.0) * 1e3:.2f} ms each way) "
                                        f"would add {extra * 1e3:.2f} ms of wait with the {margin:.0%} margin")

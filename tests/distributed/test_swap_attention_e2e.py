@@ -11,7 +11,9 @@ import pytest
 
 from launch import NO_DROPOUT, TINY, run_example
 
-FLAG = ["--swap-attention"]
+#: `whole`: every layer's copies run on the CPU too (the default sizing swaps nothing where copies
+#: cannot hide: tests/unit/test_swap_attention.py)
+FLAG = ["--swap-attention", "--swap-attention-mode", "whole"]
 BASE = TINY + NO_DROPOUT + ["--num-layers", "4", "--train-iters", "8", "--seq-length", "128"]
 
 

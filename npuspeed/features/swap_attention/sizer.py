@@ -9,6 +9,13 @@ Then npuspeed/offload/sizing.py decides, from those figures and the measured hos
 groups swap from then on (`hidden`: those whose copies hide with a margin; `whole`: all, with
 the cost stated), one log line says so, and the compute stream's waits in the next pass are
 measured against the estimate (npuspeed report, summary's `swap_sizing`).
+
+Where the link cannot overlap compute (an in-order backend: the CPU, where the host is the
+device), `hidden` knows its answer before any pass: no copy can hide, so no group swaps and no
+pass is timed. Timing there would swap every group for three passes and hold each saved tensor
+twice in the one memory (measured: a 60 MiB run peaked at 153 MiB), for a decision known in
+advance; the decision is still recorded once the first pass has named the groups.
+`whole` runs the copies on any backend (the mechanics, tested on the CPU).
 """
 from __future__ import annotations
 
@@ -44,6 +51,9 @@ class LayerSizer:
     # -- the manager's questions ----------------------------------------------------------------
     def new_group(self, name: str, starts_pass: bool) -> tuple[Record, bool]:
         """A Record for a new group called `name`, and whether the group swaps."""
+        if not self.passes and self.moved is None and self.mode == "hidden" and not self._link().overlaps:
+            self.moved = set()  # in order: nothing hides (the module docstring)
+            self.check = []
         if starts_pass or not self.passes:
             self._pass_ends()
             self.passes.append([])
@@ -67,6 +77,8 @@ class LayerSizer:
         return all(self.marks.has(("post", index, i)) for i in range(len(self.passes[index])))
 
     def _pass_ends(self) -> None:
+        if self.passes and not self.decisions and self.moved == set() and self.check == []:
+            self._decide_in_order([g.name for g in self.passes[-1]])
         if self.moved is None:
             measured = [i for i in range(SKIP, min(len(self.passes), SKIP + MEASURE)) if self._complete(i)]
             if len(measured) == MEASURE:
@@ -116,6 +128,18 @@ class LayerSizer:
         self.marks = Marks(self.acc)
         self.check = [len(self.passes)]  # the pass about to start: the first timed after the decision
         self._forget()
+
+    def _decide_in_order(self, names: list[str]) -> None:
+        """The in-order backend's decision, recorded with the groups of the first pass: none moves."""
+        link = self._link()
+        d = sizing.Decision(feature=FEATURE, mode=self.mode, units=len(names), moved=[],
+                            kept={name: sizing.IN_ORDER for name in names}, bytes_moved=0, bytes_total=0,
+                            transfer_s=0.0, exposed_s=0.0, compute_s=0.0, link=link.as_dict())
+        self.decisions.append(d)
+        decisions.record(d)
+        telemetry.count(PREFIX + "units_kept", len(d.kept))
+        telemetry.count(PREFIX + "decided")
+        self.note(f"{d.line()} (decided without timing: copies cannot overlap compute here); {link.line()}")
 
     def _checked(self) -> None:
         points = self.marks.read()

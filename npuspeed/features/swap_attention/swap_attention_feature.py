@@ -67,8 +67,9 @@ class SwapAttentionFeature(Feature):
         acc = ctx.accelerator
         if acc.host_is_device():
             ctx.note(f"{MAIN}: the host is the device on the {acc.name} backend: activations are copied to "
-                     "another place in the same memory and nothing is saved; the mechanics run, the gain is "
-                     "measured on an accelerator")
+                     "another place in the same memory and nothing is saved; by default nothing swaps (copies cannot "
+                     "hide there), --swap-attention-mode whole runs the mechanics; the gain is measured on an "
+                     "accelerator")
         elif not acc.has_pinned_memory():
             raise FeatureError(f"{MAIN} needs page-locked host memory for overlapped copies, which the "
                                f"{acc.name} backend does not offer here; drop {MAIN}")
