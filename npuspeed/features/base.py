@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import inspect
 
 from npuspeed.errors import UserError
 from npuspeed.plan_vocabulary import PlanEffect, PlanEffectError  # noqa: F401  (re-exported: a plan.effect returns one)
@@ -43,8 +44,17 @@ class Feature:
     #: feature says which (a test checks; the planner refuses an enabled feature that does not)
     plan = NOT_SAID
 
-    def __init_subclass__(cls, **kwargs):
-        super().__init_subclass__(**kwargs)
+    def __init_subclass__(cls, **declared):
+        """A feature declares its wiring in its class statement, as keyword arguments that set the
+        attributes above (`class XFeature(Feature, name="x", Config=Config, patches=_patches,
+        plan=_plan, switch="x")`; a subclass such as FusedOpFeature adds its own). A keyword that
+        names no such attribute is a TypeError, so a misspelt one never passes unseen."""
+        super().__init_subclass__()
+        for key, value in declared.items():
+            if not hasattr(cls, key) or inspect.isroutine(getattr(cls, key)):
+                raise TypeError(f"{cls.__name__}({', '.join(b.__name__ for b in cls.__bases__)}, {key}=...): "
+                                f"{key} is not a feature attribute to declare")
+            setattr(cls, key, value)
         if cls.__dict__.get("Config") is not None and "flags" not in cls.__dict__:
             cls.flags = cls.Config.flags()
 

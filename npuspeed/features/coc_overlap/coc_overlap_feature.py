@@ -38,13 +38,8 @@ class Config(FeatureConfig):
 
 
 
-class CocOverlapFeature(Feature):
-    name = "coc_overlap"
-    Config = Config
-    patches, plan = _patches, _plan
-
-    switch, requires = "use_coc", {"coc_parallel_num": "use_coc", "use_ascend_mc2": "use_coc"}
-
+class CocOverlapFeature(Feature, name="coc_overlap", Config=Config, patches=_patches, plan=_plan, switch="use_coc",
+                        requires={"coc_parallel_num": "use_coc", "use_ascend_mc2": "use_coc"}):
     def validate(self, ctx) -> None:
         config = self.config(ctx.args)
         self.check_requires(config)

@@ -55,11 +55,7 @@ def _refusals(m) -> list[tuple[bool, str]]:
     ]
 
 
-class DualPipeVFeature(Feature):
-    name = "dualpipev"
-    Config = Config
-    patches, plan = _patches, _plan
-
+class DualPipeVFeature(Feature, name="dualpipev", Config=Config, patches=_patches, plan=_plan):
     def enabled(self, args) -> bool:
         return v_schedule(args)  # the one answer, which the features that step aside for the V ask too
 

@@ -36,14 +36,10 @@ class Config(FeatureConfig):
     chunked (memory first)."""
 
 
-class FusedLinearCEFeature(Feature):
-    name = "fused_linear_ce"
-    Config = Config
-    patches, plan = _patches, _plan
-    switch = "use_fused_linear_cross_entropy"
-    requires = {"fused_linear_cross_entropy_chunk_size": "use_fused_linear_cross_entropy",
-                "fused_linear_cross_entropy_fallback": "use_fused_linear_cross_entropy"}
-
+class FusedLinearCEFeature(Feature, name="fused_linear_ce", Config=Config, patches=_patches, plan=_plan,
+                           switch="use_fused_linear_cross_entropy",
+                           requires={"fused_linear_cross_entropy_chunk_size": "use_fused_linear_cross_entropy",
+                                     "fused_linear_cross_entropy_fallback": "use_fused_linear_cross_entropy"}):
     def __init__(self):
         self.chooser = None
 

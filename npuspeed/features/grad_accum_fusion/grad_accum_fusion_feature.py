@@ -28,14 +28,11 @@ class Config(FeatureConfig):
     GEMM + add; CUDA: torch's mixed-dtype addmm; NPU: torch_npu._npu_matmul_add_fp32)."""
 
 
-class GradAccumFusionFeature(Feature):
-    name = "grad_accum_fusion"
-    Config = Config
-    #: no plan effect: the planner models neither the weight-gradient temporary nor its add (a
-    #: transient of one layer's weight size); the time is at most the unfused one by the chooser's rule
-    patches, plan = _patches, None
-    switch = "gradient_accumulation_fusion"
-
+class GradAccumFusionFeature(Feature, name="grad_accum_fusion", Config=Config, patches=_patches,
+                             # no plan effect: the planner models neither the weight-gradient temporary nor
+                             # its add (a transient of one layer's weight size); the time is at most the
+                             # unfused one by the chooser's rule
+                             plan=None, switch="gradient_accumulation_fusion"):
     def __init__(self):
         self.chooser = None
 

@@ -28,13 +28,9 @@ class Config(FeatureConfig):
         return self.moe_alltoall_chunks or 2
 
 
-class MoeAllToAllOverlapFeature(Feature):
-    name = "moe_alltoall_overlap"
-    Config = Config
-    patches, plan = _patches, _plan
-
-    switch, requires = "moe_alltoall_overlap_comm", {"moe_alltoall_chunks": "moe_alltoall_overlap_comm"}
-
+class MoeAllToAllOverlapFeature(Feature, name="moe_alltoall_overlap", Config=Config, patches=_patches, plan=_plan,
+                                switch="moe_alltoall_overlap_comm",
+                                requires={"moe_alltoall_chunks": "moe_alltoall_overlap_comm"}):
     def chunks(self, ctx) -> int:
         return self.config(ctx.args).chunks
 

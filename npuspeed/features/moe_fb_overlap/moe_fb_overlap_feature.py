@@ -50,11 +50,7 @@ def _pipeline(flag: str, pp: int, m) -> None:
         raise FeatureError(interleaved.batch_message(flag, microbatches, pp))
 
 
-class MoeFbOverlapFeature(Feature):
-    name = "moe_fb_overlap"
-    Config = Config
-    patches, plan = _patches, _plan
-
+class MoeFbOverlapFeature(Feature, name="moe_fb_overlap", Config=Config, patches=_patches, plan=_plan):
     def enabled(self, args) -> bool:
         return pairs_overlap(args)  # the one answer, which DualPipeV and the bubble baseline ask too
 

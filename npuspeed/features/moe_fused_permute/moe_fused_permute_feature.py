@@ -22,12 +22,8 @@ class Config(FeatureConfig):
     else Triton), where measured faster than Megatron's pair (once per shape)."""
 
 
-class MoeFusedPermuteFeature(Feature):
-    name = "moe_fused_permute"
-    Config = Config
-    patches, plan = _patches, _plan
-    switch = "use_fused_moe_token_permute_and_unpermute"
-
+class MoeFusedPermuteFeature(Feature, name="moe_fused_permute", Config=Config, patches=_patches, plan=_plan,
+                             switch="use_fused_moe_token_permute_and_unpermute"):
     def validate(self, ctx) -> None:
         needs_release("--use-fused-moe-token-permute-and-unpermute", permute.MEGATRON_RANGE,
                        "permute returns the permuted probabilities")

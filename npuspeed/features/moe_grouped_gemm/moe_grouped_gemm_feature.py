@@ -31,12 +31,8 @@ class Config(FeatureConfig):
     moe_tp_extend_ep: bool = False
 
 
-class MoeGroupedGemmFeature(Feature):
-    name = "moe_grouped_gemm"
-    Config = Config
-    patches, plan = _patches, _plan
-    switch = "moe_grouped_gemm"
-
+class MoeGroupedGemmFeature(Feature, name="moe_grouped_gemm", Config=Config, patches=_patches, plan=_plan,
+                            switch="moe_grouped_gemm"):
     def validate(self, ctx) -> None:
         needs_release("--moe-grouped-gemm", RANGE, "GroupedMLP takes the router probabilities (0.13-0.16); "
                       "npuspeed's grouped experts replace the local spec's SequentialMLP (0.17-0.19)")

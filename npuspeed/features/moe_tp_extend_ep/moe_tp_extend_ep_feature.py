@@ -17,12 +17,8 @@ class Config(FeatureConfig):
     over EP x TP ranks, expert weights not split by TP)."""
 
 
-class MoeTpExtendEpFeature(Feature):
-    name = "moe_tp_extend_ep"
-    Config = Config
-    patches, plan = _patches, _plan
-    switch = "moe_tp_extend_ep"
-
+class MoeTpExtendEpFeature(Feature, name="moe_tp_extend_ep", Config=Config, patches=_patches, plan=_plan,
+                           switch="moe_tp_extend_ep"):
     def validate(self, ctx) -> None:
         lay = Layout.from_ctx(ctx, self.config(ctx.args).moe_tp_extend_ep)
         if lay.tp == 1:

@@ -30,13 +30,10 @@ class Config(FeatureConfig):
     (interleaved order across virtual chunks); default all."""
 
 
-class RecomputeActivationFeature(Feature):
-    name = "recompute_activation"
-    Config = Config
-    patches, plan = _patches, _plan
-    switch = "recompute_activation_function"
-    requires = {"recompute_activation_function_num_layers": "recompute_activation_function"}
-
+class RecomputeActivationFeature(Feature, name="recompute_activation", Config=Config, patches=_patches,
+                                 plan=_plan, switch="recompute_activation_function",
+                                 requires={"recompute_activation_function_num_layers":
+                                           "recompute_activation_function"}):
     def validate(self, ctx) -> None:
         config = self.config(ctx.args)
         self.check_requires(config)

@@ -29,13 +29,8 @@ class Config(FeatureConfig):
     across virtual chunks); default all."""
 
 
-class RecomputeNormFeature(Feature):
-    name = "recompute_norm"
-    Config = Config
-    patches, plan = _patches, _plan
-
-    switch, requires = "recompute_norm", {"recompute_norm_num_layers": "recompute_norm"}
-
+class RecomputeNormFeature(Feature, name="recompute_norm", Config=Config, patches=_patches, plan=_plan,
+                           switch="recompute_norm", requires={"recompute_norm_num_layers": "recompute_norm"}):
     def validate(self, ctx) -> None:
         config = self.config(ctx.args)
         self.check_requires(config)

@@ -27,12 +27,8 @@ class Config(FeatureConfig):
     2 bytes/parameter less."""
 
 
-class ReuseFp32ParamFeature(Feature):
-    name = "reuse_fp32_param"
-    Config = Config
-    patches, plan = _patches, _plan
-    switch = "reuse_fp32_param"
-
+class ReuseFp32ParamFeature(Feature, name="reuse_fp32_param", Config=Config, patches=_patches, plan=_plan,
+                            switch="reuse_fp32_param"):
     def validate(self, ctx) -> None:
         if ctx.megatron.fp16:
             raise FeatureError(f"{FLAG} works with --bf16 only (bf16 is the top half of "

@@ -36,11 +36,7 @@ class Config(FeatureConfig):
     whole swaps every layer, whatever it costs, and states the cost in one line."""
 
 
-class SwapAttentionFeature(Feature):
-    name = "swap_attention"
-    Config = Config
-    patches, plan = _patches, _plan
-
+class SwapAttentionFeature(Feature, name="swap_attention", Config=Config, patches=_patches, plan=_plan):
     def enabled(self, args) -> bool:
         config = self.config(args)
         return config.swap_attention or config.swap_modules is not None or config.swap_attention_mode is not None

@@ -56,11 +56,7 @@ class Config(FeatureConfig):
     reuse_fp32_param: bool = False
 
 
-class SwapOptimizerFeature(Feature):
-    name = "swap_optimizer"
-    Config = Config
-    patches, plan = _patches, _plan
-
+class SwapOptimizerFeature(Feature, name="swap_optimizer", Config=Config, patches=_patches, plan=_plan):
     def enabled(self, args) -> bool:
         config = self.config(args)
         return bool(config.swap_optimizer or config.optimizer_cpu_offload
