@@ -78,9 +78,9 @@ class Feature:
         for option, needed in self.requires.items():
             if _given(config, option) and not _given(config, needed):
                 value = getattr(config, option)
-                given = _flag(config, option) + ("" if isinstance(value, bool) else f" {value}")
-                raise FeatureError(f"{given} is given without {_flag(config, needed)}; add {_flag(config, needed)} "
-                                   f"(or drop {_flag(config, option)})")
+                given = flag_of(config, option) + ("" if isinstance(value, bool) else f" {value}")
+                raise FeatureError(f"{given} is given without {flag_of(config, needed)}; add {flag_of(config, needed)} "
+                                   f"(or drop {flag_of(config, option)})")
 
     def validate(self, ctx) -> None:
         """Raise FeatureError for combinations that cannot work (known from the flags alone)."""
@@ -127,7 +127,7 @@ def _given(config, field: str) -> bool:
     return bool(value) != default if isinstance(default, bool) else value != default
 
 
-def _flag(config, field: str) -> str:
+def flag_of(config, field: str) -> str:
     return type(config).__dataclass_fields__[field].metadata["argparse"]["flag"]
 
 
