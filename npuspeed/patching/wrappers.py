@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 
 
 def within(make_context):
@@ -17,3 +18,12 @@ def within(make_context):
         return wrapped
 
     return wrap
+
+
+def bound_call(signature: inspect.Signature, args: tuple, kwargs: dict) -> inspect.BoundArguments:
+    """A call's arguments bound to the target's `signature`, its defaults filled in: what a wrapper
+    reads by name (`.arguments`) however Megatron's caller passed them, and may change before
+    calling the target with `*bound.args, **bound.kwargs`."""
+    bound = signature.bind(*args, **kwargs)
+    bound.apply_defaults()
+    return bound
