@@ -27,7 +27,7 @@ class Config(FeatureConfig):
 
 
 class FusedRMSNormFeature(FusedOpFeature, name="fused_rmsnorm", Config=Config, patches=_patches, plan=_plan,
-                          switch="use_fused_rmsnorm", op=_plan.OP, replaces=_plan.REPLACES, built_module=rmsnorm,
+                          switch="use_fused_rmsnorm", fused=_plan.FUSED, built_module=rmsnorm,
                           npu_kernel=npu_ops.RMS_NORM, source="csrc/cpu/rms_norm.cpp", triton_module="rms_norm",
                           megatron_path="torch.nn.RMSNorm: F.rms_norm, torch's native op"):
     def validate(self, ctx) -> None:

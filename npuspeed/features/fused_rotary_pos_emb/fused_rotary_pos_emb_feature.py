@@ -27,7 +27,7 @@ class Config(FeatureConfig):
 
 
 class FusedRotaryPosEmbFeature(FusedOpFeature, name="fused_rotary_pos_emb", Config=Config, patches=_patches,
-                               plan=_plan, switch="use_fused_rotary_pos_emb", op=_plan.OP, replaces=_plan.REPLACES,
+                               plan=_plan, switch="use_fused_rotary_pos_emb", fused=_plan.FUSED,
                                npu_kernel=npu_ops.ROTARY_MUL, source="csrc/cpu/rope.cpp", triton_module="rope",
                                megatron_path="_apply_rotary_pos_emb_bshd"):
     def candidates(self, accelerator) -> list[str]:

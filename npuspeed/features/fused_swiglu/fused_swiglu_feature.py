@@ -23,7 +23,7 @@ class Config(FeatureConfig):
 
 
 class FusedSwiGLUFeature(FusedOpFeature, name="fused_swiglu", Config=Config, patches=_patches, plan=_plan,
-                         switch="use_fused_swiglu", op=_plan.OP, replaces=_plan.REPLACES, built_module=swiglu,
+                         switch="use_fused_swiglu", fused=_plan.FUSED, built_module=swiglu,
                          npu_kernel=npu_ops.SWIGLU, source="csrc/cpu/swiglu.cpp", triton_module="swiglu",
                          megatron_path="eager silu(gate) * up, or bias_swiglu_impl"):
     """Everything it does is the fused-op rule (fused_op_base.FusedOpFeature) with the values above."""
