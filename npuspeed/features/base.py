@@ -7,10 +7,10 @@ A feature never imports the runtime or the argument parser.
 from __future__ import annotations
 
 import argparse
-import functools
 import inspect
 
 from npuspeed.errors import UserError
+from npuspeed.patching.wrappers import followed_by
 from npuspeed.plan_vocabulary import PlanEffect, PlanEffectError  # noqa: F401  (re-exported: a plan.effect returns one)
 
 #: `Feature.plan` of a class that has not said its plan module (or None)
@@ -134,13 +134,4 @@ def flag_of(config, field: str) -> str:
 def after_init(apply, *args):
     """A registry wrapper for a module's `__init__` (TransformerBlock's): once the module is
     built, run `apply(module, *args)` (the features that pick layers of a built block)."""
-
-    def wrap(init):
-        @functools.wraps(init)
-        def __init__(self, *a, **kwargs):
-            init(self, *a, **kwargs)
-            apply(self, *args)
-
-        return __init__
-
-    return wrap
+    return followed_by(lambda module, _none: apply(module, *args))

@@ -1,4 +1,5 @@
-"""Wrapper factories for registry patches that only change the context a target runs in."""
+"""Wrapper factories for registry patches that only change the context a target runs in, or add
+a step after it, and the argument binding the wrappers that read a call share."""
 from __future__ import annotations
 
 import functools
@@ -14,6 +15,22 @@ def within(make_context):
         def wrapped(*args, **kwargs):
             with make_context():
                 return fn(*args, **kwargs)
+
+        return wrapped
+
+    return wrap
+
+
+def followed_by(hook):
+    """`wrapper=followed_by(hook)`: every call of a method target runs as before, then
+    `hook(instance, result)`; the result is returned unchanged."""
+
+    def wrap(fn):
+        @functools.wraps(fn)
+        def wrapped(self, *args, **kwargs):
+            result = fn(self, *args, **kwargs)
+            hook(self, result)
+            return result
 
         return wrapped
 
