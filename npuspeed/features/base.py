@@ -117,8 +117,13 @@ class Feature:
         return None if self.plan is None else self.plan.effect(model, self.config(ctx.args))
 
     def path(self, ctx) -> str:
-        """Which implementation runs, for the report (e.g. 'npu_fusion_attention')."""
-        return "on" if self.enabled(ctx.args) else "off"
+        """The report's line: "off" where the flags leave this feature off, else `running(ctx)`."""
+        return self.running(ctx) if self.enabled(ctx.args) else "off"
+
+    def running(self, ctx) -> str:
+        """Which implementation runs, for the report (e.g. 'npu_fusion_attention'); asked of an
+        enabled feature only."""
+        return "on"
 
 
 def _given(config, field: str) -> bool:

@@ -29,7 +29,7 @@ class FirstLayersFeature(Feature):
         (option,) = self.requires
         check(flag_of(config, option), self.num_layers(config), self.recomputed)
 
-    def path(self, ctx) -> str:
+    def running(self, ctx) -> str:
         config = self.config(ctx.args)
         if not getattr(config, self.switch):
             return "off"

@@ -60,10 +60,8 @@ class FusedOpFeature(Feature):
             return None
         return f"{self.flags[0]}: {impl.NEEDS} (this block has none: {impl.found_in(block)})"
 
-    def path(self, ctx) -> str:
+    def running(self, ctx) -> str:
         """The candidates here, then each measured choice so far ("rms_norm [..]: cpp (1.4x ...)")."""
-        if not self.enabled(ctx.args):
-            return "off"
         from npuspeed.ops import fused_choice
 
         rule = f"fastest of {', '.join(self.candidates(ctx.accelerator))}, measured once per shape (fwd+bwd)"

@@ -65,8 +65,6 @@ class AdaptiveMemoryFeature(Feature, name="adaptive_memory", Config=Config, patc
 
         return IDLE_REASON
 
-    def path(self, ctx) -> str:
-        if not self.enabled(ctx.args):
-            return "off"
+    def running(self, ctx) -> str:
         config = self.config(ctx.args)
         return f"budget {config.adaptive_recompute_device_size:g} MiB per rank; policy: {config.adaptive_policy}"

@@ -67,10 +67,8 @@ class CocOverlapFeature(Feature, name="coc_overlap", Config=Config, patches=_pat
                 return str(exc)
         return None
 
-    def path(self, ctx) -> str:
+    def running(self, ctx) -> str:
         config, accelerator = self.config(ctx.args), ctx.accelerator
-        if not self.enabled(ctx.args):
-            return "off"
         n = config.coc_parallel_num
         target = "replaces forward+backward of Megatron's local ColumnParallelLinear/RowParallelLinear"
         if use_mc2(Settings(n, bool(config.use_ascend_mc2), accelerator)):

@@ -89,7 +89,7 @@ class ContextParallelFeature(Feature, name="context_parallel", Config=Config, pa
                     "npuspeed's CP (a Transformer Engine spec has TE's own CP): use --transformer-impl local")
         return None
 
-    def path(self, ctx) -> str:
+    def running(self, ctx) -> str:
         config = self.config(ctx.args)
         cp = config.layout()
         what = {"ring": "ring attention: K/V blocks around the CP group (isend/irecv overlapped with each "

@@ -73,7 +73,7 @@ class DeviceFeature(Feature, name="device", Config=Config, patches=_patches,
         accelerator.configure_host_cache()
         accelerator.configure_memory_limit()
 
-    def path(self, ctx) -> str:
+    def running(self, ctx) -> str:
         from npuspeed.features.device import fused_adam
 
         accelerator = ctx.accelerator

@@ -94,7 +94,7 @@ class FusedAttentionFeature(Feature, name="fused_attention", Config=Config, patc
                 "TE's own kernel): build the model with the local spec (--transformer-impl local) or "
                 "drop --use-flash-attn")
 
-    def path(self, ctx) -> str:
+    def running(self, ctx) -> str:
         config, accelerator = self.config(ctx.args), ctx.accelerator
         band = ""
         if config.pre_tockens is not None or config.next_tockens is not None:

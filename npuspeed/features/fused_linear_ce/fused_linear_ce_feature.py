@@ -60,7 +60,7 @@ class FusedLinearCEFeature(Feature, name="fused_linear_ce", Config=Config, patch
                                         config.fused_linear_cross_entropy_chunk_size)
         self.patches.register(registry, ctx, config, self.name, self.chooser)
 
-    def path(self, ctx) -> str:
+    def running(self, ctx) -> str:
         config = self.config(ctx.args)
         if not config.use_fused_linear_cross_entropy:
             return "off"

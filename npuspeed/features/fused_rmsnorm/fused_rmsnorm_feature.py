@@ -36,6 +36,5 @@ class FusedRMSNormFeature(FusedOpFeature, name="fused_rmsnorm", Config=Config, p
             raise FeatureError(f"{FLAG} fuses RMSNorm, but --normalization is {norm}: "
                                f"use --normalization RMSNorm or drop {FLAG}")
 
-    def path(self, ctx) -> str:
-        base = super().path(ctx)
-        return base if base == "off" else f"{base}; {telemetry.get(rmsnorm.SWAPPED)} norms fused"
+    def running(self, ctx) -> str:
+        return f"{super().running(ctx)}; {telemetry.get(rmsnorm.SWAPPED)} norms fused"

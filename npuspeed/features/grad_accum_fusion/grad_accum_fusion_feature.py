@@ -65,9 +65,7 @@ class GradAccumFusionFeature(Feature, name="grad_accum_fusion", Config=Config, p
                 "the flag would do nothing; set gradient_accumulation_fusion=True in the config "
                 "(Megatron-LM and the example pass the flag through)")
 
-    def path(self, ctx) -> str:
-        if not self.config(ctx.args).gradient_accumulation_fusion:
-            return "off"
+    def running(self, ctx) -> str:
         if apex_kernel_installed():
             return "apex's fused_weight_gradient_mlp_cuda (installed; Megatron uses it directly)"
         from npuspeed import telemetry

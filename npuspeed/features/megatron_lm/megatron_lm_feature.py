@@ -67,7 +67,7 @@ class MegatronLMFeature(Feature, name="megatron_lm", Config=Config, patches=_pat
     def prepare(self, ctx) -> None:
         load_stubs.install()
 
-    def path(self, ctx) -> str:
+    def running(self, ctx) -> str:
         accelerator = ctx.accelerator
         stubs = load_stubs.installed()
         extra = f"; stand-ins: {', '.join(stubs)}" if stubs else ""

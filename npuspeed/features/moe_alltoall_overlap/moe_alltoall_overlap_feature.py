@@ -54,9 +54,7 @@ class MoeAllToAllOverlapFeature(Feature, name="moe_alltoall_overlap", Config=Con
     def check_built(self, block, ctx) -> str | None:
         return built_all_to_all("--moe-alltoall-overlap-comm", block)
 
-    def path(self, ctx) -> str:
-        if not self.enabled(ctx.args):
-            return "off"
+    def running(self, ctx) -> str:
         acc = ctx.accelerator
         where = ("async work handles on gloo, waited per chunk" if not for_device(acc.name).has_streams()
                  else f"async {acc.dist_backend} collectives on the backend's communication stream")

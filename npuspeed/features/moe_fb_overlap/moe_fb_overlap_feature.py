@@ -78,9 +78,7 @@ class MoeFbOverlapFeature(Feature, name="moe_fb_overlap", Config=Config, patches
     def check_built(self, block, ctx) -> str | None:
         return built_all_to_all(self.config(ctx.args).flag_given, block)
 
-    def path(self, ctx) -> str:
-        if not self.enabled(ctx.args):
-            return "off"
+    def running(self, ctx) -> str:
         acc = ctx.accelerator
         where = ("async gloo work, waited after the turn passes" if not for_device(acc.name).has_streams()
                  else f"async {acc.dist_backend} collectives on the backend's communication stream")

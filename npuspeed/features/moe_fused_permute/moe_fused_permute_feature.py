@@ -46,9 +46,7 @@ class MoeFusedPermuteFeature(Feature, name="moe_fused_permute", Config=Config, p
     def check_built(self, block, ctx) -> str | None:
         return needs_experts("--use-fused-moe-token-permute-and-unpermute", block)
 
-    def path(self, ctx) -> str:
-        if not self.enabled(ctx.args):
-            return "off"
+    def running(self, ctx) -> str:
         from npuspeed.features.chooser_setup import choice_lines
 
         kernel = permute_kernel(ctx.accelerator)

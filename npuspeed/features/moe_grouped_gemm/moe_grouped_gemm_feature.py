@@ -63,9 +63,7 @@ class MoeGroupedGemmFeature(Feature, name="moe_grouped_gemm", Config=Config, pat
                     f"moe_grouped_gemm=True (get_gpt_layer_local_spec); found {sorted(kinds)}")
         return None
 
-    def path(self, ctx) -> str:
-        if not self.enabled(ctx.args):
-            return "off"
+    def running(self, ctx) -> str:
         acc = ctx.accelerator
         traits = for_device(acc.name)
         if traits.has_vendor_kernels():

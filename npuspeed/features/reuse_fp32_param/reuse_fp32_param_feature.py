@@ -39,7 +39,7 @@ class ReuseFp32ParamFeature(Feature, name="reuse_fp32_param", Config=Config, pat
                      "triton, or triton-ascend on an NPU); the chunked PyTorch device codec runs instead, "
                      "many small launches a step")
 
-    def path(self, ctx) -> str:
+    def running(self, ctx) -> str:
         impl = codec.implementation_for(getattr(ctx.accelerator, "name", "cpu"))
         ties = "dense tie bits" if impl in codec.DENSE else "sparse tie list"
         text = (f"bf16 param + int16 residual + {ties}, one codec call per param-buffer segment; "

@@ -69,7 +69,7 @@ class SwapAttentionFeature(Feature, name="swap_attention", Config=Config, patche
             raise FeatureError(f"{MAIN} needs page-locked host memory for overlapped copies, which the "
                                f"{acc.name} backend does not offer here; drop {MAIN}")
 
-    def path(self, ctx) -> str:
+    def running(self, ctx) -> str:
         config = self.config(ctx.args)
         if not config.swap_attention:
             return "off"

@@ -122,7 +122,7 @@ class SwapOptimizerFeature(Feature, name="swap_optimizer", Config=Config, patche
     def chunk_bytes(self, args) -> int:
         return chunk_bytes(self.config(args))
 
-    def path(self, ctx) -> str:
+    def running(self, ctx) -> str:
         config = self.config(ctx.args)
         if config.optimizer_cpu_offload:
             return "Megatron-Core's HybridDeviceOptimizer (--optimizer-cpu-offload)"
