@@ -7,9 +7,10 @@ A feature never imports the runtime or the argument parser.
 from __future__ import annotations
 
 import argparse
-import functools
+import inspect
 
 from npuspeed.errors import UserError
+from npuspeed.patching.wrappers import followed_by
 from npuspeed.plan_vocabulary import PlanEffect, PlanEffectError  # noqa: F401  (re-exported: a plan.effect returns one)
 
 #: `Feature.plan` of a class that has not said its plan module (or None)
@@ -43,8 +44,17 @@ class Feature:
     #: feature says which (a test checks; the planner refuses an enabled feature that does not)
     plan = NOT_SAID
 
-    def __init_subclass__(cls, **kwargs):
-        super().__init_subclass__(**kwargs)
+    def __init_subclass__(cls, **declared):
+        """A feature declares its wiring in its class statement, as keyword arguments that set the
+        attributes above (`class XFeature(Feature, name="x", Config=Config, patches=_patches,
+        plan=_plan, switch="x")`; a subclass such as FusedOpFeature adds its own). A keyword that
+        names no such attribute is a TypeError, so a misspelt one never passes unseen."""
+        super().__init_subclass__()
+        for key, value in declared.items():
+            if not hasattr(cls, key) or inspect.isroutine(getattr(cls, key)):
+                raise TypeError(f"{cls.__name__}({', '.join(b.__name__ for b in cls.__bases__)}, {key}=...): "
+                                f"{key} is not a feature attribute to declare")
+            setattr(cls, key, value)
         if cls.__dict__.get("Config") is not None and "flags" not in cls.__dict__:
             cls.flags = cls.Config.flags()
 
@@ -68,9 +78,9 @@ class Feature:
         for option, needed in self.requires.items():
             if _given(config, option) and not _given(config, needed):
                 value = getattr(config, option)
-                given = _flag(config, option) + ("" if isinstance(value, bool) else f" {value}")
-                raise FeatureError(f"{given} is given without {_flag(config, needed)}; add {_flag(config, needed)} "
-                                   f"(or drop {_flag(config, option)})")
+                given = flag_of(config, option) + ("" if isinstance(value, bool) else f" {value}")
+                raise FeatureError(f"{given} is given without {flag_of(config, needed)}; add {flag_of(config, needed)} "
+                                   f"(or drop {flag_of(config, option)})")
 
     def validate(self, ctx) -> None:
         """Raise FeatureError for combinations that cannot work (known from the flags alone)."""
@@ -107,8 +117,13 @@ class Feature:
         return None if self.plan is None else self.plan.effect(model, self.config(ctx.args))
 
     def path(self, ctx) -> str:
-        """Which implementation runs, for the report (e.g. 'npu_fusion_attention')."""
-        return "on" if self.enabled(ctx.args) else "off"
+        """The report's line: "off" where the flags leave this feature off, else `running(ctx)`."""
+        return self.running(ctx) if self.enabled(ctx.args) else "off"
+
+    def running(self, ctx) -> str:
+        """Which implementation runs, for the report (e.g. 'npu_fusion_attention'); asked of an
+        enabled feature only."""
+        return "on"
 
 
 def _given(config, field: str) -> bool:
@@ -117,20 +132,11 @@ def _given(config, field: str) -> bool:
     return bool(value) != default if isinstance(default, bool) else value != default
 
 
-def _flag(config, field: str) -> str:
+def flag_of(config, field: str) -> str:
     return type(config).__dataclass_fields__[field].metadata["argparse"]["flag"]
 
 
 def after_init(apply, *args):
     """A registry wrapper for a module's `__init__` (TransformerBlock's): once the module is
     built, run `apply(module, *args)` (the features that pick layers of a built block)."""
-
-    def wrap(init):
-        @functools.wraps(init)
-        def __init__(self, *a, **kwargs):
-            init(self, *a, **kwargs)
-            apply(self, *args)
-
-        return __init__
-
-    return wrap
+    return followed_by(lambda module, _none: apply(module, *args))

@@ -1,12 +1,66 @@
 """The "first N layers of each pipeline stage" option that --recompute-norm and
---recompute-activation-function share (`--<flag>-num-layers N`): its checks, its wording, and
-which layers of a built TransformerBlock it selects (counted in interleaved order across
-virtual chunks; Megatron's full recompute wins where it applies)."""
+--recompute-activation-function share (`--<flag>-num-layers N`): its checks, its wording, the
+feature class and plan effect around it, and which layers of a built TransformerBlock it
+selects (counted in interleaved order across virtual chunks; Megatron's full recompute wins
+where it applies)."""
 from __future__ import annotations
 
 import math
 
-from npuspeed.features.base import FeatureError
+from npuspeed.features.base import Feature, FeatureError, PlanEffect, flag_of
+
+
+class FirstLayersFeature(Feature):
+    """The class both recompute features are: a main flag (`switch`) and its
+    `--<flag>-num-layers N`, the one option of `requires`, checked alike; the report's line is
+    `<mechanism>; <which layers>; <selected(): what this process selected>`."""
+    #: the recomputed thing, in messages ("the norms")
+    recomputed: str = ""
+    #: how it is recomputed, the report line's first part
+    mechanism: str = ""
+
+    def num_layers(self, config) -> int | None:
+        (option,) = self.requires
+        return getattr(config, option)
+
+    def validate(self, ctx) -> None:
+        config = self.config(ctx.args)
+        self.check_requires(config)
+        (option,) = self.requires
+        check(flag_of(config, option), self.num_layers(config), self.recomputed)
+
+    def running(self, ctx) -> str:
+        config = self.config(ctx.args)
+        if not getattr(config, self.switch):
+            return "off"
+        return f"{self.mechanism}; {per_stage(self.num_layers(config))}; {self.selected()}"
+
+    def selected(self) -> str:
+        """What this process selected so far, for the report ("MLPs selected in this process: 4")."""
+        raise NotImplementedError
+
+
+def recompute_effect(variant: str, num_layers: int | None, summary: str) -> PlanEffect:
+    """The plan effect of recomputing the op-graph variant `variant` (npuspeed/plan/ops.py) in the
+    first `num_layers` layers of each chunk (None: every layer)."""
+    return PlanEffect(variants={variant: "recompute"}, variant_layers={variant: num_layers}, summary=summary)
+
+
+def layers_taken(block, num_layers: int | None, note, flags: tuple[str, str], recomputed: str, offload_reads: str):
+    """(index, layer) of each layer of a built block among its stage's first `num_layers`, after
+    checking that N fits the stage; none, said once through `note`, where activations are
+    offloaded to the host. `flags`: the main flag and its num-layers flag; `recomputed`: what the
+    feature recomputes ("the norms"); `offload_reads`: what the offload hooks would read of it."""
+    config = block.config
+    main, num_flag = flags
+    check_num_layers(num_layers, config, num_flag, recomputed)
+    if getattr(config, "cpu_offloading", False) or getattr(config, "fine_grained_activation_offloading", False):
+        note(f"{main}: off where activations are offloaded to the host (cpu_offloading / "
+             f"fine_grained_activation_offloading): the offload hooks read {offload_reads}")
+        return
+    for index, layer in enumerate(getattr(block, "layers", ())):
+        if in_first_layers(block, index, num_layers):
+            yield index, layer
 
 
 def check(num_flag: str, num: int | None, what: str) -> None:

@@ -5,25 +5,40 @@ the refusal when the model never builds what the flag fuses (a flag never silent
 the plan effect's form (one fused kernel in one op-graph slot)."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from npuspeed.accelerator.devices import for_device
 from npuspeed.features.base import Feature, PlanEffect
 from npuspeed.ops import npu
 
 
-def fused_slot(slot: str, what: str, saves: str):
-    """The plan effect of a fused op: `slot` (npuspeed/plan/ops.py) runs one fused kernel."""
-    return PlanEffect(variants={slot: "fused"}, kernels={slot: "fused"}, summary=f"{what}; {saves}")
+@dataclass(frozen=True)
+class Fused:
+    """What a fused-op flag fuses, stated once in its plan.py for the plan and the report."""
+    #: the `npuspeed::` op (and npuspeed.ops module) the flag routes to
+    op: str
+    #: what it replaces
+    replaces: str
+    #: the op-graph slot (npuspeed/plan/ops.py) that runs one fused kernel instead
+    slot: str
+    #: what the fused kernel saves for backward, against the unfused one
+    saves: str
+
+    def effect(self, applies: bool) -> PlanEffect | None:
+        """The plan effect where the model builds what the flag fuses (`applies`), else None."""
+        if not applies:
+            return None
+        return PlanEffect(variants={self.slot: "fused"}, kernels={self.slot: "fused"},
+                          summary=f"{self.replaces}: one fused kernel ({self.op}); {self.saves}")
 
 
 class FusedOpFeature(Feature):
-    #: the `npuspeed::` op (and npuspeed.ops module) this feature routes to
-    op: str = ""
+    #: what the flag fuses (its plan module's `FUSED`)
+    fused: Fused | None = None
     #: the torch_npu kernel used on an NPU
     npu_kernel: str = ""
     #: the C++ source, for the report
     source: str = ""
-    #: what the flag replaces, for the report and the plan
-    replaces: str = ""
     #: npuspeed.ops.triton.<module> holding this op's Triton kernel
     triton_module: str = ""
     #: what runs with the flag off, for the report
@@ -45,17 +60,15 @@ class FusedOpFeature(Feature):
             return None
         return f"{self.flags[0]}: {impl.NEEDS} (this block has none: {impl.found_in(block)})"
 
-    def path(self, ctx) -> str:
+    def running(self, ctx) -> str:
         """The candidates here, then each measured choice so far ("rms_norm [..]: cpp (1.4x ...)")."""
-        if not self.enabled(ctx.args):
-            return "off"
         from npuspeed.ops import fused_choice
 
         rule = f"fastest of {', '.join(self.candidates(ctx.accelerator))}, measured once per shape (fwd+bwd)"
         force = fused_choice.forced()
         if force:
             rule += f"; {fused_choice.FORCE_ENV}={force}"
-        made = [c.line() for c in fused_choice.choices() if c.op in (self.op, f"{self.op}_qk")]
+        made = [c.line() for c in fused_choice.choices() if c.op in (self.fused.op, f"{self.fused.op}_qk")]
         return rule + ("; " + "; ".join(made) if made else "")
 
     def candidates(self, accelerator) -> list[str]:
@@ -75,8 +88,8 @@ class FusedOpFeature(Feature):
         else:
             from npuspeed.ops._extension import has_op, load_library
 
-            lib, ours = load_library(), has_op(self.op)
-            found.append((f"npuspeed::{self.op} (C++ {self.source}, {lib['source']}, {lib.get('cpu_capability')})"
+            lib, ours = load_library(), has_op(self.fused.op)
+            found.append((f"npuspeed::{self.fused.op} (C++ {self.source}, {lib['source']}, {lib.get('cpu_capability')})"
                           if ours else
                           f"no npuspeed kernel (C++ op library unavailable: {lib['error'] or 'op missing'})", ours))
         found.append((f"Megatron's path ({self.megatron_path})", True))

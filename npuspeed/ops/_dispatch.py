@@ -13,18 +13,18 @@ Autograd and fake (meta) kernels of the C++ ops are registered on first use, not
 """
 from __future__ import annotations
 
-import contextlib
 from typing import Callable
 
 import torch
 
 from npuspeed import telemetry
 from npuspeed.ops._extension import has_op
+from npuspeed.ops.nesting import Nesting
 
 CPP_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 PREFIX = "ops."
 _REGISTERED: set[str] = set()
-_QUIET = [0]  # > 0 while a trial or a chosen call runs: record() counts nothing
+_QUIET = Nesting()  # inside while a trial or a chosen call runs: record() counts nothing
 #: device types whose tensors take torch_npu's kernels: an NPU's; the NPU contract tier
 #: (tests/npu_contract/) adds "cpu" so the NPU branches run on CPU tensors through a stand-in
 NPU_DEVICE_TYPES = ["npu"]
@@ -69,23 +69,18 @@ def implementation(op: str, *tensors: torch.Tensor) -> str:
 
 
 def record(op: str, impl: str) -> None:
-    if not _QUIET[0]:
+    if not _QUIET.inside:
         telemetry.count(f"{PREFIX}{op}.{impl}")
 
 
 def counting() -> bool:
     """False inside `quiet()` (other counters of what ran, e.g. MoE's, follow the same rule)."""
-    return not _QUIET[0]
+    return not _QUIET.inside
 
 
-@contextlib.contextmanager
 def quiet():
     """Count nothing inside (fused_choice's trials; a chosen call is counted by its chooser)."""
-    _QUIET[0] += 1
-    try:
-        yield
-    finally:
-        _QUIET[0] -= 1
+    return _QUIET()
 
 
 def ensure_registered(op: str, register: Callable[[], None]) -> None:

@@ -1,6 +1,6 @@
 """Issue 35: a feature has one shape. Each feature lives in npuspeed/features/<name>/ (name =
 folder) with <name>_feature.py (the class and its typed Config: one field per flag, the
-docstring under it the flag's --help), patches.py and (unless `plan = None`: no plan effect)
+docstring under it the flag's --help), patches.py and (unless `plan=None`: no plan effect)
 plan.py beside the implementation, and reads its flags from the typed config, not with getattr.
 Every feature has it (issue 35); how the class names those modules: test_feature_wiring.py."""
 from __future__ import annotations

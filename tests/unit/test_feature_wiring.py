@@ -1,6 +1,6 @@
-"""Issue 49: one explicit wiring. A feature class names its patches and plan modules as class
-attributes (`patches, plan = _patches, _plan`, imported in its own <name>_feature.py: a reader and
-an IDE follow them), the base class calls `patches.register(registry, ctx, config, feature)` and
+"""Issue 49: one explicit wiring. A feature class names its patches and plan modules in its class
+statement (`class XFeature(Feature, name="x", Config=Config, patches=_patches, plan=_plan)`, the
+modules imported in its own <name>_feature.py: a reader and an IDE follow them), the base class calls `patches.register(registry, ctx, config, feature)` and
 `plan.effect(model, config)` (one signature), `plan = None` is the one way to say "no plan
 effect", and the class is named after its folder."""
 from __future__ import annotations
@@ -80,27 +80,22 @@ def test_the_checker_catches_a_feature_wired_another_way():
     from npuspeed.features.base import Feature
     from npuspeed.features.recompute_norm import patches as _patches, plan as _plan
 
-    class NormRecompute(Feature):  # not named after its folder, plan not said
-        name = "recompute_norm"
-        patches = _patches
+    class NormRecompute(Feature, name="recompute_norm", patches=_patches):  # not named after its folder, plan not said
+        pass
 
     assert any("not named after its folder" in p for p in wiring_problems(NormRecompute()))
     assert any("plan is not said" in p for p in wiring_problems(NormRecompute()))
 
-    class RecomputeNormFeature(Feature):  # a plan module with another signature, an override
-        name = "recompute_norm"
-        patches = _patches
-        plan = types.SimpleNamespace(effect=lambda model, config, accelerator: None)
-
+    class RecomputeNormFeature(Feature, name="recompute_norm", patches=_patches,  # another signature, an override
+                               plan=types.SimpleNamespace(effect=lambda model, config, accelerator: None)):
         def plan_effect(self, model, ctx):
             return None
 
     found = wiring_problems(RecomputeNormFeature())
     assert any("not the module" in p for p in found) and any("overrides plan_effect" in p for p in found)
 
-    class Other(Feature):
-        name = "recompute_norm"
-        patches, plan = _patches, None
+    class Other(Feature, name="recompute_norm", patches=_patches, plan=None):
+        pass
 
     Other.__name__ = "RecomputeNormFeature"
     assert any("plan = None, but recompute_norm/plan.py exists" in p for p in wiring_problems(Other()))
@@ -110,6 +105,36 @@ def test_the_checker_catches_a_feature_wired_another_way():
     assert any("the one signature is effect(model, config)" in p for p in wiring_problems(Other()))
     Other.plan = _plan
     assert wiring_problems(Other()) == []
+
+
+_WIRING = {"name", "Config", "patches", "plan"}
+
+
+def test_each_feature_declares_its_wiring_in_its_class_statement():
+    """name, Config, patches and plan are keywords of the class statement (a reader sees the wiring
+    in one place), never assignments in its body."""
+    import ast
+
+    for name, feature in _features().items():
+        declarable = {k for base in type(feature).__mro__[1:] for k, v in vars(base).items()
+                      if not k.startswith("_") and not inspect.isroutine(v)}
+        tree = ast.parse((FEATURES / name / f"{name}_feature.py").read_text())
+        cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == type(feature).__name__)
+        assert _WIRING <= {k.arg for k in cls.keywords}, (name, sorted(_WIRING - {k.arg for k in cls.keywords}))
+        assigned = {t.id for st in cls.body if isinstance(st, ast.Assign) for target in st.targets
+                    for t in ast.walk(target) if isinstance(t, ast.Name)}
+        assert not assigned & declarable, (name, sorted(assigned & declarable))
+
+
+def test_a_misspelt_class_keyword_is_refused():
+    from npuspeed.features.base import Feature
+
+    with pytest.raises(TypeError, match="swich is not a feature attribute"):
+        class RecomputeNormFeature(Feature, name="recompute_norm", swich="recompute_norm"):
+            pass
+    with pytest.raises(TypeError, match="validate is not a feature attribute"):
+        class RecomputeNormFeature(Feature, name="recompute_norm", validate=None):  # noqa: F811
+            pass
 
 
 def _alone(feature, option):

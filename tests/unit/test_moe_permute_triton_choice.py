@@ -104,3 +104,25 @@ def test_report_names_the_triton_pair_where_triton_runs(monkeypatch):
     assert MoeFusedPermuteFeature().path(cuda).startswith("npuspeed Triton kernels (npuspeed.ops.triton.moe_permute")
     npu = types.SimpleNamespace(args=args, accelerator=types.SimpleNamespace(name="npu", torch_npu=object()))
     assert "this torch_npu has no npu_moe_token_permute_with_routing_map" in MoeFusedPermuteFeature().path(npu)
+
+
+def test_prepare_says_once_when_megatrons_permute_runs_decided_from_state(monkeypatch):
+    """Issue 49: `prepare` notes the fallback from `permute_kernel`'s answer (whether a kernel runs),
+    not by searching the report's text; the note is the report's words for it."""
+    import types
+
+    from npuspeed.features.moe_fused_permute import moe_fused_permute_feature as module
+    from npuspeed.ops.triton import moe_permute as kernels
+
+    args = types.SimpleNamespace(use_fused_moe_token_permute_and_unpermute=True)
+    notes = []
+    cuda = types.SimpleNamespace(args=args, accelerator=types.SimpleNamespace(name="cuda"), note=notes.append,
+                                 megatron=types.SimpleNamespace())
+    monkeypatch.setattr(kernels, "available", lambda: False)
+    assert not module.permute_kernel(cuda.accelerator).runs
+    module.MoeFusedPermuteFeature().prepare(cuda)
+    assert notes == [f"--use-fused-moe-token-permute-and-unpermute: {module.MoeFusedPermuteFeature().path(cuda)}"]
+    monkeypatch.setattr(kernels, "available", lambda: True)
+    notes.clear()
+    module.MoeFusedPermuteFeature().prepare(cuda)
+    assert module.permute_kernel(cuda.accelerator).runs and notes == []

@@ -123,7 +123,7 @@ def test_forced_triton_path_runs_per_buffer_segment_and_is_counted():
     from npuspeed.features.reuse_fp32_param import ReuseFp32ParamFeature
 
     ctx = types.SimpleNamespace(accelerator=types.SimpleNamespace(name="cpu"))
-    assert "ran: triton x4" in ReuseFp32ParamFeature().path(ctx)
+    assert "ran: triton x4" in ReuseFp32ParamFeature().running(ctx)
 
 
 def _ptx_for_sm90() -> dict[str, str]:

@@ -37,18 +37,16 @@ class Config(FeatureConfig):
     swap_attention: bool = False
 
 
-class AdaptiveMemoryFeature(Feature):
-    name = "adaptive_memory"
-    Config = Config
-    #: no plan effect of its own: the policy becomes explicit flags of other features before planning
-    #: (plan/adaptive.py), whose effects are counted; counting it here too would count them twice
-    patches, plan = _patches, None
-    #: the user's flags; --adaptive-policy and --adaptive-swap are written by npuspeed (plan/adaptive.py)
-    flags = (MAIN, OPT)
-
-    switch = "adaptive_recompute_device_size"
-    requires = {"adaptive_memory_optimization": "adaptive_recompute_device_size"}
-
+class AdaptiveMemoryFeature(Feature, name="adaptive_memory", Config=Config, patches=_patches,
+                            # no plan effect of its own: the policy becomes explicit flags of other features
+                            # before planning (plan/adaptive.py), whose effects are counted; counting it here
+                            # too would count them twice
+                            plan=None,
+                            switch="adaptive_recompute_device_size",
+                            requires={"adaptive_memory_optimization": "adaptive_recompute_device_size"},
+                            # the user's flags; --adaptive-policy and --adaptive-swap are written by npuspeed
+                            # (plan/adaptive.py)
+                            flags=(MAIN, OPT)):
     def validate(self, ctx) -> None:
         config = self.config(ctx.args)
         self.check_requires(config)
@@ -67,8 +65,6 @@ class AdaptiveMemoryFeature(Feature):
 
         return IDLE_REASON
 
-    def path(self, ctx) -> str:
-        if not self.enabled(ctx.args):
-            return "off"
+    def running(self, ctx) -> str:
         config = self.config(ctx.args)
         return f"budget {config.adaptive_recompute_device_size:g} MiB per rank; policy: {config.adaptive_policy}"

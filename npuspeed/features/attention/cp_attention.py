@@ -18,7 +18,7 @@ from npuspeed.features.attention.blocks import CallSpec
 from npuspeed.features.attention.kernels_cpu import cpu_kernel
 from npuspeed.features.attention.layout import CPLayout, ulysses_order
 from npuspeed.features.attention.ring import RingAttention, RingPlan
-from npuspeed.features.attention.ulysses import HeadToSeq, SeqToHead
+from npuspeed.features.attention.ulysses import Exchange, head_to_seq, seq_to_head
 from npuspeed.features.attention.dropout import draw_seed_offset, global_head0
 from npuspeed.ops import npu
 
@@ -117,8 +117,8 @@ def attention(module, query, key, value, attention_mask, packed_seq_params, acce
     docs = documents.from_packed(packed_seq_params, b, seq, query.device) if packed_seq_params is not None else None
     if cp.ulysses > 1:
         order = ulysses_order(cp.ulysses, s_local, device=query.device)
-        query = SeqToHead.apply(query, u_group, cp.ulysses, order, 0)
-        kv = SeqToHead.apply(torch.stack([key, value]), u_group, cp.ulysses, order, 1)
+        query = Exchange.apply(query, seq_to_head, u_group, cp.ulysses, order, 0)
+        kv = Exchange.apply(torch.stack([key, value]), seq_to_head, u_group, cp.ulysses, order, 1)
         key, value = kv[0], kv[1]
     plan = RingPlan(peers=groups.peers(r_group), size=cp.ring, position=groups.rank(r_group),
                     chunk=seq // (2 * cp.ring), causal=causal, kernel=kernel,
@@ -126,7 +126,7 @@ def attention(module, query, key, value, attention_mask, packed_seq_params, acce
     with _kernel_rng(module) if per_call else contextlib.nullcontext():
         out = RingAttention.apply(query, key, value, plan)
     if cp.ulysses > 1:
-        out = HeadToSeq.apply(out, u_group, cp.ulysses, order, 0)
+        out = Exchange.apply(out, head_to_seq, u_group, cp.ulysses, order, 0)
     context = out.reshape(out.shape[0], -1) if thd else out.reshape(s_local, b, -1)
     mode = f"CP{cp.size} {cp.short}" + (f" (Ulysses {cp.ulysses} x ring {cp.ring})" if cp.algo == "hybrid_cp_algo"
                                         else "") if cp.size > 1 else "CP1"

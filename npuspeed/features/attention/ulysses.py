@@ -34,23 +34,17 @@ def head_to_seq(y: torch.Tensor, group, members: int, order: torch.Tensor, seq_d
     return recv.movedim(0, -3).flatten(-3, -2)  # [.., s, .., h, d]
 
 
-class SeqToHead(torch.autograd.Function):
+class Exchange(torch.autograd.Function):
+    """One of the two all-to-alls (`seq_to_head` or `head_to_seq`) as an autograd op; its
+    backward is the other one on the gradient (each is the other's inverse):
+    `Exchange.apply(x, seq_to_head, group, members, order, seq_dim)`."""
+
     @staticmethod
-    def forward(ctx, x, group, members, order, seq_dim):
+    def forward(ctx, x, direction, group, members, order, seq_dim):
+        ctx.back = head_to_seq if direction is seq_to_head else seq_to_head
         ctx.args = (group, members, order, seq_dim)
-        return seq_to_head(x, group, members, order, seq_dim)
+        return direction(x, *ctx.args)
 
     @staticmethod
     def backward(ctx, grad):
-        return head_to_seq(grad, *ctx.args), None, None, None, None
-
-
-class HeadToSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, y, group, members, order, seq_dim):
-        ctx.args = (group, members, order, seq_dim)
-        return head_to_seq(y, group, members, order, seq_dim)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return seq_to_head(grad, *ctx.args), None, None, None, None
+        return ctx.back(grad, *ctx.args), None, None, None, None, None

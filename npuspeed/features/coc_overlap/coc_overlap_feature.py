@@ -38,13 +38,8 @@ class Config(FeatureConfig):
 
 
 
-class CocOverlapFeature(Feature):
-    name = "coc_overlap"
-    Config = Config
-    patches, plan = _patches, _plan
-
-    switch, requires = "use_coc", {"coc_parallel_num": "use_coc", "use_ascend_mc2": "use_coc"}
-
+class CocOverlapFeature(Feature, name="coc_overlap", Config=Config, patches=_patches, plan=_plan, switch="use_coc",
+                        requires={"coc_parallel_num": "use_coc", "use_ascend_mc2": "use_coc"}):
     def validate(self, ctx) -> None:
         config = self.config(ctx.args)
         self.check_requires(config)
@@ -72,10 +67,8 @@ class CocOverlapFeature(Feature):
                 return str(exc)
         return None
 
-    def path(self, ctx) -> str:
+    def running(self, ctx) -> str:
         config, accelerator = self.config(ctx.args), ctx.accelerator
-        if not self.enabled(ctx.args):
-            return "off"
         n = config.coc_parallel_num
         target = "replaces forward+backward of Megatron's local ColumnParallelLinear/RowParallelLinear"
         if use_mc2(Settings(n, bool(config.use_ascend_mc2), accelerator)):

@@ -50,11 +50,7 @@ class Config(FeatureConfig):
         return CPLayout.make(self.algo, size or self.context_parallel_size or 1, self.ulysses_degree_in_cp)
 
 
-class ContextParallelFeature(Feature):
-    name = "context_parallel"
-    Config = Config
-    patches, plan = _patches, _plan
-
+class ContextParallelFeature(Feature, name="context_parallel", Config=Config, patches=_patches, plan=_plan):
     def enabled(self, args: argparse.Namespace) -> bool:
         config = self.config(args)
         return (config.context_parallel_size or 1) > 1 or any(
@@ -93,7 +89,7 @@ class ContextParallelFeature(Feature):
                     "npuspeed's CP (a Transformer Engine spec has TE's own CP): use --transformer-impl local")
         return None
 
-    def path(self, ctx) -> str:
+    def running(self, ctx) -> str:
         config = self.config(ctx.args)
         cp = config.layout()
         what = {"ring": "ring attention: K/V blocks around the CP group (isend/irecv overlapped with each "

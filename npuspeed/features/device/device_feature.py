@@ -51,14 +51,10 @@ def _cache_triton_probe() -> None:
                 pass
 
 
-class DeviceFeature(Feature):
-    name = "device"
-    Config = Config
-    #: no plan effect: its patches let megatron.core run on the chosen accelerator without changing
-    #: what it computes or keeps; the planner models the device itself
-    patches, plan = _patches, None
-    always_on = True
-
+class DeviceFeature(Feature, name="device", Config=Config, patches=_patches,
+                    # no plan effect: its patches let megatron.core run on the chosen accelerator without
+                    # changing what it computes or keeps; the planner models the device itself
+                    plan=None, always_on=True):
     def prepare(self, ctx) -> None:
         """Side effects that must precede patching: the apex guard, NPU's own remapping,
         CPU memory tracking (only storages allocated after this are counted) and its block cache."""
@@ -77,7 +73,7 @@ class DeviceFeature(Feature):
         accelerator.configure_host_cache()
         accelerator.configure_memory_limit()
 
-    def path(self, ctx) -> str:
+    def running(self, ctx) -> str:
         from npuspeed.features.device import fused_adam
 
         accelerator = ctx.accelerator

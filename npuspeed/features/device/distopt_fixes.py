@@ -32,7 +32,7 @@ import sys
 
 import torch
 
-from npuspeed.patching.wrappers import within
+from npuspeed.patching.wrappers import followed_by, within
 
 DISTRIB = "megatron.core.optimizer.distrib_optimizer"
 
@@ -97,18 +97,14 @@ def own_step_counts(optimizer: torch.optim.Optimizer) -> int:
     return unshared
 
 
-def load_state_dict_own_steps(load_state_dict):
-    """Wrapper for DistributedOptimizer.load_state_dict (fix 3a)."""
+def _own_steps_after_load(optimizer, _result) -> None:
+    inner = getattr(optimizer, "optimizer", None)
+    if _uses_torch_step_state(inner):
+        own_step_counts(inner)
 
-    @functools.wraps(load_state_dict)
-    def wrapped(self, *args, **kwargs):
-        result = load_state_dict(self, *args, **kwargs)
-        inner = getattr(self, "optimizer", None)
-        if _uses_torch_step_state(inner):
-            own_step_counts(inner)
-        return result
 
-    return wrapped
+#: Wrapper for DistributedOptimizer.load_state_dict (fix 3a).
+load_state_dict_own_steps = followed_by(_own_steps_after_load)
 
 
 def keep_step_count(set_states):

@@ -55,11 +55,7 @@ def _refusals(m) -> list[tuple[bool, str]]:
     ]
 
 
-class DualPipeVFeature(Feature):
-    name = "dualpipev"
-    Config = Config
-    patches, plan = _patches, _plan
-
+class DualPipeVFeature(Feature, name="dualpipev", Config=Config, patches=_patches, plan=_plan):
     def enabled(self, args) -> bool:
         return v_schedule(args)  # the one answer, which the features that step aside for the V ask too
 
@@ -80,9 +76,7 @@ class DualPipeVFeature(Feature):
         if microbatches is not None and microbatches < 2 * pp:
             raise FeatureError(batch_message(microbatches, pp))
 
-    def path(self, ctx) -> str:
-        if not self.enabled(ctx.args):
-            return "off"
+    def running(self, ctx) -> str:
         how = ("taking turns at each expert all-to-all (--moe-fb-overlap)" if pairs_overlap(ctx.args)
                else "one after the other (add --moe-fb-overlap to overlap them)")
         return ("DualPipeV: rank r holds stages r and 2P-1-r (V placement through Megatron's layer offsets), "

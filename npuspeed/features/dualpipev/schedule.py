@@ -9,6 +9,7 @@ import functools
 import inspect
 
 from npuspeed.features.base import FeatureError
+from npuspeed.patching.wrappers import bound_call
 
 FLAG = "--schedules-method dualpipev"
 
@@ -30,9 +31,7 @@ def wrapper(note, overlap: bool, measure: bool):
             from npuspeed.features.dualpipev.run import Step
             from npuspeed.features.pipeline.bubble import measure as bubble
 
-            bound = signature.bind(*args, **kwargs)
-            bound.apply_defaults()
-            call = bound.arguments
+            call = bound_call(signature, args, kwargs).arguments
             pp = parallel_state.get_pipeline_model_parallel_world_size()
             n = call["num_microbatches"]
             if not call["forward_only"] and n < 2 * pp:

@@ -45,15 +45,10 @@ def _kernel(accelerator) -> str:
     return kernel(accelerator)
 
 
-class FusedAttentionFeature(Feature):
-    name = "fused_attention"
-    Config = Config
-    patches, plan = _patches, _plan
-
-    switch = "use_flash_attn"
-    requires = {"pre_tockens": "use_flash_attn", "next_tockens": "use_flash_attn", "sparse_mode": "use_flash_attn",
-                "flash_attn_fallback": "use_flash_attn"}
-
+class FusedAttentionFeature(Feature, name="fused_attention", Config=Config, patches=_patches, plan=_plan,
+                            switch="use_flash_attn",
+                            requires={"pre_tockens": "use_flash_attn", "next_tockens": "use_flash_attn",
+                                      "sparse_mode": "use_flash_attn", "flash_attn_fallback": "use_flash_attn"}):
     def validate(self, ctx) -> None:
         config, accelerator = self.config(ctx.args), ctx.accelerator
         self.check_requires(config)
@@ -99,7 +94,7 @@ class FusedAttentionFeature(Feature):
                 "TE's own kernel): build the model with the local spec (--transformer-impl local) or "
                 "drop --use-flash-attn")
 
-    def path(self, ctx) -> str:
+    def running(self, ctx) -> str:
         config, accelerator = self.config(ctx.args), ctx.accelerator
         band = ""
         if config.pre_tockens is not None or config.next_tockens is not None:

@@ -36,14 +36,10 @@ class Config(FeatureConfig):
     chunked (memory first)."""
 
 
-class FusedLinearCEFeature(Feature):
-    name = "fused_linear_ce"
-    Config = Config
-    patches, plan = _patches, _plan
-    switch = "use_fused_linear_cross_entropy"
-    requires = {"fused_linear_cross_entropy_chunk_size": "use_fused_linear_cross_entropy",
-                "fused_linear_cross_entropy_fallback": "use_fused_linear_cross_entropy"}
-
+class FusedLinearCEFeature(Feature, name="fused_linear_ce", Config=Config, patches=_patches, plan=_plan,
+                           switch="use_fused_linear_cross_entropy",
+                           requires={"fused_linear_cross_entropy_chunk_size": "use_fused_linear_cross_entropy",
+                                     "fused_linear_cross_entropy_fallback": "use_fused_linear_cross_entropy"}):
     def __init__(self):
         self.chooser = None
 
@@ -64,7 +60,7 @@ class FusedLinearCEFeature(Feature):
                                         config.fused_linear_cross_entropy_chunk_size)
         self.patches.register(registry, ctx, config, self.name, self.chooser)
 
-    def path(self, ctx) -> str:
+    def running(self, ctx) -> str:
         config = self.config(ctx.args)
         if not config.use_fused_linear_cross_entropy:
             return "off"

@@ -26,22 +26,15 @@ class Config(FeatureConfig):
     forces one."""
 
 
-class FusedRMSNormFeature(FusedOpFeature):
-    name = "fused_rmsnorm"
-    Config = Config
-    patches, plan = _patches, _plan
-    switch = "use_fused_rmsnorm"
-    built_module = rmsnorm
-    op, npu_kernel, source = _plan.OP, npu_ops.RMS_NORM, "csrc/cpu/rms_norm.cpp"
-    replaces = _plan.REPLACES
-    triton_module, megatron_path = "rms_norm", "torch.nn.RMSNorm: F.rms_norm, torch's native op"
-
+class FusedRMSNormFeature(FusedOpFeature, name="fused_rmsnorm", Config=Config, patches=_patches, plan=_plan,
+                          switch="use_fused_rmsnorm", fused=_plan.FUSED, built_module=rmsnorm,
+                          npu_kernel=npu_ops.RMS_NORM, source="csrc/cpu/rms_norm.cpp", triton_module="rms_norm",
+                          megatron_path="torch.nn.RMSNorm: F.rms_norm, torch's native op"):
     def validate(self, ctx) -> None:
         norm = ctx.megatron.normalization
         if norm is not None and norm != "RMSNorm":
             raise FeatureError(f"{FLAG} fuses RMSNorm, but --normalization is {norm}: "
                                f"use --normalization RMSNorm or drop {FLAG}")
 
-    def path(self, ctx) -> str:
-        base = super().path(ctx)
-        return base if base == "off" else f"{base}; {telemetry.get(rmsnorm.SWAPPED)} norms fused"
+    def running(self, ctx) -> str:
+        return f"{super().running(ctx)}; {telemetry.get(rmsnorm.SWAPPED)} norms fused"

@@ -26,15 +26,10 @@ class Config(FeatureConfig):
     NPUSPEED_FUSED_OP_PATH=cpp|triton|npu|native|megatron forces one."""
 
 
-class FusedRotaryPosEmbFeature(FusedOpFeature):
-    name = "fused_rotary_pos_emb"
-    Config = Config
-    patches, plan = _patches, _plan
-    switch = "use_fused_rotary_pos_emb"
-    op, npu_kernel, source = _plan.OP, npu_ops.ROTARY_MUL, "csrc/cpu/rope.cpp"
-    replaces = _plan.REPLACES
-    triton_module, megatron_path = "rope", "_apply_rotary_pos_emb_bshd"
-
+class FusedRotaryPosEmbFeature(FusedOpFeature, name="fused_rotary_pos_emb", Config=Config, patches=_patches,
+                               plan=_plan, switch="use_fused_rotary_pos_emb", fused=_plan.FUSED,
+                               npu_kernel=npu_ops.ROTARY_MUL, source="csrc/cpu/rope.cpp", triton_module="rope",
+                               megatron_path="_apply_rotary_pos_emb_bshd"):
     def candidates(self, accelerator) -> list[str]:
         found = super().candidates(accelerator)
         triton = any(c.startswith("npuspeed Triton kernel") for c in found)

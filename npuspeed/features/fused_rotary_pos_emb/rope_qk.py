@@ -23,6 +23,7 @@ import inspect
 import threading
 
 from npuspeed.ops import fused_choice, rope
+from npuspeed.patching.wrappers import followed_by
 
 ATTENTION = "megatron.core.transformer.attention"
 FORWARD = f"{ATTENTION}.Attention.forward"
@@ -86,16 +87,14 @@ def forward_wrapper(original):
     return forward
 
 
-def qkv_wrapper(original):
-    @functools.wraps(original)
-    def get_query_key_value_tensors(self, *args, **kwargs):
-        out = original(self, *args, **kwargs)
-        scope = getattr(_LOCAL, "scope", None)
-        if scope is not None and scope.module is self and isinstance(out, tuple) and len(out) >= 3:
-            scope.query, scope.key = out[0], out[1]  # (q, k, v[, gate]); a fused mixed_qkv is not ours
-        return out
+def _keep_qk(attention, out) -> None:
+    """After get_query_key_value_tensors: the open scope of this attention keeps its q and k."""
+    scope = getattr(_LOCAL, "scope", None)
+    if scope is not None and scope.module is attention and isinstance(out, tuple) and len(out) >= 3:
+        scope.query, scope.key = out[0], out[1]  # (q, k, v[, gate]); a fused mixed_qkv is not ours
 
-    return get_query_key_value_tensors
+
+qkv_wrapper = followed_by(_keep_qk)
 
 
 def apply_wrapper(original):

@@ -22,12 +22,8 @@ class Config(FeatureConfig):
     slower than the flag off). NPUSPEED_FUSED_OP_PATH=cpp|triton|npu|native|megatron forces one."""
 
 
-class FusedSwiGLUFeature(FusedOpFeature):
-    name = "fused_swiglu"
-    Config = Config
-    patches, plan = _patches, _plan
-    switch = "use_fused_swiglu"
-    built_module = swiglu
-    op, npu_kernel, source = _plan.OP, npu_ops.SWIGLU, "csrc/cpu/swiglu.cpp"
-    replaces = _plan.REPLACES
-    triton_module, megatron_path = "swiglu", "eager silu(gate) * up, or bias_swiglu_impl"
+class FusedSwiGLUFeature(FusedOpFeature, name="fused_swiglu", Config=Config, patches=_patches, plan=_plan,
+                         switch="use_fused_swiglu", fused=_plan.FUSED, built_module=swiglu,
+                         npu_kernel=npu_ops.SWIGLU, source="csrc/cpu/swiglu.cpp", triton_module="swiglu",
+                         megatron_path="eager silu(gate) * up, or bias_swiglu_impl"):
+    """Everything it does is the fused-op rule (fused_op_base.FusedOpFeature) with the values above."""

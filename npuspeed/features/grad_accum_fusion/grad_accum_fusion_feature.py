@@ -28,14 +28,11 @@ class Config(FeatureConfig):
     GEMM + add; CUDA: torch's mixed-dtype addmm; NPU: torch_npu._npu_matmul_add_fp32)."""
 
 
-class GradAccumFusionFeature(Feature):
-    name = "grad_accum_fusion"
-    Config = Config
-    #: no plan effect: the planner models neither the weight-gradient temporary nor its add (a
-    #: transient of one layer's weight size); the time is at most the unfused one by the chooser's rule
-    patches, plan = _patches, None
-    switch = "gradient_accumulation_fusion"
-
+class GradAccumFusionFeature(Feature, name="grad_accum_fusion", Config=Config, patches=_patches,
+                             # no plan effect: the planner models neither the weight-gradient temporary nor
+                             # its add (a transient of one layer's weight size); the time is at most the
+                             # unfused one by the chooser's rule
+                             plan=None, switch="gradient_accumulation_fusion"):
     def __init__(self):
         self.chooser = None
 
@@ -68,9 +65,7 @@ class GradAccumFusionFeature(Feature):
                 "the flag would do nothing; set gradient_accumulation_fusion=True in the config "
                 "(Megatron-LM and the example pass the flag through)")
 
-    def path(self, ctx) -> str:
-        if not self.config(ctx.args).gradient_accumulation_fusion:
-            return "off"
+    def running(self, ctx) -> str:
         if apex_kernel_installed():
             return "apex's fused_weight_gradient_mlp_cuda (installed; Megatron uses it directly)"
         from npuspeed import telemetry

@@ -48,14 +48,10 @@ class Config(FeatureConfig):
     schedules_method: str | None = None
 
 
-class MegatronLMFeature(Feature):
-    name = "megatron_lm"
-    Config = Config
-    #: no plan effect: Megatron-LM plumbing (the parser, validation, its CUDA calls on the
-    #: accelerator); a run's memory and time are megatron.core's, which the planner models
-    patches, plan = _patches, None
-    always_on = True
-
+class MegatronLMFeature(Feature, name="megatron_lm", Config=Config, patches=_patches,
+                        # no plan effect: Megatron-LM plumbing (the parser, validation, its CUDA calls on
+                        # the accelerator); a run's memory and time are megatron.core's, which the planner models
+                        plan=None, always_on=True):
     def enabled(self, args) -> bool:
         return megatron_lm_present()
 
@@ -71,7 +67,7 @@ class MegatronLMFeature(Feature):
     def prepare(self, ctx) -> None:
         load_stubs.install()
 
-    def path(self, ctx) -> str:
+    def running(self, ctx) -> str:
         accelerator = ctx.accelerator
         stubs = load_stubs.installed()
         extra = f"; stand-ins: {', '.join(stubs)}" if stubs else ""

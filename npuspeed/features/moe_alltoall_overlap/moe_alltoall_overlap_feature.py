@@ -28,13 +28,9 @@ class Config(FeatureConfig):
         return self.moe_alltoall_chunks or 2
 
 
-class MoeAllToAllOverlapFeature(Feature):
-    name = "moe_alltoall_overlap"
-    Config = Config
-    patches, plan = _patches, _plan
-
-    switch, requires = "moe_alltoall_overlap_comm", {"moe_alltoall_chunks": "moe_alltoall_overlap_comm"}
-
+class MoeAllToAllOverlapFeature(Feature, name="moe_alltoall_overlap", Config=Config, patches=_patches, plan=_plan,
+                                switch="moe_alltoall_overlap_comm",
+                                requires={"moe_alltoall_chunks": "moe_alltoall_overlap_comm"}):
     def chunks(self, ctx) -> int:
         return self.config(ctx.args).chunks
 
@@ -58,9 +54,7 @@ class MoeAllToAllOverlapFeature(Feature):
     def check_built(self, block, ctx) -> str | None:
         return built_all_to_all("--moe-alltoall-overlap-comm", block)
 
-    def path(self, ctx) -> str:
-        if not self.enabled(ctx.args):
-            return "off"
+    def running(self, ctx) -> str:
         acc = ctx.accelerator
         where = ("async work handles on gloo, waited per chunk" if not for_device(acc.name).has_streams()
                  else f"async {acc.dist_backend} collectives on the backend's communication stream")

@@ -50,11 +50,7 @@ def _pipeline(flag: str, pp: int, m) -> None:
         raise FeatureError(interleaved.batch_message(flag, microbatches, pp))
 
 
-class MoeFbOverlapFeature(Feature):
-    name = "moe_fb_overlap"
-    Config = Config
-    patches, plan = _patches, _plan
-
+class MoeFbOverlapFeature(Feature, name="moe_fb_overlap", Config=Config, patches=_patches, plan=_plan):
     def enabled(self, args) -> bool:
         return pairs_overlap(args)  # the one answer, which DualPipeV and the bubble baseline ask too
 
@@ -82,9 +78,7 @@ class MoeFbOverlapFeature(Feature):
     def check_built(self, block, ctx) -> str | None:
         return built_all_to_all(self.config(ctx.args).flag_given, block)
 
-    def path(self, ctx) -> str:
-        if not self.enabled(ctx.args):
-            return "off"
+    def running(self, ctx) -> str:
         acc = ctx.accelerator
         where = ("async gloo work, waited after the turn passes" if not for_device(acc.name).has_streams()
                  else f"async {acc.dist_backend} collectives on the backend's communication stream")

@@ -20,6 +20,7 @@ from npuspeed.features.moe_common import a2a_clock
 from npuspeed.features.pipeline import turns
 from npuspeed.features.pipeline.pair_choice import trial_step
 from npuspeed.features.pipeline.pairing import device_setup
+from npuspeed.patching.wrappers import bound_call
 
 
 class Session:
@@ -50,9 +51,8 @@ def _config_of(model):
 def training_call(signature, args, kwargs) -> dict | None:
     """A schedule call's arguments by name; None for a forward-only (evaluation) call, which the
     overlap leaves to Megatron."""
-    bound = signature.bind(*args, **kwargs)
-    bound.apply_defaults()
-    return None if bound.arguments.get("forward_only") else bound.arguments
+    call = bound_call(signature, args, kwargs).arguments
+    return None if call.get("forward_only") else call
 
 
 def no_pipelining_wrapper(note):

@@ -30,6 +30,7 @@ import torch
 
 from npuspeed import telemetry
 from npuspeed.features.moe_common import deferred_wgrad
+from npuspeed.patching.wrappers import bound_call
 
 RANGE = ">=0.13,<0.20"  # a separate token_dispatch (the exchange that runs the owed dW) since 0.13
 MODE_ENV = "NPUSPEED_FB_OVERLAP_WGRAD"
@@ -113,9 +114,7 @@ def linear_wrapper(original):
     def linear(*args, **kwargs):
         if not deferred_wgrad.armed():
             return original(*args, **kwargs)
-        call = signature.bind(*args, **kwargs)
-        call.apply_defaults()
-        a = call.arguments
+        a = bound_call(signature, args, kwargs).arguments
         weight = a["weight"]
         plain = (not a["sequence_parallel"] and not a["allreduce_dgrad"] and a.get("grad_output_buffer") is None
                  and a.get("gtp_remat_size", 1) <= 1 and not hasattr(weight, "__fsdp_param__"))

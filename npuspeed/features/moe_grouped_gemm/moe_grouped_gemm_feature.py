@@ -31,12 +31,8 @@ class Config(FeatureConfig):
     moe_tp_extend_ep: bool = False
 
 
-class MoeGroupedGemmFeature(Feature):
-    name = "moe_grouped_gemm"
-    Config = Config
-    patches, plan = _patches, _plan
-    switch = "moe_grouped_gemm"
-
+class MoeGroupedGemmFeature(Feature, name="moe_grouped_gemm", Config=Config, patches=_patches, plan=_plan,
+                            switch="moe_grouped_gemm"):
     def validate(self, ctx) -> None:
         needs_release("--moe-grouped-gemm", RANGE, "GroupedMLP takes the router probabilities (0.13-0.16); "
                       "npuspeed's grouped experts replace the local spec's SequentialMLP (0.17-0.19)")
@@ -67,9 +63,7 @@ class MoeGroupedGemmFeature(Feature):
                     f"moe_grouped_gemm=True (get_gpt_layer_local_spec); found {sorted(kinds)}")
         return None
 
-    def path(self, ctx) -> str:
-        if not self.enabled(ctx.args):
-            return "off"
+    def running(self, ctx) -> str:
         acc = ctx.accelerator
         traits = for_device(acc.name)
         if traits.has_vendor_kernels():

@@ -17,12 +17,8 @@ class Config(FeatureConfig):
     over EP x TP ranks, expert weights not split by TP)."""
 
 
-class MoeTpExtendEpFeature(Feature):
-    name = "moe_tp_extend_ep"
-    Config = Config
-    patches, plan = _patches, _plan
-    switch = "moe_tp_extend_ep"
-
+class MoeTpExtendEpFeature(Feature, name="moe_tp_extend_ep", Config=Config, patches=_patches, plan=_plan,
+                           switch="moe_tp_extend_ep"):
     def validate(self, ctx) -> None:
         lay = Layout.from_ctx(ctx, self.config(ctx.args).moe_tp_extend_ep)
         if lay.tp == 1:
@@ -39,9 +35,7 @@ class MoeTpExtendEpFeature(Feature):
     def check_built(self, block, ctx) -> str | None:
         return needs_experts("--moe-tp-extend-ep", block)
 
-    def path(self, ctx) -> str:
-        if not self.enabled(ctx.args):
-            return "off"
+    def running(self, ctx) -> str:
         lay = Layout.from_ctx(ctx, self.config(ctx.args).moe_tp_extend_ep)
         return (f"experts over EP x TP = {lay.ep} x {lay.tp} ranks, expert-TP 1 (megatron.core expert layout "
                 "set at initialize_model_parallel and on every TransformerConfig)")

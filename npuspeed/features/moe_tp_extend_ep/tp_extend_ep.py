@@ -13,6 +13,7 @@ import functools
 import inspect
 
 from npuspeed import telemetry
+from npuspeed.patching.wrappers import bound_call
 
 PARALLEL_STATE = "megatron.core.parallel_state"
 CONFIG = "megatron.core.transformer.transformer_config.TransformerConfig"
@@ -27,8 +28,7 @@ def init_wrapper(original):
 
     @functools.wraps(original)
     def initialize_model_parallel(*args, **kwargs):
-        bound = signature.bind(*args, **kwargs)
-        bound.apply_defaults()
+        bound = bound_call(signature, args, kwargs)
         a = bound.arguments
         tp, ep = a.get("tensor_model_parallel_size") or 1, a.get("expert_model_parallel_size") or 1
         etp = a.get("expert_tensor_parallel_size")

@@ -19,10 +19,10 @@ from __future__ import annotations
 
 from npuspeed import telemetry
 from npuspeed.features.base import after_init
-from npuspeed.features.first_layers import check_num_layers, fully_recomputed, vp_stage
+from npuspeed.features.first_layers import fully_recomputed, layers_taken
 
 TARGET = "megatron.core.transformer.transformer_block.TransformerBlock.__init__"
-FLAG = "--recompute-activation-function-num-layers"
+MAIN, FLAG = "--recompute-activation-function", "--recompute-activation-function-num-layers"
 #: counter: MLPs selected in this process (for the report and the tests)
 SELECTED = "recompute.selected"
 
@@ -34,17 +34,8 @@ def select(block, num_layers: int | None, note) -> None:
     from npuspeed.features.recompute_activation.mlp import ATTR
 
     config = block.config
-    check_num_layers(num_layers, config, FLAG, "the activation")
-    if getattr(config, "cpu_offloading", False) or getattr(config, "fine_grained_activation_offloading", False):
-        note("--recompute-activation-function: off where activations are offloaded to the host "
-                     "(cpu_offloading / fine_grained_activation_offloading): the offload hooks read them")
-        return
-    vpp = config.virtual_pipeline_model_parallel_size or 1
-    stage = vp_stage(block)
-    for index, layer in enumerate(getattr(block, "layers", ())):
+    for index, layer in layers_taken(block, num_layers, note, (MAIN, FLAG), "the activation", "them"):
         mlp = getattr(layer, "mlp", None)
-        if num_layers is not None and index * vpp + stage >= num_layers:
-            continue
         if not (isinstance(mlp, MLP) and type(mlp).forward is MLP.forward):
             if mlp is not None and type(mlp).__name__ != "IdentityOp":
                 note(

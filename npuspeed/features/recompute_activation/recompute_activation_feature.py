@@ -12,9 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from npuspeed.features import first_layers
-from npuspeed.features.base import Feature
 from npuspeed.features.config import FeatureConfig, flag
+from npuspeed.features.first_layers import FirstLayersFeature
 from npuspeed.features.recompute_activation import patches as _patches, plan as _plan
 
 MAIN, NUM = "--recompute-activation-function", "--recompute-activation-function-num-layers"
@@ -30,27 +29,16 @@ class Config(FeatureConfig):
     (interleaved order across virtual chunks); default all."""
 
 
-class RecomputeActivationFeature(Feature):
-    name = "recompute_activation"
-    Config = Config
-    patches, plan = _patches, _plan
-    switch = "recompute_activation_function"
-    requires = {"recompute_activation_function_num_layers": "recompute_activation_function"}
-
-    def validate(self, ctx) -> None:
-        config = self.config(ctx.args)
-        self.check_requires(config)
-        first_layers.check(NUM, config.recompute_activation_function_num_layers, "the activation")
-
-    def path(self, ctx) -> str:
-        config = self.config(ctx.args)
-        if not config.recompute_activation_function:
-            return "off"
+class RecomputeActivationFeature(FirstLayersFeature, name="recompute_activation", Config=Config, patches=_patches,
+                                 plan=_plan, switch="recompute_activation_function",
+                                 requires={"recompute_activation_function_num_layers":
+                                           "recompute_activation_function"},
+                                 recomputed="the activation",
+                                 mechanism="megatron.core.tensor_parallel.CheckpointWithoutOutput, reused (fp8=None; "
+                                           "storage resize_(0) after fc2, recompute from a grad hook on fc2's "
+                                           "output, early release of fc1's output and the recomputed copy)"):
+    def selected(self) -> str:
         from npuspeed import telemetry
         from npuspeed.features.recompute_activation.layers import SELECTED
 
-        which = first_layers.per_stage(config.recompute_activation_function_num_layers)
-        return (f"megatron.core.tensor_parallel.CheckpointWithoutOutput, reused (fp8=None; storage "
-                f"resize_(0) after fc2, recompute from a grad hook on fc2's output, early release of "
-                f"fc1's output and the recomputed copy); {which}; MLPs selected in this process: "
-                f"{telemetry.get(SELECTED)}")
+        return f"MLPs selected in this process: {telemetry.get(SELECTED)}"

@@ -30,7 +30,7 @@ from npuspeed import telemetry
 from npuspeed.features.base import after_init
 
 TARGET = "megatron.core.transformer.transformer_block.TransformerBlock.__init__"
-FLAG = "--recompute-norm-num-layers"
+MAIN, FLAG = "--recompute-norm", "--recompute-norm-num-layers"
 #: counter prefix (selected, freed, freed_bytes, kept_shared, recomputed): the tests' proof
 PREFIX = "recompute_norm."
 SELECTED = PREFIX + "selected"
@@ -111,17 +111,10 @@ def select(block, num_layers: int | None, note) -> None:
     """Install norm recompute in this block's selected layers; `note` says each skip once."""
     from megatron.core.transformer.mlp import MLP
 
-    from npuspeed.features.first_layers import check_num_layers, fully_recomputed, in_first_layers
+    from npuspeed.features.first_layers import fully_recomputed, layers_taken
 
     config = block.config
-    check_num_layers(num_layers, config, FLAG, "the norms")
-    if getattr(config, "cpu_offloading", False) or getattr(config, "fine_grained_activation_offloading", False):
-        note("--recompute-norm: off where activations are offloaded to the host (cpu_offloading / "
-             "fine_grained_activation_offloading): the offload hooks read the norm outputs")
-        return
-    for index, layer in enumerate(getattr(block, "layers", ())):
-        if not in_first_layers(block, index, num_layers):
-            continue
+    for index, layer in layers_taken(block, num_layers, note, (MAIN, FLAG), "the norms", "the norm outputs"):
         if fully_recomputed(config, index):
             note("--recompute-norm: --recompute-granularity full recomputes whole layers; full recompute "
                  "wins and those layers keep Megatron's behaviour")

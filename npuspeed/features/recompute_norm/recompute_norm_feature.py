@@ -11,9 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from npuspeed.features import first_layers
-from npuspeed.features.base import Feature
 from npuspeed.features.config import FeatureConfig, flag
+from npuspeed.features.first_layers import FirstLayersFeature
 from npuspeed.features.recompute_norm import patches as _patches, plan as _plan
 
 MAIN, NUM = "--recompute-norm", "--recompute-norm-num-layers"
@@ -29,26 +28,14 @@ class Config(FeatureConfig):
     across virtual chunks); default all."""
 
 
-class RecomputeNormFeature(Feature):
-    name = "recompute_norm"
-    Config = Config
-    patches, plan = _patches, _plan
-
-    switch, requires = "recompute_norm", {"recompute_norm_num_layers": "recompute_norm"}
-
-    def validate(self, ctx) -> None:
-        config = self.config(ctx.args)
-        self.check_requires(config)
-        first_layers.check(NUM, config.recompute_norm_num_layers, "the norms")
-
-    def path(self, ctx) -> str:
-        config = self.config(ctx.args)
-        if not config.recompute_norm:
-            return "off"
+class RecomputeNormFeature(FirstLayersFeature, name="recompute_norm", Config=Config, patches=_patches, plan=_plan,
+                           switch="recompute_norm", requires={"recompute_norm_num_layers": "recompute_norm"},
+                           recomputed="the norms",
+                           mechanism="the activation-recompute checkpoint (Megatron-Core's CheckpointWithoutOutput, "
+                                     "fp8=None): norm output freed after linear_qkv / linear_fc1 ran, recomputed "
+                                     "from a grad hook on their output"):
+    def selected(self) -> str:
         from npuspeed import telemetry
         from npuspeed.features.recompute_norm.norms import SELECTED
 
-        which = first_layers.per_stage(config.recompute_norm_num_layers)
-        return (f"the activation-recompute checkpoint (Megatron-Core's CheckpointWithoutOutput, fp8=None): norm "
-                f"output freed after linear_qkv / linear_fc1 ran, recomputed from a grad hook on their output; "
-                f"{which}; norms selected in this process: {telemetry.get(SELECTED)}")
+        return f"norms selected in this process: {telemetry.get(SELECTED)}"

@@ -29,40 +29,38 @@ def _bit_or(a, b):
 
 
 @triton.jit
-def split_kernel(bits_ptr, res_ptr, mask_ptr, n, BLOCK: tl.constexpr, ITERS: tl.constexpr):
-    """bits: int32 view of the fp32 master; res: int16 low halves; mask: uint8 tie bits."""
-    first = tl.program_id(0).to(tl.int64) * BLOCK
-    step = tl.num_programs(0).to(tl.int64) * BLOCK
+def _block(i, n, BLOCK: tl.constexpr):
+    """This program's i-th block (blocks a grid apart): its element indices as [BLOCK // 8, 8] (a
+    row is one byte of tie bits), which of them are below n, its tie-bit byte indices and the
+    bit (column) of each element in its byte."""
+    start = (tl.program_id(0).to(tl.int64) + i * tl.num_programs(0).to(tl.int64)) * BLOCK
     rows = tl.arange(0, BLOCK // 8)
     cols = tl.arange(0, 8)
-    for i in range(ITERS):  # blocks first, first + step, ...; past n all masked
-        start = first + i * step
-        idx = start + rows[:, None] * 8 + cols[None, :]
-        inside = idx < n
+    idx = start + rows[:, None] * 8 + cols[None, :]
+    return idx, idx < n, start // 8 + rows, cols
+
+
+@triton.jit
+def split_kernel(bits_ptr, res_ptr, mask_ptr, n, BLOCK: tl.constexpr, ITERS: tl.constexpr):
+    """bits: int32 view of the fp32 master; res: int16 low halves; mask: uint8 tie bits."""
+    for i in range(ITERS):  # this program's blocks, a grid apart; past n all masked
+        idx, inside, bidx, cols = _block(i, n, BLOCK)
         word = tl.load(bits_ptr + idx, mask=inside, other=0)
         low = word & 0xFFFF
         tl.store(res_ptr + idx, low.to(tl.int16), mask=inside)
         # an exact tie whose (odd) high half rounded up to even
         tie = ((low == 0x8000) & (((word >> 16) & 1) == 1)).to(tl.int32)
         byte = tl.reduce(tie << cols[None, :], 1, _bit_or)  # bits are disjoint: OR packs them
-        bidx = start // 8 + rows
         tl.store(mask_ptr + bidx, byte.to(tl.uint8), mask=bidx * 8 < n)
 
 
 @triton.jit
 def merge_kernel(high_ptr, res_ptr, mask_ptr, out_ptr, n, BLOCK: tl.constexpr, ITERS: tl.constexpr):
     """high: int16 view of the bf16 values; out: int32 view of the fp32 masters."""
-    first = tl.program_id(0).to(tl.int64) * BLOCK
-    step = tl.num_programs(0).to(tl.int64) * BLOCK
-    rows = tl.arange(0, BLOCK // 8)
-    cols = tl.arange(0, 8)
-    for i in range(ITERS):  # blocks first, first + step, ...; past n all masked
-        start = first + i * step
-        idx = start + rows[:, None] * 8 + cols[None, :]
-        inside = idx < n
+    for i in range(ITERS):  # this program's blocks, a grid apart; past n all masked
+        idx, inside, bidx, cols = _block(i, n, BLOCK)
         high = tl.load(high_ptr + idx, mask=inside, other=0).to(tl.int32) & 0xFFFF
         low = tl.load(res_ptr + idx, mask=inside, other=0).to(tl.int32) & 0xFFFF
-        bidx = start // 8 + rows
         byte = tl.load(mask_ptr + bidx, mask=bidx * 8 < n, other=0).to(tl.int32)
         tie = (byte[:, None] >> cols[None, :]) & 1
         carry = (low > 0x8000).to(tl.int32) | tie

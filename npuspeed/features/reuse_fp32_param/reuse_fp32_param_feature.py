@@ -27,12 +27,8 @@ class Config(FeatureConfig):
     2 bytes/parameter less."""
 
 
-class ReuseFp32ParamFeature(Feature):
-    name = "reuse_fp32_param"
-    Config = Config
-    patches, plan = _patches, _plan
-    switch = "reuse_fp32_param"
-
+class ReuseFp32ParamFeature(Feature, name="reuse_fp32_param", Config=Config, patches=_patches, plan=_plan,
+                            switch="reuse_fp32_param"):
     def validate(self, ctx) -> None:
         if ctx.megatron.fp16:
             raise FeatureError(f"{FLAG} works with --bf16 only (bf16 is the top half of "
@@ -43,7 +39,7 @@ class ReuseFp32ParamFeature(Feature):
                      "triton, or triton-ascend on an NPU); the chunked PyTorch device codec runs instead, "
                      "many small launches a step")
 
-    def path(self, ctx) -> str:
+    def running(self, ctx) -> str:
         impl = codec.implementation_for(getattr(ctx.accelerator, "name", "cpu"))
         ties = "dense tie bits" if impl in codec.DENSE else "sparse tie list"
         text = (f"bf16 param + int16 residual + {ties}, one codec call per param-buffer segment; "

@@ -36,11 +36,7 @@ class Config(FeatureConfig):
     whole swaps every layer, whatever it costs, and states the cost in one line."""
 
 
-class SwapAttentionFeature(Feature):
-    name = "swap_attention"
-    Config = Config
-    patches, plan = _patches, _plan
-
+class SwapAttentionFeature(Feature, name="swap_attention", Config=Config, patches=_patches, plan=_plan):
     def enabled(self, args) -> bool:
         config = self.config(args)
         return config.swap_attention or config.swap_modules is not None or config.swap_attention_mode is not None
@@ -74,7 +70,7 @@ class SwapAttentionFeature(Feature):
             raise FeatureError(f"{MAIN} needs page-locked host memory for overlapped copies, which the "
                                f"{acc.name} backend does not offer here; drop {MAIN}")
 
-    def path(self, ctx) -> str:
+    def running(self, ctx) -> str:
         config = self.config(ctx.args)
         if not config.swap_attention:
             return "off"

@@ -56,11 +56,7 @@ class Config(FeatureConfig):
     reuse_fp32_param: bool = False
 
 
-class SwapOptimizerFeature(Feature):
-    name = "swap_optimizer"
-    Config = Config
-    patches, plan = _patches, _plan
-
+class SwapOptimizerFeature(Feature, name="swap_optimizer", Config=Config, patches=_patches, plan=_plan):
     def enabled(self, args) -> bool:
         config = self.config(args)
         return bool(config.swap_optimizer or config.optimizer_cpu_offload
@@ -126,7 +122,7 @@ class SwapOptimizerFeature(Feature):
     def chunk_bytes(self, args) -> int:
         return chunk_bytes(self.config(args))
 
-    def path(self, ctx) -> str:
+    def running(self, ctx) -> str:
         config = self.config(ctx.args)
         if config.optimizer_cpu_offload:
             return "Megatron-Core's HybridDeviceOptimizer (--optimizer-cpu-offload)"

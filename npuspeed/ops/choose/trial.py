@@ -8,6 +8,8 @@ from typing import Callable
 
 import torch
 
+from npuspeed.ops.nesting import Nesting
+
 #: forward agreement with Megatron's output needed to be a candidate (the kernels round once)
 AGREE = {torch.float32: 1e-4, torch.float64: 1e-8, torch.bfloat16: 5e-2, torch.float16: 1e-2}
 
@@ -57,22 +59,17 @@ def device_sync() -> None:
         acc.synchronize()
 
 
-#: > 0 while a chooser's trial runs (measure._scope): a candidate that fails there must raise
+#: inside while a chooser's trial runs (measure._scope): a candidate that fails there must raise
 #: (the chooser drops it), where outside a trial it may fall back to the same maths run eagerly
-_IN_TRIAL = [0]
+_TRIAL = Nesting()
 
 
 def in_trial() -> bool:
-    return _IN_TRIAL[0] > 0
+    return _TRIAL.inside
 
 
-@contextlib.contextmanager
 def trial_scope():
-    _IN_TRIAL[0] += 1
-    try:
-        yield
-    finally:
-        _IN_TRIAL[0] -= 1
+    return _TRIAL()
 
 
 class Clock:

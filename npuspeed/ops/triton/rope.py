@@ -46,29 +46,24 @@ def _rope(Q, K, QO, KO, COS, SIN,
     if BACKWARD:
         sign = -sign
 
-    # q block
-    live = (h < HQ) & (d < D)
-    src = Q + s * sqs + b * sqb + h * sqh
-    c_at = COS + s * cqs + b * cqb + h * cqh
-    s_at = SIN + s * cqs + b * cqb + h * cqh
-    x = tl.load(src + d, mask=live, other=0.0).to(tl.float32)
-    xp = tl.load(src + p, mask=live & rot, other=0.0).to(tl.float32)
-    c = tl.load(c_at + d, mask=live & rot, other=0.0)
-    sn = tl.load(s_at + p if BACKWARD else s_at + d, mask=live & rot, other=0.0)
-    out = tl.where(rot, x * c + sign * xp * sn, x)
-    tl.store(QO + s * sos + b * sob + h * soh + d, out.to(QO.dtype.element_ty), mask=live)
-
-    # k block (the same heads; none past HK)
-    live = (h < HK) & (d < D)
-    src = K + s * sks + b * skb + h * skh
-    c_at = COS + s * cks + b * ckb + h * ckh
-    s_at = SIN + s * cks + b * ckb + h * ckh
-    x = tl.load(src + d, mask=live, other=0.0).to(tl.float32)
-    xp = tl.load(src + p, mask=live & rot, other=0.0).to(tl.float32)
-    c = tl.load(c_at + d, mask=live & rot, other=0.0)
-    sn = tl.load(s_at + p if BACKWARD else s_at + d, mask=live & rot, other=0.0)
-    out = tl.where(rot, x * c + sign * xp * sn, x)
-    tl.store(KO + s * sps + b * spb + h * sph + d, out.to(KO.dtype.element_ty), mask=live)
+    for which in tl.static_range(2):  # q's heads, then k's (the same block of heads; none past HK)
+        if which == 0:  # (a constexpr: each unrolled turn keeps one branch)
+            X, XO, heads = Q, QO, HQ
+            x_at = s * sqs + b * sqb + h * sqh  # offsets of the input, the output and the cos/sin tables
+            o_at = s * sos + b * sob + h * soh
+            t_at = s * cqs + b * cqb + h * cqh
+        else:
+            X, XO, heads = K, KO, HK
+            x_at = s * sks + b * skb + h * skh
+            o_at = s * sps + b * spb + h * sph
+            t_at = s * cks + b * ckb + h * ckh
+        live = (h < heads) & (d < D)
+        x = tl.load(X + x_at + d, mask=live, other=0.0).to(tl.float32)
+        xp = tl.load(X + x_at + p, mask=live & rot, other=0.0).to(tl.float32)
+        c = tl.load(COS + t_at + d, mask=live & rot, other=0.0)
+        sn = tl.load(SIN + t_at + p if BACKWARD else SIN + t_at + d, mask=live & rot, other=0.0)
+        out = tl.where(rot, x * c + sign * xp * sn, x)
+        tl.store(XO + o_at + d, out.to(XO.dtype.element_ty), mask=live)
 
 
 def _k():
