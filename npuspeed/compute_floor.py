@@ -89,9 +89,9 @@ def _attention_runner(b, s, hq, hk, d, dtype, device, dropout_p):
     from npuspeed.ops import flash_attention as cpu_flash
 
     reason = cpu_flash.unsupported(query, key, masked=False, dropout_p=dropout_p)
-    from npuspeed.accelerator.devices import for_device
+    from npuspeed.ops import _dispatch  # the ops layer's host table (the floor sits below the accelerator)
 
-    on_host = for_device(device).host_is_device()
+    on_host = device.type in _dispatch.HOST_DEVICE_TYPES
     upcast = reason is not None and dtype == torch.bfloat16 and on_host and cpu_flash.fp32_reason() is None
     if reason is None or upcast:
         params = cpu_flash.FlashParams(scale=scale, causal=True, dropout_p=dropout_p)
@@ -158,9 +158,9 @@ def measure(call_list: list[Call], device, synchronize, *, dtype=None, dropout_p
 
     device = torch.device(device)
     dtype = dtype or torch.bfloat16
-    from npuspeed.accelerator.devices import for_device
+    from npuspeed.ops import _dispatch  # the ops layer's host table (the floor sits below the accelerator)
 
-    host = for_device(device).host_is_device()
+    host = device.type in _dispatch.HOST_DEVICE_TYPES
     warmup = (1 if host else 3) if warmup is None else warmup
     repeats = (3 if host else 5) if repeats is None else repeats
     inner = (1 if host else 10) if inner is None else inner
