@@ -39,7 +39,7 @@ TRITON_TESTS := tests/unit/test_triton_kernels.py tests/unit/test_reuse_fp32_tri
                 tests/unit/test_moe_permute_triton_choice.py tests/unit/test_rope_qk_triton_wiring.py
 
 .PHONY: deps311 deps312 install install-test install-test-311 install-test-312 example \
-        test test-311 test-312 test-triton versions test-device test-device-host device-report readme-device bench clean
+        test test-311 test-312 test-full test-triton versions test-device test-device-host device-report readme-device bench clean
 
 # A venv per Python, from the interpreter found (or named), with current packaging tools.
 $(PY311):
@@ -99,12 +99,18 @@ example: install
 # CI (.ci/run): the whole suite on Python 3.11 (megatron-core 0.16.1, a CPU build of torch) and
 # on Python 3.12 (megatron-core 0.19.2, the index's CUDA build of torch on a host without a GPU),
 # then the Triton kernel tests under the newest triton.
+# The multi-process files (torchrun runs of the example) are split between the two Pythons
+# (tests/shards.py: NPUSPEED_TEST_SHARD); `make test-full` runs every file on both.
 test: test-311 test-312 test-triton
 
 test-311: install-test-311
-	$(PY311) -m pytest -q tests
+	NPUSPEED_TEST_SHARD=3.11 $(PY311) -m pytest -q tests
 
 test-312: install-test-312
+	NPUSPEED_TEST_SHARD=3.12 $(PY312) -m pytest -q tests
+
+test-full: install-test-311 install-test-312
+	$(PY311) -m pytest -q tests
 	$(PY312) -m pytest -q tests
 
 # The Triton test files again under triton $(TRITON_NEWEST), unpacked beside the checkout

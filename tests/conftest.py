@@ -16,6 +16,7 @@ sys.path.insert(0, os.path.join(ROOT, "tools"))  # launch.py, shared with the be
 
 from feature_ctx import features_enabled  # noqa: E402
 from launch import free_port  # noqa: E402
+import shards  # noqa: E402
 import tiers  # noqa: E402
 
 
@@ -30,7 +31,21 @@ def pytest_configure(config):
 def pytest_report_header(config):
     if getattr(config, "_npuspeed_device_tier", False):
         return "npuspeed: device tier (the accelerator present, NPUSPEED_DEVICE not pinned)"
-    return f"npuspeed: CPU tier ({tiers.VAR}={os.environ.get(tiers.VAR)} pinned for tests and their subprocesses)"
+    here = shards.shard()
+    share = f"; {shards.VAR}={here}: this Python's share of the multi-process files (tests/shards.py)" if here else ""
+    return f"npuspeed: CPU tier ({tiers.VAR}={os.environ.get(tiers.VAR)} pinned for tests and their subprocesses){share}"
+
+
+def pytest_collection_modifyitems(config, items):
+    """`make test`'s split of the multi-process files between the two Pythons (tests/shards.py)."""
+    here = shards.shard()
+    if here is None:
+        return
+    tests_dir = os.path.join(ROOT, "tests")
+    keep = [item for item in items if shards.runs_here(item.path, tests_dir, here)]
+    if len(keep) < len(items):
+        config.hook.pytest_deselected(items=[item for item in items if item not in keep])
+        items[:] = keep
 
 
 @pytest.fixture(scope="session")

@@ -152,9 +152,10 @@ def test_forced_serial_runs_no_pairs(tmp_path_factory):
     assert all(d["counters"].get("moe.fb_overlap.serial_steps", 0) == ITERS for d in serial["dumps"])
 
 
-# CI time: the other direction (saved without the flag, resumed with it) and the fused
-# gradient-accumulation case below run with `make bench`; DualPipeV's resume tests cross too
-@pytest.mark.parametrize("saved_with", ["flag", pytest.param("plain", marks=pytest.mark.slow)])
+# CI time: both directions of the resume and the fused gradient-accumulation case below run
+# with `make bench`
+@pytest.mark.slow  # CI time: the resume across the flag runs with `make bench` (DualPipeV's resume tests cross in CI)
+@pytest.mark.parametrize("saved_with", ["flag", "plain"])
 def test_checkpoint_resumes_across_the_flag(tmp_path, saved_with):
     """Saved at iteration 4 with the flag (without it), resumed without it (with it): iterations
     5-8 give the uninterrupted run's losses to the bit (no shared experts: without a three-branch
@@ -176,6 +177,7 @@ def test_checkpoint_resumes_across_the_flag(tmp_path, saved_with):
     assert (resumed["npuspeed_counters"].get("moe.fb_overlap.pairs", 0) > 0) == (second == flag)
 
 
+@pytest.mark.slow  # CI time: equal splits are the easy case of the exchange; `make bench` runs it
 def test_drop_and_pad_matches(tmp_path_factory):
     """Token drop-and-pad (capacity 1.0, padded): every exchange has equal splits; still Megatron's numbers."""
     pad = ["--moe-expert-capacity-factor", "1.0", "--moe-pad-expert-input-to-capacity"]
