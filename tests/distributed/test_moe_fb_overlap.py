@@ -187,6 +187,7 @@ def test_drop_and_pad_matches(tmp_path_factory):
     assert pairs(fb) == [ITERS * (MICRO - 1)] * 2
 
 
+@pytest.mark.slow  # CI time (135 s of a loaded host): the grouped dW split is unit-tested (test_moe_fb_overlap_wgrad)
 def test_grouped_experts_with_their_dw_split_match(tmp_path_factory):
     """--moe-grouped-gemm (GroupedMLP <0.17, npuspeed's grouped experts 0.17+): the grouped
     matmuls' weight gradients owed and run inside the dispatch gradient's all-to-all."""
