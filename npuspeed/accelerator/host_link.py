@@ -81,12 +81,28 @@ def _from_env(overlaps: bool = True) -> LinkFigures | None:
     return LinkFigures(parts[0], parts[-1], overlaps, f"{ENV}={raw}")
 
 
+def overlaps(acc) -> bool:
+    """Whether copies to and from `acc` can run beside its compute, answered without measuring
+    (a fake's answer in tests): an in-order backend's cannot, whatever the link carries. A
+    sizing that needs no figures asks this instead of `link` (the CPU's measurement alone holds
+    two 64 MiB buffers)."""
+    return _FAKE[-1].overlaps if _FAKE else _in_parallel(acc)
+
+
+def _in_parallel(acc) -> bool:
+    return bool(acc.has_streams()) and not acc.host_is_device()
+
+
+def unmeasured(acc) -> LinkFigures:
+    """The link as a decision that needs no figures records it: no rate, whether copies overlap."""
+    return LinkFigures(0.0, 0.0, overlaps(acc), "not measured: no copy can hide on this backend")
+
+
 def link(acc) -> LinkFigures:
     """This process's link for `acc`: a fake (tests), NPUSPEED_HOST_LINK_GBS, or measured once."""
     if _FAKE:
         return _FAKE[-1]
-    overlaps = bool(acc.has_streams()) and not acc.host_is_device()
-    env = _from_env(overlaps)
+    env = _from_env(overlaps(acc))
     if env is not None:
         return env
     found = _MEASURED.get(acc.name)
@@ -106,7 +122,7 @@ def measure(acc, nbytes: int = MEASURE_BYTES, repeats: int = MEASURE_REPEATS) ->
 
     import torch
 
-    overlaps = bool(acc.has_streams()) and not acc.host_is_device()
+    in_parallel = _in_parallel(acc)
     if acc.host_is_device():  # the "link" is a memcpy within host memory, timed by the host clock
         src, dst = torch.empty(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
         src.fill_(1)
@@ -116,7 +132,7 @@ def measure(acc, nbytes: int = MEASURE_BYTES, repeats: int = MEASURE_REPEATS) ->
             dst.copy_(src)
             best = min(best, time.perf_counter() - t0)
         rate = nbytes / max(best, 1e-9)
-        return LinkFigures(rate, rate, overlaps, f"measured: {nbytes >> 20} MiB memcpy in host memory, fastest of "
+        return LinkFigures(rate, rate, in_parallel, f"measured: {nbytes >> 20} MiB memcpy in host memory, fastest of "
                                                   f"{repeats}")
     host = acc.pinned_empty(nbytes)
     dev = torch.empty(nbytes, dtype=torch.uint8, device=acc.device())
@@ -134,7 +150,7 @@ def measure(acc, nbytes: int = MEASURE_BYTES, repeats: int = MEASURE_REPEATS) ->
             end.synchronize()
             times[to_device] = min(times[to_device], start.elapsed_time(end) / 1e3)
     del dev
-    return LinkFigures(nbytes / max(times[True], 1e-9), nbytes / max(times[False], 1e-9), overlaps,
+    return LinkFigures(nbytes / max(times[True], 1e-9), nbytes / max(times[False], 1e-9), in_parallel,
                        f"measured: {nbytes >> 20} MiB pinned copies each way, fastest of {repeats}")
 
 

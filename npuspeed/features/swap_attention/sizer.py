@@ -14,12 +14,14 @@ Where the link cannot overlap compute (an in-order backend: the CPU, where the h
 device), `hidden` knows its answer before any pass: no copy can hide, so no group swaps and no
 pass is timed. Timing there would swap every group for three passes and hold each saved tensor
 twice in the one memory (measured: a 60 MiB run peaked at 153 MiB), for a decision known in
-advance; the decision is still recorded once the first pass has named the groups.
+advance (the link is not measured either: on the CPU that alone holds two 64 MiB buffers); the
+decision is still recorded once the first pass has named the groups.
 `whole` runs the copies on any backend (the mechanics, tested on the CPU).
 """
 from __future__ import annotations
 
 from npuspeed import telemetry
+from npuspeed.accelerator import host_link
 from npuspeed.offload import decisions, sizing
 from npuspeed.offload.marks import Marks
 
@@ -51,7 +53,7 @@ class LayerSizer:
     # -- the manager's questions ----------------------------------------------------------------
     def new_group(self, name: str, starts_pass: bool) -> tuple[Record, bool]:
         """A Record for a new group called `name`, and whether the group swaps."""
-        if not self.passes and self.moved is None and self.mode == "hidden" and not self._link().overlaps:
+        if not self.passes and self.moved is None and self.mode == "hidden" and not host_link.overlaps(self.acc):
             self.moved = set()  # in order: nothing hides (the module docstring)
             self.check = []
         if starts_pass or not self.passes:
@@ -131,7 +133,7 @@ class LayerSizer:
 
     def _decide_in_order(self, names: list[str]) -> None:
         """The in-order backend's decision, recorded with the groups of the first pass: none moves."""
-        link = self._link()
+        link = host_link.unmeasured(self.acc)  # nothing to price: measuring would only cost memory
         d = sizing.Decision(feature=FEATURE, mode=self.mode, units=len(names), moved=[],
                             kept={name: sizing.IN_ORDER for name in names}, bytes_moved=0, bytes_total=0,
                             transfer_s=0.0, exposed_s=0.0, compute_s=0.0, link=link.as_dict())
@@ -139,7 +141,8 @@ class LayerSizer:
         decisions.record(d)
         telemetry.count(PREFIX + "units_kept", len(d.kept))
         telemetry.count(PREFIX + "decided")
-        self.note(f"{d.line()} (decided without timing: copies cannot overlap compute here); {link.line()}")
+        self.note(f"{d.line()} (decided without timing the passes or measuring the link: copies cannot overlap "
+                  "compute on this backend)")
 
     def _checked(self) -> None:
         points = self.marks.read()
