@@ -190,3 +190,20 @@ def test_bad_recipe_values_are_one_line():
         with pytest.raises(ValueError, match=flag) as err:
             Fp8Recipe(**kwargs)
         assert "\n" not in str(err.value)
+
+
+def test_delayed_state_resumes_bitwise():
+    """Saved mid-run and loaded into a fresh scaler, the amax history and scale continue as if uninterrupted."""
+    g = torch.Generator().manual_seed(5)
+    xs = [torch.randn(64, generator=g) * m for m in (1.0, 8.0, 0.5, 3.0, 40.0, 2.0)]
+    straight = DelayedScaling(E5M2, margin=1, history_len=3, algo="max")
+    first = [straight.quantize(x) for x in xs]
+    resumed = DelayedScaling(E5M2, margin=1, history_len=3, algo="max")
+    for x in xs[:3]:
+        resumed.quantize(x)
+    fresh = DelayedScaling(E5M2, margin=1, history_len=3, algo="max")
+    fresh.load_state_dict(resumed.state_dict())
+    for x, want in zip(xs[3:], first[3:]):
+        got = fresh.quantize(x)
+        assert torch.equal(got.data.view(torch.uint8), want.data.view(torch.uint8))
+        assert torch.equal(got.scale_inv, want.scale_inv)
