@@ -97,6 +97,17 @@ def test_delayed_matches_definition(fmt, history_len, algo, margin):
         assert _bits(q.data) == ref.quantize_values(x.tolist(), [scale] * len(x), fmt.name), step
 
 
+@pytest.mark.parametrize("fmt,below,at", [(E4M3, [448.5, 463.9, 464.0], [464.01, 500.0]),
+                                          (E5M2, [57345.0, 61439.0], [61440.0, 70000.0])])
+def test_saturation_counts_only_what_the_clamp_changed(fmt, below, at):
+    """Past max but rounding to max anyway is not saturation; the RNE tie at the midpoint goes
+    to the even neighbour (448 for E4M3, 65536 -> clamped for E5M2)."""
+    x = torch.tensor(below + at + [float("inf"), float("nan")])
+    q = quantize_with_scale(x, torch.tensor(1.0), fmt)
+    assert int(q.saturated) == len(at) + 1
+    assert _bits(q.data) == ref.quantize_values(x.tolist(), [1.0] * len(x), fmt.name)
+
+
 def test_delayed_saturates_when_amax_grows():
     scaler = DelayedScaling(E4M3, history_len=1)
     scaler.quantize(torch.full((8,), 1.0))        # next scale: 448

@@ -1,8 +1,9 @@
 """Apply scales and cast: the step every recipe shares, with its saturation and underflow counts.
 
 `scaled_cast(x, scale)`: y = x * scale in fp32, then `cast_saturating`. Counted per call:
-`saturated` (|y| > max, Inf included, the elements the clamp changed) and `underflowed`
-(nonzero finite x that became 0). NaN is neither.
+`saturated` (the elements the clamp changed: Inf, and finite values that round-to-nearest-even
+would have taken past max; 448.01 rounds to 448 either way and is not counted) and
+`underflowed` (nonzero finite x that became 0). NaN is neither.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ def scaled_cast(x: torch.Tensor, scale: torch.Tensor, fmt: Fp8Format):
     xf = x.float()
     y = xf * scale
     q = cast_saturating(y, fmt)
-    saturated = (y.abs() > fmt.max).sum()
+    saturated = fmt.saturates(y).sum()
     underflowed = ((xf != 0) & torch.isfinite(xf) & (q.float() == 0)).sum()
     return q, saturated, underflowed
 
