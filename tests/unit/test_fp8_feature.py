@@ -17,20 +17,25 @@ STEPS = 6
 GEMMS_PER_STEP = 4 * 2 * 3
 
 
-def _build(gradient_accumulation_fusion=False):
+def _build(gradient_accumulation_fusion=False, bf16=False):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.module import Float16Module
 
     torch.manual_seed(0)
     config = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, use_cpu_initialization=True,
                                hidden_dropout=0.0, attention_dropout=0.0,
-                               gradient_accumulation_fusion=gradient_accumulation_fusion)
+                               gradient_accumulation_fusion=gradient_accumulation_fusion, bf16=bf16,
+                               params_dtype=torch.bfloat16 if bf16 else torch.float32)
     gpt = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=64, max_sequence_length=16)
+    if bf16:
+        gpt = Float16Module(config, gpt)
     model = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), gpt)
-    optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=3e-3, clip_grad=1.0), [model])
+    optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=3e-3, clip_grad=1.0, bf16=bf16),
+                                       [model])
     return model, optimizer
 
 
@@ -151,3 +156,11 @@ def test_bad_input_is_one_line(npuspeed_runtime, argv, accelerator, words):
 def test_no_fp8_wgrad_leaves_weight_gradients_in_fp32(megatron_mp, with_features):
     _, counts = _fp8_run(with_features, ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise", "--no-fp8-wgrad"])
     assert counts["fp8.gemm.tensorwise"] == 4 * 2 * 2 * STEPS
+
+
+def test_bf16_model_trains_close_to_megatron_bf16(megatron_mp, with_features):
+    """In a bf16 model the FP8 GEMMs take bf16 operands and give bf16 results."""
+    base = train_steps(*_build(bf16=True), STEPS)
+    losses, counts = _fp8_run(with_features, ["--fp8-format", "hybrid", "--fp8-recipe", "blockwise"], bf16=True)
+    assert counts["fp8.gemm.blockwise"] == GEMMS_PER_STEP * STEPS
+    assert max(abs(a - b) / b for a, b in zip(losses, base)) < 0.02, (losses, base)
