@@ -42,6 +42,7 @@ FEATURES: dict[str, Enable] = {
     "swap_attention": Enable(["--swap-attention"]),
     "swap_optimizer": Enable(["--swap-optimizer"], env={"NPUSPEED_SWAP_OPTIMIZER": "run"}),
     "grad_accum_fusion": Enable(["--gradient-accumulation-fusion"]),
+    "fp8": Enable(["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"]),
     "coc_overlap": Enable(["--use-coc", "--coc-parallel-num", "2"], ["--tensor-model-parallel-size", "2"], ranks=2),
     "adaptive_memory": Enable(["--adaptive-recompute-device-size", "500"], TINY_SHAPE),
     "moe_tp_extend_ep": Enable(["--moe-tp-extend-ep"], MOE + ["--tensor-model-parallel-size", "2", "--sequence-parallel",

@@ -7,6 +7,7 @@ from npuspeed.features.coc_overlap import CocOverlapFeature
 from npuspeed.features.context_parallel import ContextParallelFeature
 from npuspeed.features.device import DeviceFeature
 from npuspeed.features.dualpipev import DualPipeVFeature
+from npuspeed.features.fp8 import Fp8Feature
 from npuspeed.features.fused_attention import FusedAttentionFeature
 from npuspeed.features.fused_linear_ce import FusedLinearCEFeature
 from npuspeed.features.fused_rmsnorm import FusedRMSNormFeature
@@ -30,7 +31,7 @@ def all_features() -> list[Feature]:
     return [DeviceFeature(), FusedAttentionFeature(), ContextParallelFeature(), FusedRMSNormFeature(), FusedSwiGLUFeature(),
             FusedRotaryPosEmbFeature(), FusedLinearCEFeature(), ReuseFp32ParamFeature(), RecomputeActivationFeature(),
             RecomputeNormFeature(), SwapAttentionFeature(), SwapOptimizerFeature(), GradAccumFusionFeature(),
-            CocOverlapFeature(), AdaptiveMemoryFeature(), MoeTpExtendEpFeature(), MoeGroupedGemmFeature(), MoeFusedPermuteFeature(),
+            CocOverlapFeature(), Fp8Feature(), AdaptiveMemoryFeature(), MoeTpExtendEpFeature(), MoeGroupedGemmFeature(), MoeFusedPermuteFeature(),
             MoeAllToAllOverlapFeature(), MoeFbOverlapFeature(), DualPipeVFeature(), MegatronLMFeature()]
 
 

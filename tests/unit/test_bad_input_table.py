@@ -34,6 +34,10 @@ def _cuda_really_present() -> bool:
 
 # (id, argv, env, expected text of the line after "npuspeed: error: ")
 NPUSPEED_ROWS = [
+    ("fp8-recipe-alone", ["--fp8-recipe", "tensorwise"], {},
+     "--fp8-recipe tensorwise is given without --fp8-format"),
+    ("fp8-delayed-first-last-bf16", ["--fp8-format", "hybrid", "--first-last-layers-bf16"], {},
+     "--first-last-layers-bf16 with --fp8-recipe delayed: Megatron refuses this pair"),
     ("recompute-norm-num-alone", ["--recompute-norm-num-layers", "2"], {},
      "--recompute-norm-num-layers 2 is given without --recompute-norm"),
     ("swap-modules-unknown", ["--swap-attention", "--swap-modules", "attn"], {},
