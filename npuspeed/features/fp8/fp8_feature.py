@@ -57,18 +57,13 @@ class Config(FeatureConfig):
                          amax_compute_algo=self.fp8_amax_compute_algo, wgrad_fp8=not self.no_fp8_wgrad)
 
 
-class Fp8Feature(Feature):
-    name = "fp8"
-    Config = Config
-    #: not modelled by the planner yet (issue 50: "npuspeed plan predicts FP8 steps at the device's
-    #: FP8 peak"): on the CPU, the one backend that runs it, the emulated GEMMs are not faster
-    patches, plan = _patches, None
-    switch = "fp8"
-    requires = {"fp8_recipe": "fp8", "fp8_margin": "fp8", "fp8_amax_history_len": "fp8",
-                "fp8_amax_compute_algo": "fp8", "no_fp8_wgrad": "fp8", "first_last_layers_bf16": "fp8",
-                "num_layers_at_start_in_bf16": "first_last_layers_bf16",
-                "num_layers_at_end_in_bf16": "first_last_layers_bf16"}
-
+#: plan=None: not modelled by the planner yet (issue 50: "npuspeed plan predicts FP8 steps at the
+#: device's FP8 peak"): on the CPU, the one backend that runs it, the emulated GEMMs are not faster
+class Fp8Feature(Feature, name="fp8", Config=Config, patches=_patches, plan=None, switch="fp8",
+                 requires={"fp8_recipe": "fp8", "fp8_margin": "fp8", "fp8_amax_history_len": "fp8",
+                           "fp8_amax_compute_algo": "fp8", "no_fp8_wgrad": "fp8", "first_last_layers_bf16": "fp8",
+                           "num_layers_at_start_in_bf16": "first_last_layers_bf16",
+                           "num_layers_at_end_in_bf16": "first_last_layers_bf16"}):
     def validate(self, ctx) -> None:
         config = self.config(ctx.args)
         self.check_requires(config)
@@ -113,10 +108,8 @@ class Fp8Feature(Feature):
                     "would do nothing; lower --num-layers-at-start-in-bf16 / --num-layers-at-end-in-bf16")
         return None
 
-    def path(self, ctx) -> str:
+    def running(self, ctx) -> str:
         config = self.config(ctx.args)
-        if not config.fp8:
-            return "off"
         from npuspeed import telemetry
 
         counts = telemetry.snapshot(_patches.PREFIX)
