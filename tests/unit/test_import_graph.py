@@ -143,10 +143,6 @@ def test_the_graph_sees_lazy_imports():
 #: (importer, imported module): why it is there and where it should go. The list only shrinks: an
 #: entry that no longer occurs fails too, so it is removed when its import is.
 KNOWN = {
-    # megatron_lm maps megatron.training's torch.cuda calls as the device feature maps megatron.core's:
-    # redirect.py and module_proxy.py belong in a shared room (accelerator/ or a features/ room)
-    ("npuspeed.features.megatron_lm.patches", "npuspeed.features.device.module_proxy"): "device mapping",
-    ("npuspeed.features.megatron_lm.patches", "npuspeed.features.device.redirect"): "device mapping",
     # the swap asks which storages the norm recompute frees, and reads two other features' flags
     # (adaptive memory's, activation recompute's, reuse-fp32-param's): a room for "who frees what"
     # and flag answers like pipeline/which.py
