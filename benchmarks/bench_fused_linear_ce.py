@@ -83,7 +83,7 @@ def main() -> None:
         run_layouts(args)
         return
     state = init_single_rank_megatron(["--use-fused-linear-cross-entropy"])
-    from npuspeed.features.fused_linear_ce.choice import LossPaths
+    from npuspeed.features.fused_linear_ce.candidates import LossPaths
 
     bench = Bench("fused_linear_ce", warmup=1, repeat=5)
     for case in args.cases:

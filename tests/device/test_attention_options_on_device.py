@@ -17,7 +17,7 @@ COVERS = ("--pre-tockens", "--next-tockens", "--sparse-mode", "--flash-attn-fall
 BAND = SEQ // 4
 WINDOW = "NPUSPEED_TEST_WINDOW_SIZE"  # _example_with_attention.py: Megatron's window_size for the reference
 FLASH = ["--use-flash-attn"]
-#: Megatron's unfused forward under its npuspeed name (npuspeed/features/fused_attention/fallback.py)
+#: Megatron's unfused forward under its npuspeed name (npuspeed/features/fused_attention/candidates.py)
 FALLBACK_KERNEL = {"sdpa": "sdpa", "unfused": "megatron_unfused"}
 
 

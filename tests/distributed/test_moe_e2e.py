@@ -131,7 +131,7 @@ def check_case(tmp_path_factory, layout: str, moe: list[str], overlap: bool) -> 
             assert c.get("moe.a2a_overlap.dispatch_chunks", 0) > 0 and c.get("moe.a2a.dispatch.backward", 0) > 0, c
             assert c["moe.a2a_overlap.dispatch_chunks"] == c["moe.a2a_overlap.combine_chunks"], c
             assert not c.get("moe.a2a_overlap.fallback"), c
-            # the step trial (choice.py) ran both layers: set-up + 2 rounds of each, then its choice
+            # the step trial (candidates.py) ran both layers: set-up + 2 rounds of each, then its choice
             assert c.get("moe.a2a_overlap.steps_chunked", 0) >= 3 and c.get("moe.a2a_overlap.steps_megatron", 0) >= 2, c
             if "--moe-shared-expert-intermediate-size" in moe:
                 assert c.get("moe.a2a_overlap.shared_experts_overlapped", 0) > 0, c

@@ -13,7 +13,7 @@ import torch
 from launch import free_port
 from tiers import pinned
 
-from npuspeed.features.device.redirect import CudaToDevice, on_device
+from npuspeed.features.cuda_mapping.redirect import CudaToDevice, on_device
 from npuspeed.patching import registry
 
 CPU = torch.device("cpu")

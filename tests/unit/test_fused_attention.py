@@ -12,7 +12,7 @@ import contextlib
 import pytest
 import torch
 
-from npuspeed.features.fused_attention.fallback import SDPA, UNFUSED
+from npuspeed.features.fused_attention.candidates import SDPA, UNFUSED
 from npuspeed.features.fused_attention.forward import CPU_FLASH, CPU_FLASH_FP32
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
@@ -448,7 +448,7 @@ def test_fallback_choice_takes_no_timing_under_deterministic_mode(megatron_mp, m
     the trial's memory alone, which is the same in every run); without the mode both count."""
     from npuspeed import get_accelerator
     from npuspeed.features import chooser_setup
-    from npuspeed.features.fused_attention import fallback
+    from npuspeed.features.fused_attention import candidates
 
     # SDPA measured slower but smaller: a timing would pick unfused, memory alone SDPA
     fake = {SDPA: (2.0, 100), UNFUSED: (1.0, 200)}
@@ -462,7 +462,7 @@ def test_fallback_choice_takes_no_timing_under_deterministic_mode(megatron_mp, m
         return run
 
     def choose(timing):
-        made = fallback.AttentionFallback()
+        made = candidates.AttentionFallback()
         made.chooser.trial = timing
         return made.choose(("k",), candidate(SDPA), candidate(UNFUSED), (torch.zeros(2, 2),), get_accelerator())
 

@@ -174,7 +174,7 @@ def test_gpt_head_matches_megatron(megatron_mp, with_features, dtype, untie):
 
 
 def test_auto_measures_once_per_shape_and_the_report_says_which(megatron_mp, with_features):
-    from npuspeed.features.fused_linear_ce.choice import CHOICE
+    from npuspeed.features.fused_linear_ce.candidates import CHOICE
 
     tensor_seed = 5
     from megatron.core import tensor_parallel
@@ -231,11 +231,11 @@ def test_auto_keeps_the_tiles_within_the_time_allowance(megatron_mp, with_featur
     run: Megatron's path past the allowance, said once in the notes and counted."""
     from megatron.core import tensor_parallel
 
-    from npuspeed.features.fused_linear_ce import choice
+    from npuspeed.features.fused_linear_ce import candidates
     from npuspeed.ops.choose.trial import Clock
 
-    assert choice.ALLOWANCE == 1.25
-    monkeypatch.setattr(Clock, "time", lambda self, run, inputs: megatron_s if run.fn is choice._megatron
+    assert candidates.ALLOWANCE == 1.25
+    monkeypatch.setattr(Clock, "time", lambda self, run, inputs: megatron_s if run.fn is candidates._megatron
                         else chunked_s)
     tensor_parallel.model_parallel_cuda_manual_seed(5)
     baseline = _gpt(torch.float32, False)
@@ -258,7 +258,7 @@ def test_auto_keeps_the_tiles_within_the_time_allowance(megatron_mp, with_featur
 def test_deterministic_mode_takes_the_tiles_without_timing(monkeypatch):
     """--deterministic-mode: no trial decides (two runs could pick paths that round differently)."""
     from npuspeed import get_accelerator
-    from npuspeed.features.fused_linear_ce import choice
+    from npuspeed.features.fused_linear_ce import candidates
     from npuspeed.ops.choose.trial import Clock
 
     def no_trial(*_a):
@@ -268,11 +268,11 @@ def test_deterministic_mode_takes_the_tiles_without_timing(monkeypatch):
     was = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
     try:
-        chooser = choice.LossPaths("auto")
+        chooser = candidates.LossPaths("auto")
         path = chooser.choose(64, torch.zeros(64, 1, 8), torch.zeros(32, 8), None, get_accelerator())
     finally:
         torch.use_deterministic_algorithms(was)
-    assert path == choice.CHUNKED
+    assert path == candidates.CHUNKED
     assert "deterministic" in next(iter(chooser.choices.values()))["why"]
 
 

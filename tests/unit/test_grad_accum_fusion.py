@@ -18,7 +18,7 @@ FLAG = "--gradient-accumulation-fusion"
 
 def _chooser(fixed=None):
     from npuspeed import get_accelerator
-    from npuspeed.features.grad_accum_fusion.paths import WgradPaths
+    from npuspeed.features.grad_accum_fusion.candidates import WgradPaths
 
     return WgradPaths(get_accelerator(), fixed=fixed)
 
@@ -91,7 +91,7 @@ def test_deterministic_mode_decides_without_timing(npuspeed_runtime, monkeypatch
     """--deterministic-mode promises the same bits on every run and rank: the fused and the
     unfused weight gradient round differently, so no timing may pick between them. The path
     follows from the shape alone (the fused one unless it holds more temporary bytes)."""
-    from npuspeed.features.grad_accum_fusion import paths as chooser_mod, kernels
+    from npuspeed.features.grad_accum_fusion import candidates as chooser_mod, kernels
     from npuspeed.ops.choose.trial import Clock
 
     def no_timing(*_a, **_k):
@@ -118,7 +118,7 @@ def test_unmeasured_device_never_takes_a_larger_fused_path(npuspeed_runtime, mon
     the upcast fp32 GEMM, whose fp32 copies of dY and X (rows x (n + k) x 4 bytes) exceed the
     unfused n x k product when the rows outnumber n and k; there the unfused path runs. A kernel
     with no temporaries is taken."""
-    from npuspeed.features.grad_accum_fusion import paths as chooser_mod, kernels
+    from npuspeed.features.grad_accum_fusion import candidates as chooser_mod, kernels
     from npuspeed.ops.choose.trial import Clock
 
     class NoKernelNpu(_FakeDevice):
@@ -184,7 +184,7 @@ def test_a_device_times_both_paths_with_its_events(npuspeed_runtime, monkeypatch
     """On a GPU/NPU the fused GEMM is not always the fast one (an H100 with torch 2.11: the
     mixed-dtype addmm cost 1.084x of a step): the chooser times both paths there too, with the
     device's events, and keeps Megatron's where the fused one is slower."""
-    from npuspeed.features.grad_accum_fusion import paths as chooser_mod, kernels
+    from npuspeed.features.grad_accum_fusion import candidates as chooser_mod, kernels
     from npuspeed.ops.choose.trial import Clock
 
     monkeypatch.setattr(Clock, "cpu", lambda self, inputs: False)  # the inputs "live on the device"
@@ -267,7 +267,7 @@ def test_npu_matmul_add_without_nnal_takes_the_portable_path(npuspeed_runtime):
     missing: the name is there, the kernel is not. The accelerator probes it once and reports it
     absent; the chooser takes the portable path (no crash at the first backward) and says why,
     once in the log and in the report line."""
-    from npuspeed.features.grad_accum_fusion import paths as chooser_mod, kernels
+    from npuspeed.features.grad_accum_fusion import candidates as chooser_mod, kernels
 
     probes = []
 

@@ -141,21 +141,10 @@ def test_the_graph_sees_lazy_imports():
 
 #: Imports from one feature folder into another that are still to move to a shared room, each
 #: (importer, imported module): why it is there and where it should go. The list only shrinks: an
-#: entry that no longer occurs fails too, so it is removed when its import is.
-KNOWN = {
-    # megatron_lm maps megatron.training's torch.cuda calls as the device feature maps megatron.core's:
-    # redirect.py and module_proxy.py belong in a shared room (accelerator/ or a features/ room)
-    ("npuspeed.features.megatron_lm.patches", "npuspeed.features.device.module_proxy"): "device mapping",
-    ("npuspeed.features.megatron_lm.patches", "npuspeed.features.device.redirect"): "device mapping",
-    # the swap asks which storages the norm recompute frees, and reads two other features' flags
-    # (adaptive memory's, activation recompute's, reuse-fp32-param's): a room for "who frees what"
-    # and flag answers like pipeline/which.py
-    ("npuspeed.features.swap_attention.swap", "npuspeed.features.recompute_norm.norms"): "who frees what",
-    ("npuspeed.features.swap_attention.swap_attention_feature",
-     "npuspeed.features.adaptive_memory.adaptive_memory_feature"): "another feature's flag",
-    ("npuspeed.features.swap_attention.swap_attention_feature",
-     "npuspeed.features.recompute_activation.recompute_activation_feature"): "another feature's flag",
-}
+#: entry that no longer occurs fails too, so it is removed when its import is. Empty since issue 49:
+#: the CUDA-call mapping moved to cuda_mapping/, "who frees what" to freed_outputs.py, and the
+#: swap reads the other features' flags as fields of its own typed Config.
+KNOWN: dict[tuple[str, str], str] = {}
 
 
 def feature_folders(package: pathlib.Path = PACKAGE) -> set[str]:
@@ -189,7 +178,8 @@ def folder_crossings(package: pathlib.Path = PACKAGE) -> list[tuple[str, str, st
                     f"shared room {module} imports feature folder {theirs}/")
             wrong.append((module, dep, rule + ": move what both use to a shared room (features/pipeline/, "
                           "features/attention/, moe_common/, a module at features/'s top level, or a package "
-                          "outside features/) and import it from there"))
+                          "outside features/) and import it from there; another feature's flag is a field of the "
+                          "importer's own Config without flag(...)"))
     return wrong
 
 

@@ -24,7 +24,7 @@ import torch
 
 from npuspeed.features.device import distopt_fixes as optimizer_fixes
 from npuspeed.features.megatron_lm import build_helpers, load_stubs, validate
-from npuspeed.features.device.redirect import cuda_calls_on_device, tensor_cuda_on
+from npuspeed.features.cuda_mapping.redirect import cuda_calls_on_device, tensor_cuda_on
 
 CPU = torch.device("cpu")
 HERE = pathlib.Path(__file__).resolve().parent

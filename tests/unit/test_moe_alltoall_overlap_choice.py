@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from npuspeed.features.moe_alltoall_overlap import choice
+from npuspeed.features.moe_alltoall_overlap import candidates
 from npuspeed.ops.choose import step_trial
 from npuspeed.ops.choose.record import MEGATRON
 
@@ -15,9 +15,9 @@ from npuspeed.ops.choose.record import MEGATRON
 @pytest.fixture
 def fresh(monkeypatch):
     monkeypatch.setattr(step_trial, "_CHOOSERS", {})
-    monkeypatch.setattr(choice, "_TRIALS", {})
-    monkeypatch.setattr(choice, "_state", {"mode": choice.CHUNKED, "decided": choice.CHUNKED, "depth": 0})
-    monkeypatch.delenv(choice.FORCE_ENV, raising=False)
+    monkeypatch.setattr(candidates, "_TRIALS", {})
+    monkeypatch.setattr(candidates, "_state", {"mode": candidates.CHUNKED, "decided": candidates.CHUNKED, "depth": 0})
+    monkeypatch.delenv(candidates.FORCE_ENV, raising=False)
     clock = {"now": 0.0}
     monkeypatch.setattr(step_trial.time, "perf_counter", lambda: clock["now"])
     return clock
@@ -29,7 +29,7 @@ def _schedule(clock, times, seen):
     def forward_backward_no_pipelining(*, forward_step_func=None, data_iterator=None, model=None,
                                        num_microbatches=1, seq_length=None, micro_batch_size=None,
                                        forward_only=False):
-        path = choice.CHUNKED if choice.chunked_now() else MEGATRON
+        path = candidates.CHUNKED if candidates.chunked_now() else MEGATRON
         seen.append(("eval " if forward_only else "") + path)
         clock["now"] += times[path].pop(0) if times.get(path) else 1.0
 
@@ -38,40 +38,40 @@ def _schedule(clock, times, seen):
 
 def _steps(clock, times, calls=8, evaluate_at=()):
     seen, notes = [], []
-    step = choice.step_wrapper(notes.append)(_schedule(clock, times, seen))
+    step = candidates.step_wrapper(notes.append)(_schedule(clock, times, seen))
     for i in range(calls):
         step(num_microbatches=4, forward_only=i in evaluate_at)
     return seen, notes
 
 
 def test_megatrons_layer_runs_where_chunking_loses(fresh):
-    seen, notes = _steps(fresh, {choice.CHUNKED: [5.0, 3.0, 3.0], MEGATRON: [2.0, 2.0]}, evaluate_at=(6,))
+    seen, notes = _steps(fresh, {candidates.CHUNKED: [5.0, 3.0, 3.0], MEGATRON: [2.0, 2.0]}, evaluate_at=(6,))
     assert seen[:5] == ["chunked", "megatron", "chunked", "megatron", "chunked"]  # set-up, then alternate
     assert seen[5:] == ["megatron", "eval megatron", "megatron"]
-    made = choice.chooser().choices[(4,)]
+    made = candidates.chooser().choices[(4,)]
     assert made.impl == MEGATRON and made.ms == {"chunked": 3000.0, MEGATRON: 2000.0}
     assert len(notes) == 1 and "Megatron's unchunked MoE layer runs for 4 micro-batches" in notes[0]
-    assert not choice.chunked_now()  # outside a step too, the decision holds
+    assert not candidates.chunked_now()  # outside a step too, the decision holds
 
 
 def test_chunking_kept_where_it_is_faster(fresh):
-    seen, notes = _steps(fresh, {choice.CHUNKED: [5.0, 1.0, 1.0], MEGATRON: [2.0, 2.0]}, evaluate_at=(1,))
+    seen, notes = _steps(fresh, {candidates.CHUNKED: [5.0, 1.0, 1.0], MEGATRON: [2.0, 2.0]}, evaluate_at=(1,))
     assert seen[1] == "eval chunked"  # before a decision, evaluation takes the chunked path untimed
     assert seen[6:] == ["chunked"] * 2 and notes == []
-    assert choice.chooser().choices[(4,)].impl == choice.CHUNKED
+    assert candidates.chooser().choices[(4,)].impl == candidates.CHUNKED
 
 
 def test_forcing_variable_and_deterministic_mode(fresh, monkeypatch):
-    monkeypatch.setenv(choice.FORCE_ENV, "megatron")
+    monkeypatch.setenv(candidates.FORCE_ENV, "megatron")
     seen, _ = _steps(fresh, {}, calls=3)
-    assert seen == ["megatron"] * 3 and "forced by" in choice.chooser().choices[(4,)].why
-    monkeypatch.setenv(choice.FORCE_ENV, "sometimes")
-    monkeypatch.setattr(choice, "_TRIALS", {})
+    assert seen == ["megatron"] * 3 and "forced by" in candidates.chooser().choices[(4,)].why
+    monkeypatch.setenv(candidates.FORCE_ENV, "sometimes")
+    monkeypatch.setattr(candidates, "_TRIALS", {})
     with pytest.raises(ValueError, match="NPUSPEED_A2A_OVERLAP_PATH='sometimes'"):
         _steps(fresh, {}, calls=1)
-    monkeypatch.delenv(choice.FORCE_ENV)
+    monkeypatch.delenv(candidates.FORCE_ENV)
     monkeypatch.setattr(step_trial, "_CHOOSERS", {})
-    monkeypatch.setattr(choice, "_TRIALS", {})
+    monkeypatch.setattr(candidates, "_TRIALS", {})
     monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
-    seen, _ = _steps(fresh, {choice.CHUNKED: [9.0] * 5, MEGATRON: [1.0] * 5}, calls=5)
-    assert seen == ["chunked"] * 5 and "--deterministic-mode" in choice.chooser().choices[(4,)].why
+    seen, _ = _steps(fresh, {candidates.CHUNKED: [9.0] * 5, MEGATRON: [1.0] * 5}, calls=5)
+    assert seen == ["chunked"] * 5 and "--deterministic-mode" in candidates.chooser().choices[(4,)].why

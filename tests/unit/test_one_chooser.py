@@ -10,9 +10,8 @@ from pathlib import Path
 import torch
 
 PKG = Path(__file__).resolve().parents[2] / "npuspeed"
-#: the candidate lists: the four features' path choices
-ADAPTERS = ("features/fused_attention/fallback.py", "features/grad_accum_fusion/paths.py",
-            "features/fused_linear_ce/choice.py", "ops/fused_choice.py")
+#: the candidate lists: every feature's `candidates.py` (one name across features) and the fused ops'
+ADAPTERS = tuple(sorted(str(p.relative_to(PKG)) for p in PKG.glob("features/*/candidates.py"))) + ("ops/fused_choice.py",)
 #: what only the chooser's own modules may do: read a clock, save or restore random states
 OWN = {"perf_counter", "process_time", "thread_time", "get_rng_state", "set_rng_state", "reset_peak_memory_stats"}
 
@@ -35,14 +34,19 @@ def test_one_chooser_class_in_the_package():
     assert chooser_classes() == ["ops/choose/chooser.py:Chooser"]
 
 
+def test_the_candidate_lists_are_found_by_their_one_name():
+    assert set(ADAPTERS) >= {"features/fused_attention/candidates.py", "features/grad_accum_fusion/candidates.py",
+                             "features/fused_linear_ce/candidates.py", "features/moe_alltoall_overlap/candidates.py"}
+
+
 def test_no_candidate_list_keeps_a_clock_or_guard_of_its_own():
     assert [hit for rel in ADAPTERS for hit in own_rule_calls(rel)] == []
 
 
 def test_the_four_features_use_it(npuspeed_runtime):
-    from npuspeed.features.fused_attention.fallback import AttentionFallback
-    from npuspeed.features.fused_linear_ce.choice import LossPaths
-    from npuspeed.features.grad_accum_fusion.paths import WgradPaths
+    from npuspeed.features.fused_attention.candidates import AttentionFallback
+    from npuspeed.features.fused_linear_ce.candidates import LossPaths
+    from npuspeed.features.grad_accum_fusion.candidates import WgradPaths
     from npuspeed.ops import fused_choice
     from npuspeed.ops.choose.chooser import Chooser
 
@@ -54,7 +58,7 @@ def test_the_four_features_use_it(npuspeed_runtime):
 
 def test_report_lists_every_choosers_records(npuspeed_runtime):
     from npuspeed import reporting
-    from npuspeed.features.fused_linear_ce.choice import LossPaths
+    from npuspeed.features.fused_linear_ce.candidates import LossPaths
 
     paths = LossPaths()
     paths.choose(64, torch.zeros(64, 1, 8), torch.zeros(32, 8), None, npuspeed_runtime.accelerator)

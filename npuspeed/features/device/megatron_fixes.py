@@ -12,8 +12,8 @@ import torch
 
 from npuspeed.accelerator import get_accelerator
 from npuspeed.accelerator.devices import for_device
-from npuspeed.features.device.module_proxy import DeviceMappedTorch
-from npuspeed.features.device.redirect import on_device
+from npuspeed.features.cuda_mapping.module_proxy import DeviceMappedTorch
+from npuspeed.features.cuda_mapping.redirect import on_device
 from npuspeed.features.device.rng import in_device_rng_scope
 
 _MC = "megatron.core"
@@ -60,7 +60,7 @@ MEGATRON_RANGES = {
 }
 
 # The schedules run in the device RNG scope; the `total_num_tokens` tensor they make on
-# 'cuda' is mapped by giving the module its own `torch` (see module_proxy.py).
+# 'cuda' is mapped by giving the module its own `torch` (see cuda_mapping/module_proxy.py).
 SCHEDULES = [
     "pipeline_parallel.schedules.forward_backward_no_pipelining",
     "pipeline_parallel.schedules.forward_backward_pipelining_without_interleaving",

@@ -9,7 +9,7 @@ CPU kernels take a (seed, offset) drawn there (features/attention/dropout.py) an
 
 Per call on CPU: npuspeed's kernel (bf16 or fp32) when the mask is per-row key ranges
 (causal, padding, bands, packed documents: kernel_rows.py), else the measured choice between
-SDPA and Megatron's own unfused forward (fallback.py). Every call is counted by kernel
+SDPA and Megatron's own unfused forward (candidates.py). Every call is counted by kernel
 (telemetry `attention.kernel.<kernel>`), with why it ran that kernel
 (`telemetry.last("attention.why.<kernel>")`) and the latest call's details
 (`telemetry.last("attention")`), so a test can prove which path ran and the report can say why.
@@ -25,7 +25,7 @@ from npuspeed import telemetry
 from npuspeed.accelerator.devices import for_device
 from npuspeed.features.base import FeatureError
 from npuspeed.features.attention import cp_attention
-from npuspeed.features.fused_attention.fallback import UNFUSED, AttentionFallback
+from npuspeed.features.fused_attention.candidates import UNFUSED, AttentionFallback
 from npuspeed.features.fused_attention.kernel_rows import cpu_flash_run, kernel_rows
 from npuspeed.features.fused_attention.npu import npu_attention
 from npuspeed.features.fused_attention.masks import BandOptions, plan_masks

@@ -19,7 +19,7 @@ def kernel(accelerator) -> str:
 
 
 def register(registry, ctx, config, feature: str) -> None:
-    from npuspeed.features.fused_attention.fallback import AttentionFallback
+    from npuspeed.features.fused_attention.candidates import AttentionFallback
     from npuspeed.features.fused_attention.forward import KernelChoice, init_wrapper, make_forward
     from npuspeed.features.fused_attention.masks import BandOptions
 

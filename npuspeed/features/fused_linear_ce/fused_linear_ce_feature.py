@@ -7,7 +7,7 @@ chunks of tokens (function.py), so at most one chunk's logits [chunk, V/TP] exis
 in forward and in backward; what is saved is the hidden states and one fp32 log-sum-exp per
 token. The same chunked torch code runs on every backend (CPU, CUDA, NPU: the matmuls are the
 device's). The patch point and when Megatron's own path runs instead: postprocess.py (registered
-by patches.py); the per-shape choice: choice.py.
+by patches.py); the per-shape choice: candidates.py.
 """
 from __future__ import annotations
 
@@ -52,11 +52,11 @@ class FusedLinearCEFeature(Feature, name="fused_linear_ce", Config=Config, patch
                                f"{chunk}; drop it for the default (1048576 on CPU, 4 MiB in fp32)")
 
     def register_patches(self, registry, ctx) -> None:
-        """The base's call, with the per-shape chooser the report reads (choice.py)."""
-        from npuspeed.features.fused_linear_ce import choice
+        """The base's call, with the per-shape chooser the report reads (candidates.py)."""
+        from npuspeed.features.fused_linear_ce import candidates
 
         config = self.config(ctx.args)
-        self.chooser = choice.LossPaths(config.fused_linear_cross_entropy_fallback or "auto",
+        self.chooser = candidates.LossPaths(config.fused_linear_cross_entropy_fallback or "auto",
                                         config.fused_linear_cross_entropy_chunk_size)
         self.patches.register(registry, ctx, config, self.name, self.chooser)
 
@@ -69,7 +69,7 @@ class FusedLinearCEFeature(Feature, name="fused_linear_ce", Config=Config, patch
 
         chunk = config.fused_linear_cross_entropy_chunk_size or function.default_chunk(ctx.accelerator.name)
         size = f"tiles of <= {chunk} logits"
-        from npuspeed.features.fused_linear_ce.choice import CHOICE
+        from npuspeed.features.fused_linear_ce.candidates import CHOICE
 
         choices = list(self.chooser.choices.values()) if self.chooser else [telemetry.last(CHOICE)]
         shapes = "; ".join(f"{'x'.join(str(k) for k in c['key'][2:])} {c['key'][1]}: {c['path']} ({c['why']})"

@@ -1,5 +1,5 @@
 """--use-fused-linear-cross-entropy's one patch: the GPT model's output-layer-and-loss step runs the
-chunked loss (postprocess.py) where it applies, with the per-shape choice `chooser` (choice.py)."""
+chunked loss (postprocess.py) where it applies, with the per-shape choice `chooser` (candidates.py)."""
 from __future__ import annotations
 
 

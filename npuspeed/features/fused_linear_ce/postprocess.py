@@ -28,7 +28,7 @@ import inspect
 
 from npuspeed import telemetry
 from npuspeed.errors import UserError
-from npuspeed.features.fused_linear_ce.choice import CHUNKED
+from npuspeed.features.fused_linear_ce.candidates import CHUNKED
 from npuspeed.features.fused_linear_ce.function import linear_cross_entropy
 
 TARGET = "megatron.core.models.gpt.gpt_model.GPTModel._postprocess"
@@ -99,7 +99,7 @@ def _logit_scale(model):
 
 
 def make_postprocess(chooser, accelerator, note):
-    """The wrapper of `_postprocess`; `chooser` (choice.LossPaths) picks the path per shape,
+    """The wrapper of `_postprocess`; `chooser` (candidates.LossPaths) picks the path per shape,
     `note` records a fallback once (the run's ctx.note)."""
 
     def wrapper(original):

@@ -1,6 +1,6 @@
 """Gradient-accumulation fusion without apex: the feature and its flag
 (grad_accum_fusion_feature.py), its patches (patches.py), its plan effect (plan.py: none), the
-stand-in kernel (wgrad.py, kernels.py), the per-shape choice (paths.py) and the layers'
+stand-in kernel (wgrad.py, kernels.py), the per-shape choice (candidates.py) and the layers'
 backward (placeholder.py)."""
 from npuspeed.features.base import FeatureError
 from npuspeed.features.grad_accum_fusion.grad_accum_fusion_feature import (FLAG, LAYERS, GradAccumFusionFeature,

@@ -5,7 +5,7 @@ straight into the parameter's `main_grad` when `gradient_accumulation_fusion` is
 only with apex's `fused_weight_gradient_mlp_cuda`; without it the layer refuses to build.
 This feature supplies that module (wgrad.py) and tells Megatron it is there, so Megatron's
 own backward runs unchanged. Which GEMM computes the update is chosen per device, dtype and
-shape (paths.py): in place, or the unfused GEMM + add where that measures faster. The patches:
+shape (candidates.py): in place, or the unfused GEMM + add where that measures faster. The patches:
 patches.py.
 """
 from __future__ import annotations
@@ -47,12 +47,12 @@ class GradAccumFusionFeature(Feature, name="grad_accum_fusion", Config=Config, p
                      "accumulation themselves; npuspeed's path serves Megatron's local linears only")
 
     def prepare(self, ctx) -> None:
-        from npuspeed.features.grad_accum_fusion.paths import WgradPaths
+        from npuspeed.features.grad_accum_fusion.candidates import WgradPaths
 
         self.chooser = WgradPaths(ctx.accelerator, ctx.note)
 
     def register_patches(self, registry, ctx) -> None:
-        """The base's call, with the per-shape chooser the report reads (paths.py)."""
+        """The base's call, with the per-shape chooser the report reads (candidates.py)."""
         if self.chooser is None:
             self.prepare(ctx)
         self.patches.register(registry, ctx, self.config(ctx.args), self.name, self.chooser)
@@ -69,7 +69,7 @@ class GradAccumFusionFeature(Feature, name="grad_accum_fusion", Config=Config, p
         if apex_kernel_installed():
             return "apex's fused_weight_gradient_mlp_cuda (installed; Megatron uses it directly)"
         from npuspeed import telemetry
-        from npuspeed.features.grad_accum_fusion.paths import PREFIX
+        from npuspeed.features.grad_accum_fusion.candidates import PREFIX
 
         calls = telemetry.snapshot(PREFIX)
         choices = self.chooser.summary() if self.chooser is not None else "not prepared"

@@ -22,7 +22,7 @@ import functools
 import torch
 
 from npuspeed import telemetry
-from npuspeed.features.grad_accum_fusion.paths import PREFIX
+from npuspeed.features.grad_accum_fusion.candidates import PREFIX
 from npuspeed.features.grad_accum_fusion.kernels import MM_ADD
 
 TARGET = ("megatron.core.tensor_parallel.layers."

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from npuspeed import telemetry
-from npuspeed.features.grad_accum_fusion.paths import PREFIX
+from npuspeed.features.grad_accum_fusion.candidates import PREFIX
 
 _16BIT = (torch.float16, torch.bfloat16)
 

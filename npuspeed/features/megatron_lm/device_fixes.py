@@ -4,10 +4,10 @@ megatron.core's CUDA assumptions are the device feature's; these are the ones
 megatron.training adds (file:line at core_v0.16.1):
 - literal `device='cuda'` tensor factories in `training.py` (806, 812, 1816, 2072, 2373,
   3149, 3225, 3406), `utils.py` (117-208, the params-norm buffers), `checkpointing.py`
-  (315), `initialize.py` (475-512, the JIT warm-up): each of those modules gets the device
-  feature's mapped `torch` (factories only; nothing else changes);
+  (315), `initialize.py` (475-512, the JIT warm-up): each of those modules gets the mapped
+  `torch` the device feature uses too (factories only; nothing else changes; cuda_mapping/module_proxy.py);
 - `Tensor.cuda()` in `get_batch_on_this_tp_rank` (utils.py:534, every step), `get_model`
-  (training.py:1258) and `evaluate` (training.py:3112): mapped for the call (device/redirect.py: tensor_cuda_on);
+  (training.py:1258) and `evaluate` (training.py:3112): mapped for the call (cuda_mapping/redirect.py: tensor_cuda_on);
 - `megatron.legacy.fused_kernels.load` (initialize.py:224) runs `$CUDA_HOME/bin/nvcc -V`
   for the legacy models' CUDA softmax, which megatron.core models do not use: off CUDA it
   is skipped, with a note;

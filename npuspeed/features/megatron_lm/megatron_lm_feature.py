@@ -8,7 +8,7 @@ scripts (`pretrain_gpt.py` ...) run unchanged on CPU (gloo) and NPU:
   stand-in (load_stubs.py: batch_invariant_kernels without triton);
 - `validate_args` picks the portable choice for what this machine lacks (validate.py);
 - megatron.training's own CUDA calls go to the accelerator (device_fixes.py,
-  device/redirect.py), the dataset helper is built for the running Python (build_helpers.py);
+  the shared room cuda_mapping/), the dataset helper is built for the running Python (build_helpers.py);
 - three upstream DistributedOptimizer bugs on the path without apex/TE, which `--load`
   meets, are fixed by the device feature (device/distopt_fixes.py), since megatron.core
   alone meets them too.

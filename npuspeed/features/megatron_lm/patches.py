@@ -10,8 +10,8 @@ MLT = "megatron.training"
 def register(registry, ctx, config, feature: str) -> None:
     """`config` is the feature's (empty) Config: what applies depends on the backend alone."""
     from npuspeed.accelerator.devices import for_device
-    from npuspeed.features.device.module_proxy import DeviceMappedTorch
-    from npuspeed.features.device.redirect import cuda_calls_on_device
+    from npuspeed.features.cuda_mapping.module_proxy import DeviceMappedTorch
+    from npuspeed.features.cuda_mapping.redirect import cuda_calls_on_device
     from npuspeed.features.megatron_lm import build_helpers, device_fixes, parser, targets, validate
 
     reg, accelerator, every = registry.register, ctx.accelerator, targets.ALL

@@ -15,7 +15,7 @@ import torch
 
 from npuspeed import telemetry
 from npuspeed.accelerator.devices import for_device
-from npuspeed.features.moe_alltoall_overlap import choice, pipeline
+from npuspeed.features.moe_alltoall_overlap import candidates, pipeline
 
 MOE_LAYER = "megatron.core.transformer.moe.moe_layer"
 MEGATRON_RANGE = ">=0.16,<0.20"  # route / preprocess / combine_postprocess as separate steps
@@ -73,7 +73,7 @@ def forward_wrapper(chunks: int, note):
     def wrap(original):
         @functools.wraps(original)
         def forward(self, hidden_states, intermediate_tensors=None, padding_mask=None):
-            if not choice.chunked_now():  # the step trial's turn, or its decision: Megatron's layer
+            if not candidates.chunked_now():  # the step trial's turn, or its decision: Megatron's layer
                 telemetry.count("moe.a2a_overlap.megatron_layer")
                 return original(self, hidden_states, intermediate_tensors, padding_mask)
             why = unsupported(self, intermediate_tensors)

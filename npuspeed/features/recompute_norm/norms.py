@@ -22,11 +22,11 @@ linear), and everything when activations are offloaded to the host (offload hook
 from __future__ import annotations
 
 import functools
-import weakref
 
 import torch
 
 from npuspeed import telemetry
+from npuspeed.features import freed_outputs
 from npuspeed.features.base import after_init
 
 TARGET = "megatron.core.transformer.transformer_block.TransformerBlock.__init__"
@@ -36,23 +36,6 @@ PREFIX = "recompute_norm."
 SELECTED = PREFIX + "selected"
 #: set on a norm module that recomputes; holds the pending checkpoint between norm and linear
 ATTR = "_npuspeed_recompute_norm"
-
-
-#: storage address -> a norm output this feature frees after its consumer ran (between the norm's
-#: forward and that consumer's forward hook; held weakly: a dead output drops out by itself); read
-#: by --swap-attention, which must not copy to the host what is freed and recomputed here anyway
-#: (see `frees`)
-_PENDING: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
-
-
-def frees(t: torch.Tensor) -> bool:
-    """Whether `t` lives in a norm output whose storage this feature frees once its consumer has
-    run and recomputes in backward (so another memory saver, e.g. the swap, leaves it alone)."""
-    if not _PENDING:
-        return False
-    storage = t.untyped_storage()
-    out = _PENDING.get(storage.data_ptr())
-    return out is not None and out.untyped_storage().data_ptr() == storage.data_ptr() and storage.nbytes() > 0
 
 
 def _norm_forward(norm, x, *args, **kwargs):
@@ -69,8 +52,8 @@ def _checkpointed(norm):
         checkpoint = ActivationCheckpoint(prefix=PREFIX, release_inputs=False, random=False)
         out = checkpoint.checkpoint(functools.partial(_norm_forward, norm), x)
         setattr(norm, ATTR, checkpoint)
-        if isinstance(out, torch.Tensor):
-            _PENDING[out.untyped_storage().data_ptr()] = out
+        if isinstance(out, torch.Tensor):  # until its consumer ran: --swap-attention leaves it alone
+            freed_outputs.mark(out)
         return out
 
     return forward
@@ -86,7 +69,7 @@ def _free_after(norm):
         setattr(norm, ATTR, None)
         for norm_out in checkpoint.outputs if isinstance(checkpoint.outputs, tuple) else (checkpoint.outputs,):
             if isinstance(norm_out, torch.Tensor):
-                _PENDING.pop(norm_out.untyped_storage().data_ptr(), None)
+                freed_outputs.unmark(norm_out)
         out = output[0] if isinstance(output, (tuple, list)) else output
         checkpoint.discard_output_and_register_recompute(out)
         norm._npuspeed_recompute_norm_last = checkpoint  # what was freed (tests and debugging)

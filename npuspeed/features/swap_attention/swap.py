@@ -25,6 +25,7 @@ import weakref
 import torch
 
 from npuspeed import telemetry
+from npuspeed.features import freed_outputs
 
 #: counters: groups, out_bytes, in_bytes, prefetched (fetched ahead of use), on_demand, kept,
 #: skipped_recomputed (a norm output --recompute-norm frees and recomputes: left to it)
@@ -108,7 +109,7 @@ class SwapGroup:
                 or nbytes == 0:
             telemetry.count(PREFIX + "kept")
             return ("keep", t)
-        if _recompute_norm_frees(t):  # --recompute-norm frees and recomputes it: a copy would be paid twice
+        if freed_outputs.frees(t):  # --recompute-norm frees and recomputes it: a copy would be paid twice
             telemetry.count(PREFIX + "skipped_recomputed")
             return ("keep", t)
         # one copy per live storage; an address freed and reused inside the call is another one
@@ -196,12 +197,6 @@ class SwapGroup:
         acc.record_stream(dev, acc.current_stream())
         out = torch.empty(0, dtype=dtype, device=dev.device)
         return out.set_(dev.untyped_storage(), offset, shape, stride)
-
-
-def _recompute_norm_frees(t: torch.Tensor) -> bool:
-    from npuspeed.features.recompute_norm.norms import frees
-
-    return frees(t)
 
 
 #: the manager the running process installed (the feature makes one per activation); tests

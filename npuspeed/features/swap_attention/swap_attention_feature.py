@@ -34,6 +34,11 @@ class Config(FeatureConfig):
     """With --swap-attention: hidden (default) swaps only the layers whose copies the measured
     host link carries behind the layers' measured compute (decided after the first passes);
     whole swaps every layer, whatever it costs, and states the cost in one line."""
+    # other features' flags this one cannot combine with (they own them: no --help here):
+    # recompute_activation's, and adaptive_memory's budget and its "the policy chose the swap"
+    recompute_activation_function: bool = False
+    adaptive_recompute_device_size: float | None = None
+    adaptive_swap: bool = False
 
 
 class SwapAttentionFeature(Feature, name="swap_attention", Config=Config, patches=_patches, plan=_plan):
@@ -42,10 +47,6 @@ class SwapAttentionFeature(Feature, name="swap_attention", Config=Config, patche
         return config.swap_attention or config.swap_modules is not None or config.swap_attention_mode is not None
 
     def validate(self, ctx) -> None:
-        # the other features' flags this one cannot combine with, read through their own Config
-        from npuspeed.features.adaptive_memory.adaptive_memory_feature import Config as Adaptive
-        from npuspeed.features.recompute_activation.recompute_activation_feature import Config as Recompute
-
         config = self.config(ctx.args)
         if not config.swap_attention:
             given = (f"{MODS} {config.swap_modules}" if config.swap_modules is not None
@@ -53,11 +54,10 @@ class SwapAttentionFeature(Feature, name="swap_attention", Config=Config, patche
             raise FeatureError(f"{given} is given without {MAIN}; add {MAIN} (or drop {given.split()[0]})")
         names = parse_modules(config.swap_modules)
         parse_mode(config.swap_attention_mode)
-        if "mlp" in names and Recompute.from_args(ctx.args).recompute_activation_function:
+        if "mlp" in names and config.recompute_activation_function:
             raise FeatureError(f"{MODS} mlp with --recompute-activation-function: the recompute frees the "
                                "activation the swap would copy; drop one of them")
-        adaptive = Adaptive.from_args(ctx.args)
-        if adaptive.adaptive_recompute_device_size is not None and not adaptive.adaptive_swap:
+        if config.adaptive_recompute_device_size is not None and not config.adaptive_swap:
             raise FeatureError(f"{MAIN} with --adaptive-recompute-device-size: the adaptive policy chooses swap "
                                f"itself (MindSpeed refuses the pair too); drop {MAIN}")
         acc = ctx.accelerator

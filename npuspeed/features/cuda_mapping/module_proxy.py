@@ -13,7 +13,7 @@ import types
 
 import torch
 
-from npuspeed.features.device.redirect import _names_cuda
+from npuspeed.features.cuda_mapping.redirect import _names_cuda
 
 _FACTORIES = ("zeros", "ones", "empty", "full", "tensor", "arange", "rand", "randn", "randint",
               "as_tensor", "zeros_like", "ones_like", "empty_like", "full_like")
