@@ -104,7 +104,9 @@ def run(args) -> dict:
         rel = abs(la - lb) / max(abs(la), abs(lb), 1e-30) if la is not None and lb is not None else None
         rows.append({"step": step, "a": la, "b": lb, "rel_diff": rel, "over": rel is not None and rel > loss_tol})
     result = {"a": a.path, "b": b.path, "losses": rows, "loss_tolerance": loss_tol, "steps_compared": [],
-              "divergence": None, "notes": notes, "max_rel_error": 0.0}
+              "divergence": None, "notes": notes, "max_rel_error": 0.0,
+              # parameter values beyond the tolerance at a step where nothing else is: not a divergence
+              "parameter_drift": []}
     la_, lb_ = a.first, b.first
     same_data = (la_["dp_size"], la_["cp_size"]) == (lb_["dp_size"], lb_["cp_size"])
     if not same_data:
@@ -116,19 +118,22 @@ def run(args) -> dict:
         done = diverge.compare_step(a, b, step, args.rtol)
         result["steps_compared"].append(step)
         found = {}
-        for direction in ("forward", "backward", "parameter"):
-            if direction != "parameter" and not same_data:
+        for direction in ("forward", "backward", "parameter", "parameter_data"):
+            if direction in ("forward", "backward") and not same_data:
                 continue
-            measured = [c.error for c in done[direction] if c.error is not None]
+            measured = [c.error for c in done[direction] if c.error is not None and direction != "parameter_data"]
             result["max_rel_error"] = max([result["max_rel_error"], *measured]) if measured else result["max_rel_error"]
             first, before = diverge.first_over(done[direction])
             if first is not None:
                 found[direction] = {**first.as_dict(), "before": [c.as_dict() for c in before]}
         if done["skipped"]:
             notes.append(f"step {step}: {len(done['skipped'])} slot(s) in A only, e.g. {done['skipped'][0]}")
+        drift = found.pop("parameter_data", None)
         if found:
-            result["divergence"] = {"step": step, **found}
+            result["divergence"] = {"step": step, **found, "parameter_data": drift}
             break
+        if drift is not None:
+            result["parameter_drift"].append({"step": step, **drift})
     return result
 
 
@@ -163,13 +168,17 @@ def render(result: dict) -> str:
     lines.append(f"plot: {result['plot'] or 'not drawn (--no-plot)'}")
     lines += [f"note: {n}" for n in result["notes"]]
     div = result["divergence"]
+    for d in result["parameter_drift"]:
+        lines.append(f"note: step {d['step']}: parameter values differ beyond the tolerance while every activation "
+                     f"and gradient agrees (an optimizer step on rounding noise): first {_slot(d)}")
     if div is None:
         lines.append(f"no divergence: dumped steps {result['steps_compared']} agree within the tolerance "
                      f"(largest relative error {_fmt(result['max_rel_error'])})")
         return "\n".join(lines)
     lines.append(f"the runs part at step {div['step']}")
     for direction, title in (("forward", "first in forward order"), ("backward", "first in backward order"),
-                             ("parameter", "first parameter or gradient")):
+                             ("parameter", "first parameter gradient"),
+                             ("parameter_data", "first parameter value")):
         c = div.get(direction)
         if c is None:
             lines.append(f"  {title}: none beyond tolerance")
