@@ -130,7 +130,8 @@ def run(args) -> dict:
             notes.append(f"step {step}: {len(done['skipped'])} slot(s) in A only, e.g. {done['skipped'][0]}")
         drift = found.pop("parameter_data", None)
         if found:
-            result["divergence"] = {"step": step, **found, "parameter_data": drift}
+            result["divergence"] = {"step": step, **{d: found.get(d) for d in ("forward", "backward", "parameter")},
+                                    "parameter_data": drift}
             break
         if drift is not None:
             result["parameter_drift"].append({"step": step, **drift})

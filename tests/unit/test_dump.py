@@ -176,7 +176,10 @@ def test_compare_finds_nothing_twice_and_names_the_injected_norm_fault(megatron_
 
 
 # --- reassembly and bad input on written dumps ---------------------------------------------------------
-def _write(root, tp, records_per_rank, params=None, steps=(1,), losses=None, dtype="torch.float32", gated=False):
+def _write(root, tp, records_per_rank, params=None, steps=(1,), losses=None, dtype="torch.float32", gated=False,
+           values=None):
+    """A dump written by the dump's own writer: `records_per_rank` [(module, output)] per rank,
+    `values` {parameter: (value, gradient)} (rank 0 only)."""
     from npuspeed.features.dump.writer import DumpWriter
 
     for rank in range(tp):
@@ -191,6 +194,10 @@ def _write(root, tp, records_per_rank, params=None, steps=(1,), losses=None, dty
                 key = f"Module.{module}.X.forward.0"
                 w.record({"kind": "forward", "name": key, "module": module, "class": "X", "index": 0, "seq": seq,
                           "output": [w.tensor(tensor, key, "output", 0)]})
+            for name, (value, grad) in (values or {}).items():
+                key = f"Parameter.{name}"
+                w.record({"kind": "parameter", "name": key, "module": name, "seq": 99,
+                          "data": w.tensor(value, key, "data", 0), "grad": w.tensor(grad, key, "grad", 0)})
             w.end_step()
             w.loss(step, {"lm loss": [[(losses or {}).get(step, 2.0)]]} if rank == 0 else {})
 
@@ -210,6 +217,18 @@ def test_tp2_shards_reassemble_to_tp1_tensors(tmp_path):
     _write(tmp_path / "bad", 2, shards, gated=True)
     div = _compare(tmp_path / "tp1", tmp_path / "bad")["divergence"]
     assert div["forward"]["module"] == "d.linear_fc1"
+
+
+def test_parameter_values_alone_are_drift_a_gradient_is_a_divergence(tmp_path):
+    t, w, g = torch.ones(4), torch.ones(8), torch.full((8,), 0.5)
+    params = {"w": {"shape": [8], "partition_dim": None}}
+    _write(tmp_path / "a", 1, [[("m", t)]], params=params, values={"w": (w, g)})
+    _write(tmp_path / "value", 1, [[("m", t)]], params=params, values={"w": (w * 1.01, g)})
+    _write(tmp_path / "grad", 1, [[("m", t)]], params=params, values={"w": (w, g * 1.01)})
+    drift = _compare(tmp_path / "a", tmp_path / "value")
+    assert drift["divergence"] is None and drift["parameter_drift"][0]["module"] == "w"
+    div = _compare(tmp_path / "a", tmp_path / "grad")["divergence"]
+    assert (div["parameter"]["module"], div["parameter"]["slot"], div["forward"]) == ("w", "grad", None)
 
 
 def test_bad_input_is_one_line_naming_what_differs(tmp_path):
