@@ -1,6 +1,7 @@
 """The `npuspeed` command: `npuspeed report [--json] [--measure-peak] [feature flags ...]`,
 `npuspeed patch-source DIR [--dry-run]` (prepare a Megatron-LM checkout),
-`npuspeed plan [training flags]` (predict memory and speed, search layouts) and
+`npuspeed plan [training flags]` (predict memory and speed, search layouts),
+`npuspeed compare A B` (where two dumped runs part) and
 `npuspeed convert hf-to-megatron|megatron-to-hf ...` (Hugging Face checkpoints in and out)."""
 from __future__ import annotations
 
@@ -19,12 +20,18 @@ def main(argv: list[str] | None = None) -> int:
         from npuspeed.convert.cli import main as convert_main
 
         return convert_main(argv[1:])
+    if argv[:1] == ["compare"]:  # two dumped runs (--npuspeed-dump): where they part
+        from npuspeed.compare.cli import main as compare_main
+
+        return compare_main(argv[1:])
     parser = argparse.ArgumentParser(prog="npuspeed", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("plan", help="predict per-rank memory and step time of a run's flags; --search "
                    "layouts; --calibrate this machine (npuspeed plan --help)")
     sub.add_parser("convert", help="Hugging Face checkpoints to Megatron ones and back "
                    "(npuspeed convert --help)")
+    sub.add_parser("compare", help="where two runs dumped with --npuspeed-dump part: losses, then the first "
+                   "module forward and backward beyond the dtypes' tolerance (npuspeed compare --help)")
     rep = sub.add_parser("report", help="device, features, patches and ops that apply here")
     rep.add_argument("--json", action="store_true", help="machine-readable output")
     rep.add_argument("--patches", action="store_true", help="list every patch target (about 80 rows) "

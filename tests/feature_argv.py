@@ -6,6 +6,8 @@ scripts/megatron_versions.sh enable every feature with it; the idle test checks 
 every feature of `npuspeed.features.all_features()`, so a new feature cannot escape either."""
 from __future__ import annotations
 
+import os
+import tempfile
 from dataclasses import dataclass, field
 
 TINY_SHAPE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "128",
@@ -38,6 +40,8 @@ FEATURES: dict[str, Enable] = {
     "fused_linear_ce": Enable(["--use-fused-linear-cross-entropy"]),
     "reuse_fp32_param": Enable(["--reuse-fp32-param"], ["--bf16"]),
     "recompute_activation": Enable(["--recompute-activation-function"]),
+    "dump": Enable(["--npuspeed-dump", os.path.join(tempfile.gettempdir(), "npuspeed_dump_feature_argv"),
+                    "--dump-steps", "1"]),
     "recompute_norm": Enable(["--recompute-norm"]),
     "swap_attention": Enable(["--swap-attention"]),
     "swap_optimizer": Enable(["--swap-optimizer"], env={"NPUSPEED_SWAP_OPTIMIZER": "run"}),

@@ -7,6 +7,7 @@ from npuspeed.features.coc_overlap import CocOverlapFeature
 from npuspeed.features.context_parallel import ContextParallelFeature
 from npuspeed.features.device import DeviceFeature
 from npuspeed.features.dualpipev import DualPipeVFeature
+from npuspeed.features.dump import DumpFeature
 from npuspeed.features.fp8 import Fp8Feature
 from npuspeed.features.fused_attention import FusedAttentionFeature
 from npuspeed.features.fused_linear_ce import FusedLinearCEFeature
@@ -32,7 +33,7 @@ def all_features() -> list[Feature]:
             FusedRotaryPosEmbFeature(), FusedLinearCEFeature(), ReuseFp32ParamFeature(), RecomputeActivationFeature(),
             RecomputeNormFeature(), SwapAttentionFeature(), SwapOptimizerFeature(), GradAccumFusionFeature(),
             CocOverlapFeature(), Fp8Feature(), AdaptiveMemoryFeature(), MoeTpExtendEpFeature(), MoeGroupedGemmFeature(), MoeFusedPermuteFeature(),
-            MoeAllToAllOverlapFeature(), MoeFbOverlapFeature(), DualPipeVFeature(), MegatronLMFeature()]
+            MoeAllToAllOverlapFeature(), MoeFbOverlapFeature(), DualPipeVFeature(), MegatronLMFeature(), DumpFeature()]
 
 
 __all__ = ["Feature", "FeatureError", "all_features"]

@@ -5,7 +5,7 @@ Every import statement counts, also the ones inside functions (a lazy import is 
 dependency). Layers, bottom to top: the leaf modules (patching, ops, telemetry, arguments, errors,
 megatron_flags, context, memory, plan_vocabulary, offload, compute_floor, step_profile), then accelerator,
 then features, then runtime, then the entry points (the package itself, megatron_adaptor, cli, reporting, run_report,
-plan, convert).
+plan, convert, compare).
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ LAYERS = {
     1: {"accelerator"},
     2: {"features"},
     3: {"runtime"},
-    4: {"__init__", "megatron_adaptor", "cli", "reporting", "run_report", "plan", "convert"},
+    4: {"__init__", "megatron_adaptor", "cli", "reporting", "run_report", "plan", "convert", "compare"},
 }
 
 
