@@ -110,8 +110,8 @@ test-312: install-test-312
 	NPUSPEED_TEST_SHARD=3.12 $(PY312) -m pytest -q tests
 
 test-full: install-test-311 install-test-312
-	$(PY311) -m pytest -q tests
-	$(PY312) -m pytest -q tests
+	NPUSPEED_TEST_SHARD= $(PY311) -m pytest -q tests
+	NPUSPEED_TEST_SHARD= $(PY312) -m pytest -q tests
 
 # The Triton test files again under triton $(TRITON_NEWEST), unpacked beside the checkout
 # (pip --target, no dependencies) and put first on PYTHONPATH, which the tests' subprocesses inherit.
