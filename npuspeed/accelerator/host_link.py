@@ -54,8 +54,10 @@ class LinkFigures:
         return nbytes / (self.to_device if to_device else self.to_host)
 
     def line(self) -> str:
-        return (f"host link {self.to_device / 1e9:.1f} GB/s to the device, {self.to_host / 1e9:.1f} GB/s to the host"
-                f" ({self.source}{'' if self.overlaps else '; copies run in order with compute: none can hide'})")
+        rates = (f"{self.to_device / 1e9:.1f} GB/s to the device, {self.to_host / 1e9:.1f} GB/s to the host"
+                 if self.to_device or self.to_host else "not measured")
+        order = "" if self.overlaps else "; copies run in order with compute: none can hide"
+        return f"host link {rates} ({self.source}{order})"
 
     def as_dict(self) -> dict:
         return dict(asdict(self), line=self.line())

@@ -49,13 +49,13 @@ class LayerSizer:
         self.moved: set[str] | None = None  # None: not decided, every group swaps
         self.decisions: list = []
         self.check: list | None = None  # the passes timed after the decision
+        self.in_order = False  # decided before any pass: nothing can hide on this backend (docstring)
 
     # -- the manager's questions ----------------------------------------------------------------
     def new_group(self, name: str, starts_pass: bool) -> tuple[Record, bool]:
         """A Record for a new group called `name`, and whether the group swaps."""
         if not self.passes and self.moved is None and self.mode == "hidden" and not host_link.overlaps(self.acc):
-            self.moved = set()  # in order: nothing hides (the module docstring)
-            self.check = []
+            self.in_order, self.moved, self.check = True, set(), []
         if starts_pass or not self.passes:
             self._pass_ends()
             self.passes.append([])
@@ -79,7 +79,7 @@ class LayerSizer:
         return all(self.marks.has(("post", index, i)) for i in range(len(self.passes[index])))
 
     def _pass_ends(self) -> None:
-        if self.passes and not self.decisions and self.moved == set() and self.check == []:
+        if self.in_order and self.passes and not self.decisions:
             self._decide_in_order([g.name for g in self.passes[-1]])
         if self.moved is None:
             measured = [i for i in range(SKIP, min(len(self.passes), SKIP + MEASURE)) if self._complete(i)]
