@@ -42,9 +42,11 @@ def pytest_collection_modifyitems(config, items):
     if here is None:
         return
     tests_dir = os.path.join(ROOT, "tests")
-    keep = [item for item in items if shards.runs_here(item.path, tests_dir, here)]
-    if len(keep) < len(items):
-        config.hook.pytest_deselected(items=[item for item in items if item not in keep])
+    keep, drop = [], []
+    for item in items:
+        (keep if shards.runs_here(item.path, tests_dir, here) else drop).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
         items[:] = keep
 
 
